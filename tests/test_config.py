@@ -1,0 +1,99 @@
+"""The one Config: SPEC defaults, aliases of the original, precedence, and loud failures."""
+
+import argparse
+import json
+
+import pytest
+
+from clawloop.config import Config, ConfigError, add_cli_arguments, config_from_args
+
+
+def test_spec_defaults():
+    c = Config.load(env={})
+    assert c.method == "hybrid" and c.weights == (1.0, 1.0)
+    assert c.topk == 4 and c.max_candidates == 3 and c.prm_m == 3
+    assert c.hint_selection == "sequence_optimal" and c.subset_mode == "student"
+    assert c.adv_diff_clip == 1.0 and (c.eps_clip, c.eps_clip_high) == (0.2, 0.28)
+    assert c.hint_min_chars == 10 and c.rollout_batch_size == 16
+    assert c.kl_coef == 0.0 and c.entropy_coef == 0.0
+    assert (c.host, c.port) == ("127.0.0.1", 30000)
+    assert c.learning_rate == 1e-5
+    assert Config.load(env={}, lora=True).learning_rate == 1e-4
+
+
+@pytest.mark.parametrize("method,weights", [("rl", (1.0, 0.0)), ("opd", (0.0, 1.0)), ("hybrid", (1.0, 1.0))])
+def test_method_presets_set_branch_weights(method, weights):
+    assert Config.load(env={}, method=method).weights == weights
+
+
+def test_original_env_names_are_aliases():
+    env = {
+        "OPENCLAW_TOPK_K": "8", "OPENCLAW_TOPK_W_RL": "0.5", "OPENCLAW_TOPK_W_OPD": "2",
+        "OPENCLAW_TOPK_ADV_DIFF_CLIP": "2.0", "OPENCLAW_TOPK_MAX_CAND": "2",
+        "OPENCLAW_TOPK_HINT_SELECTION": "token_optimal", "OPENCLAW_TOPK_SUBSET_MODE": "overlap", "PRM_M": "5",
+    }
+    c = Config.load(env=env)
+    assert (c.topk, c.weights, c.adv_diff_clip, c.max_candidates) == (8, (0.5, 2.0), 2.0, 2)
+    assert (c.hint_selection, c.subset_mode, c.prm_m) == ("token_optimal", "overlap", 5)
+
+
+def test_precedence_file_then_alias_then_env_then_cli(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[objective]\ntopk = 5\nprm_m = 2\nlr = 3e-5\n')
+    env = {"OPENCLAW_TOPK_K": "6", "CLAWLOOP_PRM_M": "7", "PRM_M": "9"}
+    c = Config.load(file=path, env=env)
+    assert c.topk == 6  # alias beats file
+    assert c.prm_m == 7  # CLAWLOOP_* beats alias
+    assert c.lr == 3e-5  # file beats default
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    args = parser.parse_args(["--config", str(path), "--topk", "3", "--lora"])
+    c = config_from_args(args, env=env)
+    assert c.topk == 3 and c.lora is True and c.learning_rate == 3e-5
+
+
+def test_json_file(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"method": "rl", "rollout_batch_size": 4}))
+    c = Config.load(file=path, env={})
+    assert c.weights == (1.0, 0.0) and c.rollout_batch_size == 4
+
+
+@pytest.mark.parametrize("bad,words", [
+    ({"method": "ppo"}, ["method", "hybrid, rl, opd"]),
+    ({"hint_selection": "best"}, ["hint_selection", "sequence_optimal"]),
+    ({"subset_mode": "union"}, ["subset_mode", "student, teacher, overlap"]),
+    ({"topk": 0}, ["topk", ">= 1"]),
+    ({"w_rl": -1.0}, ["w_rl", ">= 0"]),
+    ({"eps_clip": 1.2}, ["eps_clip", "(0, 1)"]),
+    ({"eps_clip_high": 0.0}, ["eps_clip_high"]),
+    ({"method": "rl", "w_opd": 1.0}, ["w_opd", "contradicts"]),
+    ({"w_rl": 0.0, "w_opd": 0.0}, ["nothing would be trained"]),
+    ({"topk": "four"}, ["topk", "not a valid int"]),
+    ({"lora": "maybe"}, ["lora", "bool"]),
+    ({"judge_context": "everything"}, ["judge_context", "none, last_user, full"]),
+])
+def test_invalid_values_fail_naming_the_setting(bad, words):
+    with pytest.raises(ConfigError) as err:
+        Config.load(env={}, **bad)
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_unknown_settings_fail_loudly(tmp_path):
+    with pytest.raises(ConfigError, match="unknown setting"):
+        Config.load(env={}, top_k=3)
+    with pytest.raises(ConfigError, match="CLAWLOOP_TOPKK"):
+        Config.load(env={"CLAWLOOP_TOPKK": "3"})
+    with pytest.raises(ConfigError, match="does not exist"):
+        Config.load(file=tmp_path / "missing.toml", env={})
+    broken = tmp_path / "broken.toml"
+    broken.write_text("topk = = 3")
+    with pytest.raises(ConfigError, match="not valid"):
+        Config.load(file=broken, env={})
+
+
+def test_secrets_are_redacted_in_dumps():
+    c = Config.load(env={}, api_key="s3cret", judge_api_key="k")
+    dumped = json.dumps(c.to_dict(redact=True))
+    assert "s3cret" not in dumped and c.to_dict()["api_key"] == "s3cret"

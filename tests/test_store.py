@@ -1,0 +1,138 @@
+"""The durable store: state transitions, exactly-once samples, leases, resume accounting, append-only export."""
+
+import json
+import threading
+import time
+
+import torch
+
+from clawloop.store import SampleRecord, Store, TurnRecord, TurnState, VoteRecord
+
+
+def make_turn(session="s", index=0, n=3):
+    return TurnRecord(session_id=session, turn_index=index, messages=[{"role": "user", "content": "héllo"}],
+                      prompt_ids=[1, 2, 3], response_ids=list(range(10, 10 + n)), logprobs=[-0.5] * n,
+                      temperature=0.6, top_p=0.95, policy_version=2, response_text="abc",
+                      assistant_message={"role": "assistant", "content": "abc"})
+
+
+def judged_sample(store, tid, **kw):
+    assert store.set_next_state(tid, [{"role": "user", "content": "thanks"}])
+    (turn,) = store.claim_judgeable(1)
+    assert turn.id == tid
+    return store.put_sample(SampleRecord(turn_id=tid, reward=1.0, kind="rl", **kw))
+
+
+def test_turn_round_trip_survives_reopen(tmp_path):
+    path = tmp_path / "run.db"
+    store = Store(path)
+    tid = store.add_turn(make_turn())
+    store.close()
+    turn = Store(path).get_turn(tid)
+    assert turn.response_ids == [10, 11, 12] and turn.prompt_ids == [1, 2, 3]
+    assert turn.logprobs == [-0.5] * 3 and turn.messages[0]["content"] == "héllo"
+    assert turn.state == TurnState.AWAITING_NEXT and turn.policy_version == 2
+
+
+def test_next_state_only_once_and_drop_records_reason(tmp_path):
+    store = Store(tmp_path / "run.db")
+    a, b = store.add_turn(make_turn(index=0)), store.add_turn(make_turn(index=1))
+    assert store.set_next_state(a, [{"role": "tool", "content": "ok"}])
+    assert not store.set_next_state(a, [{"role": "user", "content": "again"}])
+    assert store.get_turn(a).next_state == [{"role": "tool", "content": "ok"}]
+    assert store.drop_turn(b, "no_next_state")
+    assert store.get_turn(b).state == TurnState.DROPPED
+    assert store.drop_reasons() == {"no_next_state": 1}
+
+
+def test_a_turn_gives_at_most_one_sample_even_under_races(tmp_path):
+    store = Store(tmp_path / "run.db")
+    ids = [store.add_turn(make_turn(index=i)) for i in range(20)]
+    for tid in ids:
+        store.set_next_state(tid, [{"role": "user", "content": "ok"}])
+    claimed: list[int] = []
+    lock = threading.Lock()
+
+    def worker():
+        while batch := store.claim_judgeable(2):
+            with lock:
+                claimed.extend(t.id for t in batch)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(claimed) == ids  # every turn claimed by exactly one worker
+    assert all(store.put_sample(SampleRecord(turn_id=t, reward=1.0, kind="rl")) for t in ids)
+    assert not any(store.put_sample(SampleRecord(turn_id=t, reward=1.0, kind="rl")) for t in ids)
+    assert store.ready_count() == 20
+
+
+def test_targets_tensors_round_trip(tmp_path):
+    store = Store(tmp_path / "run.db")
+    tid = store.add_turn(make_turn())
+    targets = {"teacher_ids_C_T_K": torch.arange(24).view(2, 3, 4),
+               "teacher_logprobs_C_T_K": torch.randn(2, 3, 4)}
+    assert judged_sample(store, tid, targets=targets, hints=["be brief"])
+    _, (sample,) = store.lease_samples(5)
+    assert sample.hints == ["be brief"]
+    for k, v in targets.items():
+        assert torch.equal(sample.targets[k], v) and sample.targets[k].dtype == v.dtype
+
+
+def test_lease_commit_expire_and_requeue(tmp_path):
+    store = Store(tmp_path / "run.db")
+    ids = [store.add_turn(make_turn(index=i)) for i in range(6)]
+    for tid in ids:
+        judged_sample(store, tid)
+    lease, none = store.lease_samples(4, min_n=10)
+    assert none == [] and store.ready_count() == 6
+    lease, batch = store.lease_samples(4)
+    assert [s.turn_id for s in batch] == ids[:4]
+    store.commit_step(lease, step=1, policy_version=1, metrics={"loss": 0.5}, turn_ids=ids[:4])
+    assert store.count_samples() == {"consumed": 4, "ready": 2}
+    # A lease that expires (its trainer died) goes back to the queue; the dead lease cannot commit.
+    lease2, batch2 = store.lease_samples(2, lease_s=0.01)
+    time.sleep(0.05)
+    lease3, batch3 = store.lease_samples(2)
+    assert [s.turn_id for s in batch3] == [s.turn_id for s in batch2]
+    try:
+        store.commit_step(lease2, 2, 2, {}, [s.turn_id for s in batch2])
+        raise AssertionError("a lost lease must not commit")
+    except RuntimeError:
+        pass
+    store.commit_step(lease3, 2, 2, {}, [s.turn_id for s in batch3])
+    assert store.count_samples() == {"consumed": 6}
+    # Resuming from the checkpoint of step 1 makes the samples of step 2 trainable again, and only those.
+    assert store.requeue_after_step(1) == 2
+    assert store.count_samples() == {"consumed": 4, "ready": 2}
+    assert [s["step"] for s in store.steps()] == [1]
+
+
+def test_recover_puts_interrupted_work_back(tmp_path):
+    path = tmp_path / "run.db"
+    store = Store(path)
+    a, b = store.add_turn(make_turn(index=0)), store.add_turn(make_turn(index=1))
+    judged_sample(store, a)
+    store.set_next_state(b, [{"role": "user", "content": "no"}])
+    store.claim_judgeable(1)  # b is being judged when the process dies
+    store.lease_samples(1)  # a is leased by a trainer that dies
+    store.close()
+    store = Store(path)
+    assert store.recover() == {"judging_to_judgeable": 1, "leased_to_ready": 1}
+    assert store.get_turn(b).state == TurnState.JUDGEABLE
+    assert store.get_turn(a).state == TurnState.READY and store.ready_count() == 1
+
+
+def test_export_appends_never_truncates(tmp_path):
+    store = Store(tmp_path / "run.db")
+    tid = store.add_turn(make_turn())
+    store.add_votes([VoteRecord(turn_id=tid, kind="eval", index=0, score=1, raw_text="\\boxed{1}")])
+    out = tmp_path / "export"
+    assert store.export_jsonl(out) == {"turns.jsonl": 1}
+    store.export_jsonl(out)
+    lines = (out / "turns.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    rec = json.loads(lines[0])
+    assert rec["response_ids"] == [10, 11, 12] and rec["votes"][0]["raw_text"] == "\\boxed{1}"
