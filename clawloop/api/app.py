@@ -1,0 +1,515 @@
+"""The OpenAI-compatible HTTP surface: FastAPI routes on top of an engine, the store and the session manager.
+
+Routes (each chat/model route is also mounted under ``/sessions/{session_id}``, which names the session):
+
+* ``POST /v1/chat/completions`` — plain or streamed; see ``ChatService.chat``.
+* ``GET /v1/models``, ``GET /v1/models/{id}`` — the one served model.
+* ``POST /v1/sessions/{id}/end`` — end a session (its pending turn is dropped as ``no_next_state``).
+* ``GET /v1/status`` — run status as JSON (samples waiting, turns by state, drop reasons, policy version,
+  last optimizer step).
+* ``GET /healthz`` and ``GET /metrics`` (Prometheus text) — open, no key needed.
+
+Order of work in a chat request: API key -> body (size-limited read, JSON) -> validation -> rendering and the
+context-length check -> session (lock + pairing of the previous turn; main turns only) -> generation (awaited,
+the engine runs on its own thread, the event loop never waits on the model) -> the turn is committed to the
+store -> the answer goes out. For a stream the commit happens after the last token and before the chunk with
+the ``finish_reason``; a stream the client abandons is not stored (the client never saw the whole answer).
+
+Every response to a chat request carries ``X-Session-Id`` and ``X-Policy-Version`` headers and a ``clawloop``
+field (``session_id``, ``turn_id`` (None for side turns), ``policy_version``, ``turn_type``); in a stream the
+field rides on the ``finish_reason`` chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from clawloop.api.auth import require_key
+from clawloop.api.chat import (
+    ChatRenderer,
+    RenderedPrompt,
+    TokenTexts,
+    ToolCallStreamFilter,
+    assistant_message,
+    parse_answer,
+)
+from clawloop.api.errors import APIError, bad_request, install_error_handlers
+from clawloop.api.metrics import ServingMetrics, labelled
+from clawloop.api.schemas import (
+    ChatRequest,
+    parse_chat_request,
+    parse_flag_header,
+    validate_session_id,
+    validate_turn_type,
+)
+from clawloop.api.sessions import SessionManager, TurnContext
+from clawloop.api.streaming import DONE, ChunkMaker, GuardedStreamingResponse, sse
+from clawloop.config import Config
+from clawloop.engines.base import Engine, EngineError, Generation, PromptTooLongError, SamplingParams, TokenEvent
+from clawloop.store import Store, TurnRecord
+
+log = logging.getLogger("clawloop.api")
+
+SESSION_HEADER = "x-session-id"
+TURN_TYPE_HEADER = "x-turn-type"
+SESSION_DONE_HEADER = "x-session-done"
+POLICY_VERSION_HEADER = "X-Policy-Version"
+
+
+# ------------------------------------------------------------------------------------------- body reading
+
+
+async def read_json_body(request: Request, max_bytes: int) -> Any:
+    """The decoded JSON body; 413 beyond ``max_bytes`` (declared or actually read), 400 when not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            declared_n = int(declared)
+        except ValueError:
+            raise bad_request("Invalid Content-Length header.", None, "invalid_body") from None
+        if declared_n > max_bytes:
+            raise APIError(413, f"Request body too large: {declared_n} bytes (limit {max_bytes}).",
+                           code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(413, f"Request body too large (limit {max_bytes} bytes).", code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise bad_request("The request body is empty; send a JSON object.", None, "invalid_body")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise bad_request(f"The request body is not valid JSON: {str(exc)[:200]}", None, "invalid_json") from None
+
+
+# ------------------------------------------------------------------------------------------------ service
+
+
+def _headers(session_id: str, policy_version: int) -> dict[str, str]:
+    return {"X-Session-Id": session_id, POLICY_VERSION_HEADER: str(policy_version)}
+
+
+@dataclasses.dataclass
+class PreparedChat:
+    req: ChatRequest
+    rendered: RenderedPrompt
+    params: SamplingParams
+    session_id_given: str | None
+    turn_type: str
+    session_done: bool
+
+
+class ChatService:
+    """Everything one chat request needs; the FastAPI routes are thin wrappers around it."""
+
+    def __init__(self, config: Config, engine: Engine, store: Store, sessions: SessionManager,
+                 tokenizer: Any = None, metrics: ServingMetrics | None = None):
+        self.config = config
+        self.engine = engine
+        self.store = store
+        self.sessions = sessions
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(engine, "tokenizer")
+        self.renderer = ChatRenderer(self.tokenizer)
+        self.token_texts = TokenTexts(self.tokenizer)
+        self.metrics = metrics or ServingMetrics()
+        self.started_at = int(time.time())
+        self.end_ids = frozenset(getattr(self.tokenizer, "all_special_ids", []) or []) | frozenset(
+            getattr(engine, "eos_token_ids", ()) or ())
+        self.extra_stats: dict[str, int] = {"streams_abandoned": 0, "engine_errors": 0}
+
+    # ---- preparation ---------------------------------------------------------------------------------
+    def prepare(self, body: Any, headers: Any, path_session_id: str | None) -> PreparedChat:
+        req = parse_chat_request(body)
+        session_id = path_session_id
+        if session_id is None and headers.get(SESSION_HEADER) is not None:
+            session_id = validate_session_id(headers[SESSION_HEADER], "X-Session-Id")
+        if session_id is None:
+            session_id = req.session_id
+        turn_type = req.turn_type
+        if headers.get(TURN_TYPE_HEADER) is not None:
+            turn_type = validate_turn_type(headers[TURN_TYPE_HEADER], "X-Turn-Type")
+        turn_type = turn_type or self.config.default_turn_type
+        done = parse_flag_header(headers.get(SESSION_DONE_HEADER), "X-Session-Done") or req.session_done
+        rendered = self.renderer.render(req.messages, req.tools, req.tool_choice)
+        params = self._sampling(req, len(rendered.ids))
+        return PreparedChat(req, rendered, params, session_id, turn_type, done)
+
+    def _sampling(self, req: ChatRequest, prompt_len: int) -> SamplingParams:
+        context = int(self.engine.max_context)
+        room = context - prompt_len
+        if room < 1:
+            raise bad_request(f"This model's maximum context length is {context} tokens; the messages take "
+                              f"{prompt_len} tokens. Shorten the messages.", "messages", "context_length_exceeded")
+        if req.max_tokens is not None:
+            if req.max_tokens > room:
+                raise bad_request(f"This model's maximum context length is {context} tokens; the messages take "
+                                  f"{prompt_len} tokens and {req.max_tokens} were requested for the completion.",
+                                  "max_tokens", "context_length_exceeded")
+            max_tokens = req.max_tokens
+        else:
+            max_tokens = min(self.config.default_max_tokens, room)
+        temperature = self.config.default_temperature if req.temperature is None else req.temperature
+        return SamplingParams(
+            temperature=float(temperature),
+            top_p=1.0 if req.top_p is None else float(req.top_p),
+            max_tokens=max_tokens,
+            stop=tuple(req.stop),
+            seed=None if req.seed is None else req.seed % (2**63),
+            top_logprobs=req.top_logprobs if req.logprobs else 0,
+        )
+
+    # ---- pieces of the answer ------------------------------------------------------------------------
+    def visible_count(self, gen: Generation) -> int:
+        """Tokens the client sees: all but a final end-of-sequence token."""
+        ids = gen.token_ids
+        if gen.finish_reason == "stop" and ids and ids[-1] in self.end_ids:
+            return len(ids) - 1
+        return len(ids)
+
+    def logprob_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> dict[str, Any]:
+        entry = self.token_texts.entry(token_id, logprob)
+        entry["top_logprobs"] = [self.token_texts.entry(i, lp) for i, lp in (top or [])]
+        return entry
+
+    def logprobs_content(self, gen: Generation) -> list[dict[str, Any]]:
+        n = self.visible_count(gen)
+        tops = gen.top_logprobs or [None] * len(gen.token_ids)
+        return [self.logprob_entry(gen.token_ids[i], gen.logprobs[i], tops[i]) for i in range(n)]
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def turn_record(self, prep: PreparedChat, gen: Generation, message: dict[str, Any],
+                    finish_reason: str) -> TurnRecord:
+        # tools = the tools the model was shown, so ChatRenderer.render(messages, tools) re-renders prompt_ids.
+        return TurnRecord(
+            session_id="", messages=prep.req.messages, prompt_ids=list(prep.rendered.ids),
+            response_ids=list(gen.token_ids), logprobs=list(gen.logprobs), temperature=prep.params.temperature,
+            top_p=prep.params.top_p, policy_version=gen.policy_version, response_text=gen.text,
+            assistant_message=message, tools=prep.rendered.tools, finish_reason=finish_reason)
+
+    def _extension(self, session_id: str, turn_id: int | None, policy_version: int, turn_type: str,
+                   ctx: TurnContext | None) -> dict[str, Any]:
+        ext: dict[str, Any] = {"session_id": session_id, "turn_id": turn_id, "policy_version": policy_version,
+                               "turn_type": turn_type}
+        if ctx is not None:
+            ext["paired_turn_id"] = ctx.paired_turn_id
+        return ext
+
+    # ---- the request -----------------------------------------------------------------------------------
+    async def chat(self, request: Request, path_session_id: str | None = None) -> Any:
+        require_key(request, self.config.api_key)
+        body = await read_json_body(request, self.config.max_body_bytes)
+        # Validation, the chat template and tokenisation run off the event loop (long agent prompts).
+        prep = await asyncio.to_thread(self.prepare, body, request.headers, path_session_id)
+        ctx: TurnContext | None = None
+        if prep.turn_type == "main":
+            ctx = await self.sessions.begin_main(prep.session_id_given, prep.req.messages)
+            session_id = ctx.session_id
+        else:
+            session_id = self.sessions.resolve_side(prep.session_id_given, prep.req.messages)
+        if prep.req.stream:
+            handed_over = False
+            try:
+                response = GuardedStreamingResponse(
+                    self._stream(prep, ctx, session_id), media_type="text/event-stream",
+                    headers={**_headers(session_id, self.engine.policy_version), "Cache-Control": "no-cache",
+                             "X-Accel-Buffering": "no"},
+                    on_close=None if ctx is None else ctx.release)
+                handed_over = True
+                return response
+            finally:
+                if ctx is not None and not handed_over:
+                    ctx.release()
+        try:
+            return await self._complete(prep, ctx, session_id)
+        finally:
+            if ctx is not None:
+                ctx.release()
+
+    async def _generate(self, prep: PreparedChat) -> Generation:
+        try:
+            return await self.engine.generate(prep.rendered.ids, prep.params)
+        except PromptTooLongError as exc:
+            raise bad_request(str(exc), "messages", "context_length_exceeded") from None
+        except EngineError as exc:
+            self.extra_stats["engine_errors"] += 1
+            log.error("engine failed: %s", exc)
+            raise APIError(500, f"The model engine failed: {exc}", "server_error", None, "engine_error") from None
+
+    async def _complete(self, prep: PreparedChat, ctx: TurnContext | None, session_id: str) -> JSONResponse:
+        gen = await self._generate(prep)
+        parsed = parse_answer(gen.text, prep.rendered.tools is not None)
+        message = assistant_message(parsed)
+        finish_reason = "tool_calls" if parsed.tool_calls else gen.finish_reason
+        turn_id = None
+        if ctx is not None:
+            turn_id = await ctx.commit(self.turn_record(prep, gen, message, finish_reason))
+            if prep.session_done:
+                await ctx.end_session()
+        elif prep.session_done and prep.session_id_given is not None:
+            await self.sessions.end_if_exists(prep.session_id_given, "done")
+        self.metrics.record_turn(prep.turn_type, len(prep.rendered.ids), len(gen.token_ids), ctx is not None)
+        choice_message = dict(message)
+        choice_message["refusal"] = None
+        body = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.config.served_model_name,
+            "system_fingerprint": None,
+            "choices": [{
+                "index": 0,
+                "message": choice_message,
+                "logprobs": {"content": self.logprobs_content(gen), "refusal": None} if prep.req.logprobs else None,
+                "finish_reason": finish_reason,
+            }],
+            "usage": self.usage(len(prep.rendered.ids), len(gen.token_ids)),
+            "clawloop": self._extension(session_id, turn_id, gen.policy_version, prep.turn_type, ctx),
+        }
+        return JSONResponse(body, headers=_headers(session_id, gen.policy_version))
+
+    async def _stream(self, prep: PreparedChat, ctx: TurnContext | None, session_id: str) -> AsyncIterator[str]:
+        maker = ChunkMaker(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.config.served_model_name,
+                           prep.req.include_usage)
+        want_logprobs = prep.req.logprobs
+        tools_active = prep.rendered.tools is not None
+        filt = ToolCallStreamFilter(tools_active)
+        entries: list[dict[str, Any]] = []  # log-prob entries not yet sent
+        sent_entries = 0
+        gen: Generation | None = None
+        finished = False
+        try:
+            yield sse(maker.role())
+            try:
+                async with contextlib.aclosing(self.engine.generate_stream(prep.rendered.ids, prep.params)) as it:
+                    async for item in it:
+                        if isinstance(item, TokenEvent):
+                            if want_logprobs:
+                                entries.append(self.logprob_entry(item.token_id, item.logprob, item.top_logprobs))
+                            delta = filt.feed(item.text_delta)
+                            if delta:
+                                # The newest token may turn out to be the end-of-sequence token: send it later.
+                                lp = None
+                                if want_logprobs:
+                                    lp = entries[sent_entries: len(entries) - 1]
+                                    sent_entries = len(entries) - 1
+                                yield sse(maker.content(delta, lp))
+                        else:
+                            gen = item
+            except (PromptTooLongError, EngineError) as exc:
+                self.extra_stats["engine_errors"] += 1
+                log.error("engine failed while streaming: %s", exc)
+                code = "context_length_exceeded" if isinstance(exc, PromptTooLongError) else "engine_error"
+                kind = "invalid_request_error" if isinstance(exc, PromptTooLongError) else "server_error"
+                yield sse({"error": {"message": str(exc), "type": kind, "param": None, "code": code}})
+                yield DONE
+                finished = True
+                return
+            if gen is None:
+                raise RuntimeError("the engine stream ended without a final Generation")
+            rest, parsed = filt.finish()
+            tail_lp = None
+            if want_logprobs:
+                tail_lp = entries[sent_entries: self.visible_count(gen)]
+            if rest:
+                yield sse(maker.content(rest, tail_lp))
+                tail_lp = [] if want_logprobs else None
+            for i, call in enumerate(parsed.tool_calls):
+                yield sse(maker.tool_call(i, call))
+            message = assistant_message(parsed)
+            finish_reason = "tool_calls" if parsed.tool_calls else gen.finish_reason
+            turn_id = None
+            if ctx is not None:
+                turn_id = await ctx.commit(self.turn_record(prep, gen, message, finish_reason))
+                if prep.session_done:
+                    await ctx.end_session()
+            elif prep.session_done and prep.session_id_given is not None:
+                await self.sessions.end_if_exists(prep.session_id_given, "done")
+            self.metrics.record_turn(prep.turn_type, len(prep.rendered.ids), len(gen.token_ids), ctx is not None)
+            ext = self._extension(session_id, turn_id, gen.policy_version, prep.turn_type, ctx)
+            yield sse(maker.finish(finish_reason, tail_lp if tail_lp else None, clawloop=ext))
+            if prep.req.include_usage:
+                yield sse(maker.usage(self.usage(len(prep.rendered.ids), len(gen.token_ids))))
+            yield DONE
+            finished = True
+        except Exception:  # after the headers went out the only way to report is in the stream
+            log.exception("internal error while streaming")
+            yield sse({"error": {"message": "The server had an internal error while streaming.",
+                                 "type": "server_error", "param": None, "code": "internal_error"}})
+            yield DONE
+            finished = True
+        finally:
+            if not finished:
+                self.extra_stats["streams_abandoned"] += 1
+            if ctx is not None:
+                ctx.release()
+
+    # ---- other routes ----------------------------------------------------------------------------------
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.config.served_model_name, "object": "model", "created": self.started_at,
+                "owned_by": "clawloop"}
+
+    async def status(self) -> dict[str, Any]:
+        turns, reasons, samples, last = await asyncio.gather(
+            asyncio.to_thread(self.store.count_turns), asyncio.to_thread(self.store.drop_reasons),
+            asyncio.to_thread(self.store.count_samples), asyncio.to_thread(self.store.last_step))
+        return {
+            "object": "clawloop.status",
+            "model": self.config.served_model_name,
+            "policy_version": self.engine.policy_version,
+            "samples_waiting": int(samples.get("ready", 0)),
+            "samples_by_state": samples,
+            "turns_by_state": turns,
+            "drop_reasons": reasons,
+            "live_sessions": len(self.sessions),
+            "last_step": None if last is None else {"step": last[0], "metrics": last[1]},
+            "uptime_s": round(time.time() - self.started_at, 3),
+        }
+
+    async def metrics_text(self) -> str:
+        turns, samples = await asyncio.gather(asyncio.to_thread(self.store.count_turns),
+                                              asyncio.to_thread(self.store.count_samples))
+        stats = self.sessions.stats
+        gauges = {
+            "clawloop_policy_version": ("Version of the weights serving new requests.",
+                                        {(): float(self.engine.policy_version)}),
+            "clawloop_live_sessions": ("Sessions held in memory.", {(): float(len(self.sessions))}),
+            "clawloop_turns": ("Stored turns by state.", labelled(turns, "state")),
+            "clawloop_samples": ("Training samples by state.", labelled(samples, "state")),
+        }
+        ended = {k[len("sessions_ended_"):]: v for k, v in stats.items() if k.startswith("sessions_ended_")}
+        pairing = {k[len("pairing_"):]: v for k, v in stats.items() if k.startswith("pairing_")}
+        counters = {
+            "clawloop_sessions_started_total": ("Sessions opened.", {(): float(stats.get("sessions_started", 0))}),
+            "clawloop_sessions_ended_total": ("Sessions ended, by cause.", labelled(ended, "cause")),
+            "clawloop_pairings_total": ("Previous turns paired with a next state, by how the answer was found.",
+                                        labelled(pairing, "how")),
+            "clawloop_streams_abandoned_total": ("Streams the client left before the end (not stored).",
+                                                 {(): float(self.extra_stats["streams_abandoned"])}),
+            "clawloop_engine_errors_total": ("Generations the engine failed.",
+                                             {(): float(self.extra_stats["engine_errors"])}),
+        }
+        return self.metrics.render(gauges, counters)
+
+
+# ------------------------------------------------------------------------------------------ middleware
+
+
+class RequestMetricsMiddleware:
+    """Counts every HTTP request by route template and status, and times it to the last byte sent."""
+
+    def __init__(self, app: ASGIApp, metrics: ServingMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = {"code": 500, "recorded": False}
+
+        def record() -> None:
+            if status["recorded"]:
+                return
+            status["recorded"] = True
+            route = scope.get("route")
+            name = getattr(route, "path", None) or "unmatched"
+            self.metrics.record_request(name, scope.get("method", ""), int(status["code"]),
+                                        time.perf_counter() - start)
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                record()
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            record()
+
+
+# ------------------------------------------------------------------------------------------------- app
+
+
+def create_app(service: ChatService, lifespan: Any = None) -> FastAPI:
+    """The FastAPI app; ``lifespan`` (an async context manager factory) runs around serving."""
+    app = FastAPI(title="clawloop", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    install_error_handlers(app)
+    config = service.config
+
+    async def chat(request: Request) -> Any:
+        return await service.chat(request)
+
+    async def chat_in_session(request: Request, session_id: str) -> Any:
+        return await service.chat(request, validate_session_id(session_id, "session_id"))
+
+    async def models(request: Request) -> Any:
+        require_key(request, config.api_key)
+        return service.models()
+
+    async def models_in_session(request: Request, session_id: str) -> Any:
+        return await models(request)
+
+    async def model(request: Request, model_id: str) -> Any:
+        require_key(request, config.api_key)
+        if model_id != config.served_model_name:
+            raise APIError(404, f"The model {model_id!r} does not exist.", "invalid_request_error", "model",
+                           "model_not_found")
+        return service.model_card()
+
+    async def end_session(request: Request, session_id: str) -> Any:
+        require_key(request, config.api_key)
+        sid = validate_session_id(session_id, "session_id")
+        known, dropped = await service.sessions.end(sid)
+        if not known:
+            raise APIError(404, f"No live session {sid!r}.", "invalid_request_error", "session_id",
+                           "session_not_found")
+        return {"id": sid, "object": "session", "ended": True, "dropped_turn_id": dropped}
+
+    async def status(request: Request) -> Any:
+        require_key(request, config.api_key)
+        return await service.status()
+
+    async def healthz() -> Any:
+        return {"status": "ok", "model": config.served_model_name, "policy_version": service.engine.policy_version}
+
+    async def metrics() -> Any:
+        return PlainTextResponse(await service.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_api_route("/sessions/{session_id}/v1/chat/completions", chat_in_session, methods=["POST"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/sessions/{session_id}/v1/models", models_in_session, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"])
+    app.add_api_route("/v1/sessions/{session_id}/end", end_session, methods=["POST"])
+    app.add_api_route("/v1/status", status, methods=["GET"])
+    app.add_api_route("/healthz", healthz, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_middleware(RequestMetricsMiddleware, metrics=service.metrics)
+    app.state.service = service
+    return app

@@ -1,0 +1,460 @@
+"""Sessions: which conversation a request belongs to, and pairing each stored turn with its next state.
+
+Identification. A request names its session by the path prefix ``/sessions/{id}/v1/...``, the header
+``X-Session-Id`` or the body field ``session_id`` (first found wins, in that order). A request naming none is
+matched by conversation prefix: every session remembers the hash of its last main turn's request messages
+followed by the answer it got; a request whose messages start with such a prefix continues that session (the
+longest matching prefix wins), anything else opens a new session with a generated id (``sess_<hex>``). Hashes
+are chained over a canonical form of each message (role, stripped text, tool calls as name + re-serialised
+arguments; call ids and other client decorations are ignored), so one pass over the messages gives the hash of
+every prefix. Each session is indexed under two keys: the exact one, and one that ignores system messages (so
+an agent whose system prompt changes between turns, e.g. with the date in it, still continues its session);
+the exact key wins at equal length. The index holds two keys per live session, so it is bounded by
+``max_sessions``.
+
+Pairing. A session has at most one *pending* turn: the last stored main turn, awaiting its next state. The
+next main request of the session supplies it, before that request is generated:
+
+1. its messages start with the pending turn's messages + answer: the next state is everything after them;
+2. otherwise (the client trimmed or rewrote older history) the answer is searched for, last occurrence first;
+   the next state is everything after it;
+3. otherwise, when the messages equal the pending turn's own request, the client asked again for the same
+   context: the pending turn is dropped with reason ``regenerated``;
+4. otherwise the trailing run of non-assistant messages is the next state (counted as ``fallback``).
+
+An empty next state drops the turn with reason ``empty_next_state``. A turn paired this way moves to
+``judgeable`` and the ``on_judgeable(turn_id)`` hook runs (sync or async; never awaited on the request path).
+
+Main requests of one session are serialised by a per-session lock held from pairing until the new turn is
+committed, so each turn's next state is well-defined. A prefix-matched request re-checks its match under the
+lock; if another request continued the session first, the request forks into a new session. Side requests
+take no lock and change no state: they are served and counted only.
+
+Ending. ``X-Session-Done`` / ``session_done`` (after the request is served), ``POST /v1/sessions/{id}/end``,
+the idle timeout (a background sweeper) and LRU eviction beyond ``max_sessions`` all end a session: its
+pending turn is dropped with reason ``no_next_state`` (recorded, never silent) and its state is forgotten.
+
+Restart. ``restore()`` rebuilds live sessions from the store's ``awaiting_next`` turns (latest per session;
+older ones of the same session are dropped as ``no_next_state``), including their prefix keys, so a restart
+loses no pairing. Their idle clock starts again at restore time. Shutdown leaves pending turns awaiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import json
+import logging
+import time
+import uuid
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from clawloop.store import Store, TurnRecord, TurnState
+
+log = logging.getLogger("clawloop.sessions")
+
+NO_NEXT_STATE = "no_next_state"
+REGENERATED = "regenerated"
+EMPTY_NEXT_STATE = "empty_next_state"
+
+JudgeableHook = Callable[[int], Any]
+
+
+# --------------------------------------------------------------------------------------------- hashing
+
+
+def canonical_message(msg: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a message that decide whether two messages are 'the same' for session matching."""
+    out: dict[str, Any] = {"r": msg.get("role", ""), "c": (msg.get("content") or "").strip()}
+    calls = []
+    for call in msg.get("tool_calls") or []:
+        fn = call.get("function", {})
+        args = fn.get("arguments", "")
+        try:
+            args = json.dumps(json.loads(args), sort_keys=True, ensure_ascii=False) if args.strip() else "{}"
+        except (ValueError, TypeError, AttributeError, RecursionError):
+            args = str(args).strip()
+        calls.append([fn.get("name", ""), args])
+    if calls:
+        out["t"] = calls
+    return out
+
+
+def prefix_hashes(messages: list[dict[str, Any]], skip_system: bool = False) -> list[str]:
+    """hashes[k] identifies messages[:k+1]; chained so all prefixes cost one pass. With ``skip_system`` system
+    messages leave the hash unchanged (a second, looser key for agents that rewrite their system prompt)."""
+    hashes = []
+    h = ""
+    for msg in messages:
+        if not (skip_system and msg.get("role") == "system"):
+            blob = json.dumps(canonical_message(msg), sort_keys=True, ensure_ascii=False)
+            h = hashlib.sha256((h + "\x00" + blob).encode("utf-8")).hexdigest()
+        hashes.append(h)
+    return hashes
+
+
+def prefix_keys(messages: list[dict[str, Any]]) -> tuple[str, str]:
+    """(exact key, key ignoring system messages) of a whole message list."""
+    return prefix_hashes(messages)[-1], "nosys:" + prefix_hashes(messages, skip_system=True)[-1]
+
+
+def same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return canonical_message(a) == canonical_message(b)
+
+
+@dataclass
+class Pairing:
+    next_state: list[dict[str, Any]] | None
+    """The messages after the stored answer; None when the turn must be dropped (see ``drop_reason``)."""
+    how: str
+    """prefix, search, fallback, regenerated or empty."""
+    drop_reason: str = ""
+
+
+def find_next_state(pending_messages: list[dict[str, Any]], answer: dict[str, Any],
+                    messages: list[dict[str, Any]]) -> Pairing:
+    """Split ``messages`` (a later request of the session) into history and the pending turn's next state."""
+    n = len(pending_messages)
+    if len(messages) > n and prefix_keys(messages[: n + 1])[0] == prefix_keys(pending_messages + [answer])[0]:
+        rest = messages[n + 1:]
+        return Pairing(rest, "prefix") if rest else Pairing(None, "empty", EMPTY_NEXT_STATE)
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("role") == "assistant" and same_message(messages[i], answer):
+            rest = messages[i + 1:]
+            return Pairing(rest, "search") if rest else Pairing(None, "empty", EMPTY_NEXT_STATE)
+    if len(messages) == n and prefix_hashes(messages) == prefix_hashes(pending_messages):
+        return Pairing(None, "regenerated", REGENERATED)
+    k = len(messages)
+    while k > 0 and messages[k - 1].get("role") != "assistant":
+        k -= 1
+    rest = messages[k:]
+    return Pairing(rest, "fallback") if rest else Pairing(None, "empty", EMPTY_NEXT_STATE)
+
+
+# -------------------------------------------------------------------------------------------- sessions
+
+
+@dataclass
+class PendingTurn:
+    turn_id: int
+    messages: list[dict[str, Any]]
+    answer: dict[str, Any]
+
+
+@dataclass
+class Session:
+    id: str
+    last_seen: float
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    turn_index: int = 0
+    pending: PendingTurn | None = None
+    last_turn_id: int | None = None
+    prefix_keys: tuple[str, ...] = ()
+    ended: bool = False
+
+
+def new_session_id() -> str:
+    return f"sess_{uuid.uuid4().hex}"
+
+
+class TurnContext:
+    """A main request's hold on its session: created locked and paired; ``commit`` stores the new turn;
+    ``release`` (always called, exactly once) unlocks."""
+
+    def __init__(self, manager: "SessionManager", session: Session, how: str):
+        self.manager = manager
+        self.session = session
+        self.how = how
+        """How the session was found: explicit, prefix, new, or fork."""
+        self.paired_turn_id: int | None = None
+        """The session's previous turn, if this request gave it its next state."""
+        self._released = False
+
+    @property
+    def session_id(self) -> str:
+        return self.session.id
+
+    @property
+    def turn_index(self) -> int:
+        return self.session.turn_index
+
+    async def commit(self, turn: TurnRecord) -> int:
+        """Store the turn (durably, before the answer is returned) and make it the session's pending turn."""
+        return await self.manager._commit(self.session, turn)
+
+    async def end_session(self) -> None:
+        await self.manager._end_locked(self.session, "done")
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.session.last_seen = self.manager.clock()
+            if self.session.lock.locked():
+                self.session.lock.release()
+
+
+class SessionManager:
+    def __init__(self, store: Store, max_sessions: int = 10000, idle_timeout_s: float = 900.0,
+                 on_judgeable: JudgeableHook | None = None, clock: Callable[[], float] = time.monotonic):
+        self.store = store
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self.on_judgeable = on_judgeable
+        self.clock = clock
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._prefix: dict[str, tuple[str, int]] = {}
+        """prefix key -> (session id, turn id) of the turn that ended with that answer."""
+        self.stats: Counter[str] = Counter()
+        self._tasks: set[asyncio.Task] = set()
+        self._sweeper: asyncio.Task | None = None
+
+    # ---- queries -----------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
+
+    def pending_turn_id(self, session_id: str) -> int | None:
+        s = self._sessions.get(session_id)
+        return None if s is None or s.pending is None else s.pending.turn_id
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------
+    async def restore(self) -> int:
+        """Rebuild sessions from awaiting_next turns in the store (see module docstring). Returns how many."""
+        turns = await asyncio.to_thread(self.store.turns, TurnState.AWAITING_NEXT)
+        latest: dict[str, TurnRecord] = {}
+        for t in turns:  # ordered by id, so the last one per session wins
+            older = latest.get(t.session_id)
+            if older is not None:
+                await asyncio.to_thread(self.store.drop_turn, older.id, NO_NEXT_STATE)
+            latest[t.session_id] = t
+        keep = sorted(latest.values(), key=lambda t: t.id)
+        overflow = keep[: max(0, len(keep) - self.max_sessions)]
+        for t in overflow:
+            await asyncio.to_thread(self.store.drop_turn, t.id, NO_NEXT_STATE)
+        now = self.clock()
+        for t in keep[len(overflow):]:
+            s = Session(id=t.session_id, last_seen=now, turn_index=t.turn_index + 1, last_turn_id=t.id)
+            self._sessions[s.id] = s
+            self._set_pending(s, PendingTurn(t.id, t.messages, t.assistant_message))
+        self.stats["restored"] += len(keep) - len(overflow)
+        return len(keep) - len(overflow)
+
+    def start(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            try:
+                await self._sweeper
+            except asyncio.CancelledError:
+                pass
+            self._sweeper = None
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _sweep_forever(self) -> None:
+        interval_s = max(0.05, min(self.idle_timeout_s / 4.0, 10.0))
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.sweep_idle()
+            except Exception:  # the sweeper must survive a store hiccup
+                log.exception("idle session sweep failed")
+
+    async def sweep_idle(self) -> int:
+        """End every session idle for longer than the timeout (sessions with a request in flight are busy)."""
+        cutoff = self.clock() - self.idle_timeout_s
+        idle = [s for s in self._sessions.values() if s.last_seen < cutoff and not s.lock.locked()]
+        ended = 0
+        for s in idle:
+            async with s.lock:
+                if s.last_seen < cutoff and not s.ended:  # still idle once we hold it
+                    await self._end_locked(s, "idle")
+                    ended += 1
+        return ended
+
+    # ---- resolution --------------------------------------------------------------------------------------
+    def _touch(self, session_id: str) -> Session:
+        s = self._sessions.get(session_id)
+        if s is None:
+            s = Session(id=session_id, last_seen=self.clock())
+            self._sessions[session_id] = s
+            self.stats["sessions_started"] += 1
+        else:
+            self._sessions.move_to_end(session_id)
+        s.last_seen = self.clock()
+        return s
+
+    def match_prefix(self, messages: list[dict[str, Any]]) -> tuple[str, int, int] | None:
+        """(session id, turn id, messages consumed) of the longest prefix that is a session's last turn; at equal
+        length an exact match beats one that ignores system messages."""
+        exact = prefix_hashes(messages)
+        loose = prefix_hashes(messages, skip_system=True)
+        for k in range(len(messages), 0, -1):
+            if messages[k - 1].get("role") != "assistant":
+                continue
+            for key in (exact[k - 1], "nosys:" + loose[k - 1]):
+                hit = self._prefix.get(key)
+                if hit is not None and hit[0] in self._sessions:
+                    return hit[0], hit[1], k
+        return None
+
+    def resolve_side(self, explicit_id: str | None, messages: list[dict[str, Any]]) -> str:
+        """Session id reported for a side request; creates no state."""
+        if explicit_id is not None:
+            s = self._sessions.get(explicit_id)
+            if s is not None:
+                s.last_seen = self.clock()
+            sid = explicit_id
+        else:
+            hit = self.match_prefix(messages)
+            sid = hit[0] if hit else new_session_id()
+        self.stats["side_turns"] += 1
+        return sid
+
+    async def begin_main(self, explicit_id: str | None, messages: list[dict[str, Any]]) -> TurnContext:
+        """Find (or open) the session of a main request, lock it, and pair its pending turn."""
+        while True:
+            if explicit_id is not None:
+                session, how, consumed, matched_turn = self._touch(explicit_id), "explicit", None, None
+            else:
+                hit = self.match_prefix(messages)
+                if hit is None:
+                    session, how, consumed, matched_turn = self._touch(new_session_id()), "new", None, None
+                else:
+                    session, how = self._touch(hit[0]), "prefix"
+                    matched_turn, consumed = hit[1], hit[2]
+            await self._evict_beyond_limit(protect=session)
+            await session.lock.acquire()
+            if session.ended:  # ended while we waited for it: start over with a fresh session
+                session.lock.release()
+                continue
+            if how == "prefix" and session.last_turn_id != matched_turn:
+                # Someone continued this session from the same point first: this request branches off.
+                session.lock.release()
+                session, how, consumed = self._touch(new_session_id()), "fork", None
+                await session.lock.acquire()
+            ctx = TurnContext(self, session, how)
+            try:
+                await self._pair(ctx, messages, consumed)
+            except BaseException:
+                ctx.release()
+                raise
+            self.stats["main_turns"] += 1
+            return ctx
+
+    async def _pair(self, ctx: TurnContext, messages: list[dict[str, Any]], consumed: int | None) -> None:
+        s = ctx.session
+        pending = s.pending
+        if pending is None:
+            return
+        if consumed is not None:
+            rest = messages[consumed:]
+            pairing = Pairing(rest, "prefix") if rest else Pairing(None, "empty", EMPTY_NEXT_STATE)
+        else:
+            pairing = find_next_state(pending.messages, pending.answer, messages)
+        self.stats[f"pairing_{pairing.how}"] += 1
+        self._clear_pending(s)
+        if pairing.next_state is None:
+            await asyncio.to_thread(self.store.drop_turn, pending.turn_id, pairing.drop_reason)
+            return
+        ok = await asyncio.to_thread(self.store.set_next_state, pending.turn_id, pairing.next_state)
+        if ok:
+            ctx.paired_turn_id = pending.turn_id
+            self._fire_judgeable(pending.turn_id)
+
+    def _fire_judgeable(self, turn_id: int) -> None:
+        if self.on_judgeable is None:
+            return
+        try:
+            result = self.on_judgeable(turn_id)
+            if inspect.isawaitable(result):
+                task = asyncio.ensure_future(result)
+                self._tasks.add(task)
+                task.add_done_callback(self._hook_done)
+        except Exception:
+            log.exception("on_judgeable hook failed for turn %s", turn_id)
+
+    def _hook_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("on_judgeable hook failed", exc_info=task.exception())
+
+    # ---- commit / end -------------------------------------------------------------------------------------
+    def _set_pending(self, s: Session, pending: PendingTurn) -> None:
+        self._clear_pending(s)
+        s.pending = pending
+        self._drop_keys(s)
+        s.prefix_keys = prefix_keys(pending.messages + [pending.answer])
+        for key in s.prefix_keys:
+            self._prefix[key] = (s.id, pending.turn_id)
+
+    def _drop_keys(self, s: Session) -> None:
+        for key in s.prefix_keys:
+            if self._prefix.get(key, ("",))[0] == s.id:
+                del self._prefix[key]
+        s.prefix_keys = ()
+
+    def _clear_pending(self, s: Session) -> None:
+        # The prefix key stays while the session lives (a retried continuation still finds the session); the
+        # next commit replaces it and ending the session removes it.
+        s.pending = None
+
+    async def _commit(self, s: Session, turn: TurnRecord) -> int:
+        turn.session_id = s.id
+        turn.turn_index = s.turn_index
+        turn_id = await asyncio.to_thread(self.store.add_turn, turn)
+        s.turn_index += 1
+        s.last_turn_id = turn_id
+        self._set_pending(s, PendingTurn(turn_id, turn.messages, turn.assistant_message))
+        s.last_seen = self.clock()
+        self.stats["turns_stored"] += 1
+        return turn_id
+
+    async def _end_locked(self, s: Session, why: str) -> int | None:
+        """End a session whose lock the caller holds (or that is idle). Returns the dropped turn id."""
+        if s.ended:
+            return None
+        s.ended = True
+        if self._sessions.get(s.id) is s:
+            del self._sessions[s.id]
+        self._drop_keys(s)
+        dropped = None
+        if s.pending is not None:
+            dropped = s.pending.turn_id
+            s.pending = None
+            await asyncio.to_thread(self.store.drop_turn, dropped, NO_NEXT_STATE)
+            self.stats["turns_dropped_no_next_state"] += 1
+        self.stats[f"sessions_ended_{why}"] += 1
+        return dropped
+
+    async def _end_unlocked(self, s: Session, why: str) -> int | None:
+        async with s.lock:
+            return await self._end_locked(s, why)
+
+    async def end(self, session_id: str) -> tuple[bool, int | None]:
+        """End a session by id (waits for its in-flight main request). (known, dropped turn id)."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            return False, None
+        return True, await self._end_unlocked(s, "request")
+
+    async def end_if_exists(self, session_id: str, why: str) -> None:
+        s = self._sessions.get(session_id)
+        if s is not None:
+            await self._end_unlocked(s, why)
+
+    async def _evict_beyond_limit(self, protect: Session) -> None:
+        while len(self._sessions) > self.max_sessions:
+            victim = next((s for s in self._sessions.values() if s is not protect and not s.lock.locked()), None)
+            if victim is None:
+                return  # every other session is busy: allow the overshoot until one finishes
+            await self._end_unlocked(victim, "evicted")

@@ -1,0 +1,212 @@
+"""``clawloop serve``: Config -> engine + store + sessions + the HTTP app -> uvicorn.
+
+``Server`` composes the pieces and runs uvicorn either in-process on a background thread (``start()`` /
+``stop()``, used by tests and by drivers that talk to the API over HTTP) or in the foreground (``run()``).
+
+Extension points for the rest of the run (left empty by serving itself):
+
+* ``on_judgeable(turn_id)`` — called when a stored turn gets its next state (sync or async; it must not block:
+  put the id on a queue, or return a coroutine, which is scheduled, never awaited on the request path);
+* ``components`` — background parts (the judge pipeline, the trainer) with ``async start()`` and
+  ``async stop()``; they are started after the sessions are restored and stopped, in reverse order, before the
+  engine closes. Each may read ``server.engine``, ``server.store`` and ``server.sessions``.
+
+Start-up order: open the store (``RUN_DIR/store.sqlite``) and run ``store.recover()`` (both only when no store
+is given), build the engine (unless one is given), rebuild the live sessions from the turns still awaiting
+their next state (so a restart loses no pairing), start the idle sweeper and the components, then accept
+requests. Shutdown leaves awaiting turns as they are for the next start. The engine and store are closed at
+shutdown only when the server created them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from clawloop.api.app import ChatService, create_app
+from clawloop.api.metrics import ServingMetrics
+from clawloop.api.sessions import JudgeableHook, SessionManager
+from clawloop.config import Config
+from clawloop.store import Store
+
+log = logging.getLogger("clawloop.serve")
+
+STORE_FILENAME = "store.sqlite"
+
+
+class Component(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def store_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / STORE_FILENAME
+
+
+def build_engine(config: Config) -> Any:
+    """The embedded HF engine for ``config.model`` (imported lazily: loading torch models is slow)."""
+    from clawloop.engines.hf import HFEngine
+
+    return HFEngine(config.model, device=config.device, dtype=config.dtype, max_batch_size=config.max_batch_size,
+                    num_threads=config.num_threads, model_name=config.served_model_name)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """One serving process: engine, store, sessions and the API (see the module docstring)."""
+
+    def __init__(self, config: Config, *, engine: Any = None, store: Store | None = None, tokenizer: Any = None,
+                 on_judgeable: JudgeableHook | None = None, components: Sequence[Component] = (),
+                 log_level: str = "warning"):
+        self.config = config
+        self._own_engine = engine is None
+        self._own_store = store is None
+        self.engine = engine
+        self.store = store
+        self.tokenizer = tokenizer
+        self.on_judgeable = on_judgeable
+        self.components: list[Component] = list(components)
+        self.log_level = log_level
+        self.sessions: SessionManager | None = None
+        self.service: ChatService | None = None
+        self.app: Any = None
+        self._uvicorn: Any = None
+        self._thread: threading.Thread | None = None
+        self._startup_error: BaseException | None = None
+        self.port: int = config.port
+
+    # ---- assembly -------------------------------------------------------------------------------------
+    def build(self) -> Any:
+        """Create store, engine, sessions and the app (idempotent). Returns the FastAPI app."""
+        if self.app is not None:
+            return self.app
+        if self.store is None:
+            self.store = Store(store_path(self.config.run_dir))
+            # Only a store this server opened: a given store may have live leases of a trainer in this process.
+            recovered = self.store.recover()
+            if any(recovered.values()):
+                log.warning("recovered interrupted work: %s", recovered)
+        if self.engine is None:
+            self.engine = build_engine(self.config)
+        self.sessions = SessionManager(self.store, max_sessions=self.config.max_sessions,
+                                       idle_timeout_s=self.config.session_idle_timeout_s,
+                                       on_judgeable=self._judgeable)
+        self.service = ChatService(self.config, self.engine, self.store, self.sessions, tokenizer=self.tokenizer,
+                                   metrics=ServingMetrics())
+        self.app = create_app(self.service, lifespan=self._lifespan)
+        return self.app
+
+    def _judgeable(self, turn_id: int) -> Any:
+        # Looked up on every call so the hook can be attached after the server was built.
+        if self.on_judgeable is not None:
+            return self.on_judgeable(turn_id)
+        return None
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Any) -> AsyncIterator[None]:
+        assert self.sessions is not None
+        restored = await self.sessions.restore()
+        if restored:
+            log.warning("rebuilt %d live sessions from turns awaiting their next state", restored)
+        self.sessions.start()
+        started: list[Component] = []
+        try:
+            for component in self.components:
+                await component.start()
+                started.append(component)
+            yield
+        finally:
+            for component in reversed(started):
+                try:
+                    await component.stop()
+                except Exception:
+                    log.exception("stopping %r failed", component)
+            await self.sessions.stop()
+            if self._own_engine and self.engine is not None:
+                await self.engine.close()
+
+    def _uvicorn_server(self) -> Any:
+        import uvicorn
+
+        app = self.build()
+        uv_config = uvicorn.Config(app, host=self.config.host, port=self.port, log_level=self.log_level,
+                                   lifespan="on", timeout_graceful_shutdown=5, access_log=False)
+        return uvicorn.Server(uv_config)
+
+    # ---- in-process -------------------------------------------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        host = self.config.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> "Server":
+        """Serve on a background thread; returns once the API accepts connections (port 0 = pick a free one)."""
+        if self.port == 0:
+            self.port = free_port(self.config.host)
+        self._uvicorn = self._uvicorn_server()
+
+        def target() -> None:
+            try:
+                self._uvicorn.run()
+            except BaseException as exc:  # noqa: BLE001 - reported to start()
+                self._startup_error = exc
+
+        self._thread = threading.Thread(target=target, name="clawloop-api", daemon=True)
+        self._thread.start()
+        waited = 0.0
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or self._startup_error is not None:
+                raise RuntimeError(f"the API failed to start on {self.base_url}: {self._startup_error!r}")
+            if waited > timeout_s:
+                raise TimeoutError(f"the API did not start within {timeout_s} s")
+            threading.Event().wait(0.02)
+            waited += 0.02
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        if self._own_store and self.store is not None:
+            self.store.close()
+            self.store = None
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ---- foreground ----------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until interrupted (Ctrl-C / SIGTERM)."""
+        server = self._uvicorn_server()
+        log.warning("clawloop serving %s on %s (run dir %s)", self.config.served_model_name, self.base_url,
+                    self.config.run_dir)
+        try:
+            server.run()
+        finally:
+            if self._own_store and self.store is not None:
+                self.store.close()
+                self.store = None
+
+
+def run(config: Config, **kwargs: Any) -> None:
+    """Blocking entry point of ``clawloop serve``."""
+    Server(config, **kwargs).run()
+

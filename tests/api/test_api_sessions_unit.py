@@ -1,0 +1,112 @@
+"""Session pairing rules and the session manager on a real SQLite store (no HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from clawloop.api.sessions import SessionManager, find_next_state, prefix_keys
+from clawloop.store import Store, TurnRecord, TurnState
+
+U1 = {"role": "user", "content": "What is 2+2?"}
+A1 = {"role": "assistant", "content": "5"}
+U2 = {"role": "user", "content": "No, that is wrong. Try again."}
+SYS = {"role": "system", "content": "You are terse."}
+
+
+def test_next_state_is_everything_after_the_stored_answer():
+    tool_call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_x", "type": "function", "function": {"name": "calc", "arguments": '{"e": "2+2"}'}}]}
+    tool_result = {"role": "tool", "tool_call_id": "call_x", "content": "4"}
+    # Client echoes the call with different whitespace in the arguments and a different id: still the same.
+    echoed = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "other", "type": "function", "function": {"name": "calc", "arguments": '{"e":"2+2"}'}}]}
+    p = find_next_state([SYS, U1], tool_call, [SYS, U1, echoed, tool_result])
+    assert (p.how, p.next_state) == ("prefix", [tool_result])
+    p = find_next_state([U1], A1, [U1, {"role": "assistant", "content": " 5 \n"}, U2, U1])
+    assert (p.how, p.next_state) == ("prefix", [U2, U1])
+
+
+def test_answer_found_after_rewritten_history_regenerated_fallback_and_empty():
+    new_sys = {"role": "system", "content": "Today is Tuesday."}
+    p = find_next_state([SYS, U1], A1, [new_sys, U1, A1, U2])
+    assert (p.how, p.next_state) == ("search", [U2])
+    p = find_next_state([SYS, U1], A1, [SYS, U1])
+    assert (p.how, p.next_state, p.drop_reason) == ("regenerated", None, "regenerated")
+    other = {"role": "assistant", "content": "something else"}
+    p = find_next_state([U1], A1, [U1, other, U2, {"role": "tool", "content": "x"}])
+    assert (p.how, p.next_state) == ("fallback", [U2, {"role": "tool", "content": "x"}])
+    p = find_next_state([U1], A1, [U1, A1])
+    assert (p.next_state, p.drop_reason) == (None, "empty_next_state")
+
+
+def test_prefix_keys_ignore_call_ids_and_outer_whitespace_but_not_text():
+    a = prefix_keys([U1, {"role": "assistant", "content": "hi "}])
+    b = prefix_keys([U1, {"role": "assistant", "content": "hi"}])
+    c = prefix_keys([U1, {"role": "assistant", "content": "hi!"}])
+    assert a == b and a[0] != c[0]
+    assert prefix_keys([SYS, U1])[1] == prefix_keys([U1])[1] and prefix_keys([SYS, U1])[0] != prefix_keys([U1])[0]
+
+
+def _turn(messages, answer_text):
+    return TurnRecord(session_id="", messages=messages, prompt_ids=[1, 2, 3], response_ids=[7, 8],
+                      logprobs=[-0.1, -0.2], temperature=1.0, top_p=1.0, policy_version=0,
+                      response_text=answer_text, assistant_message={"role": "assistant", "content": answer_text})
+
+
+def test_manager_pairs_restores_and_ends(tmp_path):
+    store = Store(tmp_path / "store.sqlite")
+    judgeable: list[int] = []
+
+    async def scenario():
+        m = SessionManager(store, on_judgeable=judgeable.append)
+        ctx = await m.begin_main(None, [U1])
+        assert ctx.how == "new" and ctx.paired_turn_id is None
+        t1 = await ctx.commit(_turn([U1], "5"))
+        ctx.release()
+        sid = ctx.session_id
+        # A stock client sends the history back: matched by prefix, the stored turn gets its next state.
+        ctx = await m.begin_main(None, [U1, A1, U2])
+        assert (ctx.session_id, ctx.how, ctx.paired_turn_id) == (sid, "prefix", t1)
+        t2 = await ctx.commit(_turn([U1, A1, U2], "4"))
+        ctx.release()
+        return sid, t1, t2
+
+    sid, t1, t2 = asyncio.run(scenario())
+    assert judgeable == [t1]
+    assert store.get_turn(t1).state == TurnState.JUDGEABLE and store.get_turn(t1).next_state == [U2]
+    assert store.get_turn(t2).turn_index == 1
+
+    async def after_restart():
+        m = SessionManager(store)
+        assert await m.restore() == 1
+        history = [U1, A1, U2, {"role": "assistant", "content": "4"}, {"role": "user", "content": "thanks"}]
+        ctx = await m.begin_main(None, history)
+        assert (ctx.session_id, ctx.paired_turn_id) == (sid, t2)
+        t3 = await ctx.commit(_turn(history, "bye"))
+        ctx.release()
+        known, dropped = await m.end(sid)
+        assert (known, dropped) == (True, t3)
+        assert await m.end(sid) == (False, None)
+        return t3
+
+    t3 = asyncio.run(after_restart())
+    assert store.get_turn(t2).next_state == [{"role": "user", "content": "thanks"}]
+    assert store.get_turn(t3).state == TurnState.DROPPED and store.get_turn(t3).reason == "no_next_state"
+
+
+def test_lru_eviction_ends_the_least_recently_used_session(tmp_path):
+    store = Store(tmp_path / "store.sqlite")
+
+    async def scenario():
+        m = SessionManager(store, max_sessions=2)
+        ids = {}
+        for name in ("a", "b", "c"):
+            ctx = await m.begin_main(name, [{"role": "user", "content": name}])
+            ids[name] = await ctx.commit(_turn([{"role": "user", "content": name}], name))
+            ctx.release()
+        assert m.get("a") is None and m.get("b") is not None and m.get("c") is not None
+        return ids
+
+    ids = asyncio.run(scenario())
+    assert store.get_turn(ids["a"]).reason == "no_next_state"
+    assert store.get_turn(ids["b"]).state == TurnState.AWAITING_NEXT

@@ -1,0 +1,99 @@
+"""The ``clawloop`` command: serve (as a real subprocess), records export, and the placeholder subcommands."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from clawloop.cli import build_parser, main
+from clawloop.serve import free_port
+from clawloop.store import Store, TurnRecord
+
+
+def _store_with_turns(run_dir, n=2):
+    store = Store(run_dir / "store.sqlite")
+    for i in range(n):
+        store.add_turn(TurnRecord(session_id="s", messages=[{"role": "user", "content": f"q{i}"}], prompt_ids=[1],
+                                  response_ids=[5, 2], logprobs=[-0.1, -0.2], temperature=1.0, top_p=1.0,
+                                  policy_version=0, turn_index=i))
+    store.close()
+
+
+def test_records_export_appends_jsonl_and_never_truncates(tmp_path, capsys):
+    _store_with_turns(tmp_path, 2)
+    out = tmp_path / "out"
+    assert main(["records", "export", str(tmp_path), "--out", str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["lines_appended"] == {"turns.jsonl": 2}
+    rows = [json.loads(line) for line in (out / "turns.jsonl").read_text().splitlines()]
+    assert [r["messages"][0]["content"] for r in rows] == ["q0", "q1"] and rows[0]["response_ids"] == [5, 2]
+    assert main(["records", "export", str(tmp_path), "--out", str(out)]) == 0
+    assert len((out / "turns.jsonl").read_text().splitlines()) == 4
+    assert main(["records", "export", str(tmp_path)]) == 0  # default folder RUN_DIR/export
+    assert (tmp_path / "export" / "turns.jsonl").is_file()
+
+
+def test_records_export_of_a_folder_without_a_store_fails_cleanly(tmp_path, capsys):
+    assert main(["records", "export", str(tmp_path)]) == 2
+    assert "no store" in capsys.readouterr().err
+    assert main(["records", "export", str(tmp_path / "missing")]) == 2
+
+
+@pytest.mark.parametrize("command", ["train", "demo", "eval"])
+def test_unfinished_subcommands_say_so(command, capsys):
+    assert main([command, "--anything"]) == 2
+    assert "not available yet" in capsys.readouterr().err
+
+
+def test_serve_has_a_flag_for_every_setting():
+    from dataclasses import fields
+
+    from clawloop.config import Config
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model", "tiny", "--port", "1234", "--session-idle-timeout-s", "5",
+                              "--no-train"])
+    assert (args.model, args.port, args.session_idle_timeout_s, args.train) == ("tiny", "1234", "5", False)
+    for f in fields(Config):
+        assert hasattr(args, f.name)
+
+
+def test_clawloop_serve_runs_as_a_process(tmp_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clawloop.cli", "serve", "--model", "tiny", "--port", str(port), "--run-dir",
+         str(tmp_path / "run"), "--num-threads", "2", "--default-max-tokens", "3", "--log-level", "warning"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "serve did not come up"
+            time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert (tmp_path / "run" / "store.sqlite").is_file()
+    store = Store(tmp_path / "run" / "store.sqlite")
+    assert len(store.turns()) == 1  # still awaiting: shutdown keeps it for the next start
+    assert store.turns()[0].state == "awaiting_next"
