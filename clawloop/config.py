@@ -34,6 +34,7 @@ SUBSET_MODES = ("student", "teacher", "overlap")
 OPD_ON_UNHINTED = ("skip", "anchor")
 JUDGE_CONTEXTS = ("none", "last_user", "full")
 TEACHERS = ("base", "policy")
+JUDGE_BACKENDS = ("auto", "engine", "http", "rules")
 STALENESS_MODES = ("tis", "drop", "ignore")
 
 # (w_rl, w_opd) each preset implies.
@@ -80,6 +81,9 @@ class Config:
     run_dir: str = _f("runs/default", "Folder of this run: SQLite store, metrics, checkpoints, exports.")
 
     # ---- judge (process reward model) -----------------------------------------------------------------
+    judge_backend: str = _f("auto", "Who judges: auto (judge_url when set, else the embedded engine with the "
+                            "frozen base model), engine, http (judge_url), or rules (a zero-cost keyword judge that "
+                            "reads explicit thanks/corrections in the next state; for CPU demos and tests).")
     judge_url: str = _f("", "OpenAI-compatible base URL of the judge (…/v1). Empty = the embedded engine with "
                         "the frozen base model.")
     judge_model: str = _f("", "Model name sent to the judge endpoint (empty = the endpoint's first model).")
@@ -182,6 +186,9 @@ class Config:
         choice("opd_on_unhinted", OPD_ON_UNHINTED)
         choice("judge_context", JUDGE_CONTEXTS)
         choice("teacher", TEACHERS)
+        choice("judge_backend", JUDGE_BACKENDS)
+        if self.judge_backend == "http" and not self.judge_url:
+            raise ConfigError("judge_backend='http' needs judge_url (the judge's OpenAI-compatible base URL)")
         choice("staleness_mode", STALENESS_MODES)
         choice("default_turn_type", ("main", "side"))
         choice("dtype", ("float32", "bfloat16", "float16"))
