@@ -10,8 +10,8 @@ An engine has two jobs and knows nothing about sessions, judges or losses:
   Optionally also the log-probs at caller-chosen ids per position (``at_ids_T_K``), which is how the teacher is
   evaluated on the student's top-k set.
 
-Weight publication (``publish``) swaps in new weights and bumps ``policy_version``; a request already running
-finishes on the weights it started with.
+Weight publication (``Publisher.publish``) swaps in new weights and bumps ``policy_version``; a request already
+running finishes on the weights it started with, and no request is rejected because of a swap.
 
 The embedded HF engine (``clawloop.engines.hf``) and HTTP-backed engines (vLLM) implement this protocol.
 """
@@ -33,10 +33,12 @@ class SamplingParams:
     top_p: float = 1.0
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
-    """Stop strings: generation ends when the decoded text contains one; the stop string is not returned."""
+    """Stop strings: generation ends when the decoded text contains one; the stop string is not returned in
+    ``text``, while ``token_ids`` run up to and including the token that completed it."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end generation (the tokenizer's EOS always does); the stop token is kept in ids."""
     seed: int | None = None
+    """Seeds this request's own random generator: same seed, prompt and settings -> same tokens."""
     top_logprobs: int = 0
     """How many alternatives (id, log-prob) to report per generated token; 0 = none."""
 
@@ -46,9 +48,11 @@ class Generation:
     """One finished completion, exactly as sampled."""
 
     token_ids: list[int]
-    """The generated ids, in order, including a final EOS/stop token when one ended generation."""
+    """The generated ids, in order, including a final EOS/stop token when one ended generation (after a stop
+    string: through the token that completed it, so decoding them can show more than ``text``)."""
     logprobs: list[float]
-    """log pi(token | prefix) under the sampling distribution (after temperature and top-p), one per token."""
+    """log pi(token | prefix) under the sampling distribution (after temperature and top-p), one per token;
+    at temperature 0 (greedy) the plain log-softmax."""
     finish_reason: str
     """"stop" (EOS, stop token or stop string) or "length"."""
     policy_version: int
@@ -56,7 +60,8 @@ class Generation:
     text: str = ""
     """The decoded completion with the stop string / EOS removed (what the client sees)."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    """Per generated token the ``top_logprobs`` best (id, log-prob) under the sampling distribution."""
+    """Per generated token the ``top_logprobs`` best (id, log-prob) under the sampling distribution (tokens the
+    distribution cannot produce, e.g. outside the top-p nucleus, are left out, so a list can be shorter)."""
 
 
 @dataclass
@@ -66,7 +71,8 @@ class TokenEvent:
     token_id: int
     logprob: float
     text_delta: str
-    """New text made visible by this token (may be empty while a multi-byte char or a stop string is pending)."""
+    """New text made visible by this token (may be empty while a multi-byte char or a stop string is pending).
+    The deltas of a stream concatenate exactly to the final ``Generation.text``."""
     top_logprobs: list[tuple[int, float]] | None = None
 
 
@@ -88,10 +94,13 @@ class ScoreResult:
 @dataclass
 class ScoreRequest:
     prompt_ids: list[int]
+    """Non-empty: position P-1+t (P = len(prompt_ids)) predicts response_ids[t]."""
     response_ids: list[int]
     top_k: int = 4
     temperature: float = 1.0
+    """Log-probs are ``log_softmax(logits / temperature)``; a temperature <= 0 scores at 1."""
     at_ids_T_K: torch.Tensor | None = None
+    """[T, K'] int64 ids whose log-probs to gather at each response position (None: not asked)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -125,3 +134,14 @@ class Engine(Protocol):
     async def score(self, requests: list[ScoreRequest]) -> list[ScoreResult]: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Publisher(Protocol):
+    """An engine that accepts new policy weights from the trainer (the embedded engine; a vLLM client with
+    weight updates). Judge endpoints are frozen and need not implement it."""
+
+    async def publish(self, weights: Any, timeout_s: float | None = None) -> int:
+        """Swap in ``weights`` (a full state dict of the served architecture, LoRA already merged, or a callable
+        that edits the model in place); return the new ``policy_version`` once new requests use them."""
+        ...

@@ -1,0 +1,299 @@
+"""Publishing new policy weights to a vLLM server while it keeps serving.
+
+Two ways, both bumping the engine's ``policy_version`` by one per publication:
+
+* ``LoRAPublisher`` — the adapter is written to ``adapters_dir/<prefix>-v<N>`` and hot-loaded under that
+  versioned name (``POST /v1/load_lora_adapter``; the server needs ``--enable-lora`` and
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``). New requests name the new adapter as their model, so each request runs on
+  exactly one version from start to end and nothing waits. An older adapter is unloaded
+  (``/v1/unload_lora_adapter``) and its folder removed once no request in flight uses it and nobody holds it
+  (``VLLMEngine.hold``, for a stale sample that still needs it); ``keep_previous`` keeps the N newest older ones
+  loaded anyway. Give the server ``--max-loras`` >= ``keep_previous + 2`` so the adapters in use fit at once.
+* ``CheckpointPublisher`` (full fine-tuning) — the full state dict is written as a safetensors Hugging Face
+  folder (``checkpoints_dir/<prefix>-v<N>``: weights plus the base folder's config and tokenizer files; a tied
+  ``lm_head`` is left out as Hugging Face does; keys must match the base checkpoint, so a partial dict cannot load
+  half a model). Then, with the engine draining (new requests wait, running ones finish), the server is paused
+  (``/pause?mode=wait``), reloads the folder in place (``/collective_rpc`` -> ``reload_weights``, vLLM's
+  in-place reload), drops its prefix cache (cached KV of the old weights must not be reused), records the
+  version (``/update_weight_version``) and resumes. These endpoints exist only on a server started with
+  ``VLLM_SERVER_DEV_MODE=1`` (``VLLMServerSettings(dev_mode=True)``). If the reload fails, the previous
+  weights are reloaded and the error is raised. vLLM 0.32 also has a streaming weight-transfer API
+  (``/init_weight_transfer_engine`` + ``/update_weights`` over NCCL or CUDA IPC); it needs GPUs on both sides, so
+  the disk reload is the path that works everywhere, CPU included.
+
+Paths go to the server as written; when the server sees the folders under another mount, give ``server_dir`` (the
+same folder as the server sees it). Publication must run in the process whose engine serves the requests (the
+API process): only that engine knows which requests are in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clawloop.engines.base import EngineError
+from clawloop.engines.vllm import VLLMEngine
+
+log = logging.getLogger(__name__)
+
+_COPY_FROM_BASE = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
+                   "tokenizer.model")
+
+
+@dataclass
+class LoRAWeights:
+    """An adapter given as data: its PEFT ``adapter_config.json`` content and its tensors (PEFT key names)."""
+
+    config: Mapping[str, Any]
+    state_dict: Mapping[str, torch.Tensor]
+
+
+def _write_atomically(folder: Path, write: Any) -> Path:
+    """``write(tmp)`` into a temporary sibling, then rename it to ``folder`` (replacing an old one)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o755)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _save_tensors(state_dict: Mapping[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    # Clone: safetensors refuses tensors that share storage, and the caller's tensors must not be held.
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+class _Publisher:
+    def __init__(self, engine: VLLMEngine, root: str | Path, name_prefix: str, server_dir: str | Path | None):
+        self.engine = engine
+        self.root = Path(root)
+        self.name_prefix = name_prefix
+        self.server_dir = Path(server_dir) if server_dir else None
+        self._lock: asyncio.Lock | None = None
+        self._lock_loop: asyncio.AbstractEventLoop | None = None
+        engine.publisher = self
+
+    def _name(self, version: int) -> str:
+        return f"{self.name_prefix}-v{version}"
+
+    def _server_path(self, folder: Path) -> str:
+        if self.server_dir is None:
+            return str(folder.resolve())
+        return str(self.server_dir / folder.relative_to(self.root))
+
+    def _serial(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock_loop is not loop:
+            self._lock, self._lock_loop = asyncio.Lock(), loop
+        return self._lock
+
+    async def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+        return await self.engine._request(method, path, body, retry=False, expect_json=False)
+
+
+class LoRAPublisher(_Publisher):
+    """Hot-load LoRA adapters under versioned names (see the module docstring)."""
+
+    def __init__(self, engine: VLLMEngine, adapters_dir: str | Path, *, name_prefix: str = "policy",
+                 keep_previous: int = 0, server_dir: str | Path | None = None, delete_retired: bool = True):
+        super().__init__(engine, adapters_dir, name_prefix, server_dir)
+        self.keep_previous = max(0, keep_previous)
+        self.delete_retired = delete_retired
+        self.loaded: list[tuple[int, str]] = []
+        """(version, adapter name) loaded by this publisher and not yet retired, oldest first."""
+        self.unloaded: list[str] = []
+        self._retiring: dict[str, asyncio.Task] = {}
+
+    async def publish(self, adapter: Any, *, version: int | None = None) -> int:
+        """Load ``adapter`` (a PEFT folder, a PEFT model, or ``LoRAWeights``) as the new policy; its version."""
+        async with self._serial():
+            version = self.engine.policy_version + 1 if version is None else int(version)
+            name = self._name(version)
+            folder = await asyncio.to_thread(self._materialise, adapter, self.root / name)
+            try:
+                await self._call("POST", "/v1/load_lora_adapter", {"lora_name": name,
+                                                                     "lora_path": self._server_path(folder)})
+            except EngineError as exc:
+                raise EngineError(f"loading LoRA adapter {name} from {folder} failed: {exc}") from exc
+            self.engine.set_policy(version, name)
+            self.loaded.append((version, name))
+            for _, old in self.loaded[: -1 - self.keep_previous]:
+                if old not in self._retiring:
+                    self._retiring[old] = asyncio.ensure_future(self._retire(old))
+            return version
+
+    def _materialise(self, adapter: Any, folder: Path) -> Path:
+        if isinstance(adapter, (str, Path)):
+            source = Path(adapter)
+            if not (source / "adapter_config.json").is_file():
+                raise EngineError(f"{source} is not a PEFT adapter folder (no adapter_config.json)")
+            return _write_atomically(folder, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))
+        if isinstance(adapter, LoRAWeights):
+            def write(tmp: Path) -> None:
+                (tmp / "adapter_config.json").write_text(json.dumps(dict(adapter.config), indent=2) + "\n")
+                _save_tensors(adapter.state_dict, tmp / "adapter_model.safetensors")
+            return _write_atomically(folder, write)
+        if hasattr(adapter, "save_pretrained") and hasattr(adapter, "peft_config"):
+            return _write_atomically(folder, lambda tmp: adapter.save_pretrained(str(tmp)))
+        raise EngineError(
+            f"cannot publish a {type(adapter).__name__} as a LoRA adapter: give a PEFT folder, a PEFT model or "
+            "LoRAWeights"
+        )
+
+    async def _retire(self, name: str) -> None:
+        try:
+            await self.engine.when_idle(name)
+            try:
+                await self._call("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+            except EngineError as exc:
+                if "404" not in str(exc):  # already gone is fine
+                    raise
+            self.loaded = [(v, n) for v, n in self.loaded if n != name]
+            self.unloaded.append(name)
+            if self.delete_retired:
+                await asyncio.to_thread(shutil.rmtree, self.root / name, True)
+        except Exception:  # noqa: BLE001 - a failed unload must not break serving; it is logged
+            log.exception("unloading LoRA adapter %s failed", name)
+        finally:
+            self._retiring.pop(name, None)
+
+    async def wait_retired(self) -> None:
+        """Wait until every adapter scheduled for unloading is unloaded (tests, shutdown)."""
+        while self._retiring:
+            await asyncio.gather(*list(self._retiring.values()), return_exceptions=True)
+
+    async def aclose(self) -> None:
+        for task in list(self._retiring.values()):
+            task.cancel()
+        self._retiring.clear()
+
+
+class CheckpointPublisher(_Publisher):
+    """Full fine-tuning: write a checkpoint folder and reload it in place (see the module docstring)."""
+
+    def __init__(self, engine: VLLMEngine, checkpoints_dir: str | Path, base_model_dir: str | Path, *,
+                 name_prefix: str = "policy", keep: int = 2, server_dir: str | Path | None = None):
+        super().__init__(engine, checkpoints_dir, name_prefix, server_dir)
+        self.base_model_dir = Path(base_model_dir)
+        self.keep = max(1, keep)
+        self.current: Path = self.base_model_dir
+        """The folder the server's weights came from."""
+        self.written: list[Path] = []
+        self._base_keys: set[str] | None = None
+        self._tied = bool(json.loads((self.base_model_dir / "config.json").read_text()).get("tie_word_embeddings"))
+
+    async def publish(self, weights: Any, *, version: int | None = None) -> int:
+        """Publish a full state dict (or module, or an HF checkpoint folder); returns the new version."""
+        async with self._serial():
+            version = self.engine.policy_version + 1 if version is None else int(version)
+            if isinstance(weights, (str, Path)):
+                folder = Path(weights)
+                if not (folder / "config.json").is_file():
+                    raise EngineError(f"{folder} is not a Hugging Face checkpoint folder")
+            else:
+                folder = await asyncio.to_thread(self._write, weights, self.root / self._name(version))
+                self.written.append(folder)
+            async with self.engine.draining():
+                await self._reload(folder, version)
+                self.engine.set_policy(version, self.engine.base_model)
+            self.current = folder
+            await asyncio.to_thread(self._prune)
+            return version
+
+    async def _reload(self, folder: Path, version: int) -> None:
+        try:
+            await self._call("POST", "/pause?mode=wait")
+        except EngineError as exc:
+            hint = " (start the server with VLLM_SERVER_DEV_MODE=1: VLLMServerSettings(dev_mode=True))" \
+                if "404" in str(exc) else ""
+            raise EngineError(f"cannot pause {self.engine.base_url} for a weight reload{hint}: {exc}") from exc
+        try:
+            try:
+                await self._reload_from(folder)
+            except EngineError as exc:
+                try:
+                    await self._reload_from(self.current)
+                    restored = f"the previous weights ({self.current}) were reloaded"
+                except EngineError as again:
+                    restored = f"restoring the previous weights failed too: {again}"
+                raise EngineError(f"reloading weights from {folder} failed: {exc}; {restored}") from exc
+            await self._call("POST", "/update_weight_version", {"new_version": str(version)})
+        finally:
+            await self._call("POST", "/resume")
+
+    async def _reload_from(self, folder: Path) -> None:
+        await self._call("POST", "/collective_rpc", {"method": "reload_weights",
+                                                     "kwargs": {"weights_path": self._server_path(folder)}})
+        # Cached KV blocks were computed by the old weights.
+        await self._call("POST", "/reset_prefix_cache")
+
+    def _server_path(self, folder: Path) -> str:
+        if folder == self.base_model_dir or self.server_dir is None or not folder.is_relative_to(self.root):
+            return str(folder.resolve())
+        return super()._server_path(folder)
+
+    def base_keys(self) -> set[str]:
+        if self._base_keys is None:
+            from safetensors import safe_open
+
+            keys: set[str] = set()
+            for path in sorted(self.base_model_dir.glob("*.safetensors")):
+                with safe_open(str(path), framework="pt") as f:
+                    keys.update(f.keys())
+            if not keys:
+                raise EngineError(f"{self.base_model_dir} holds no safetensors weights to compare against")
+            self._base_keys = keys
+        return self._base_keys
+
+    def _write(self, weights: Any, folder: Path) -> Path:
+        if isinstance(weights, torch.nn.Module):
+            if hasattr(weights, "peft_config"):
+                raise EngineError("a PEFT model goes to LoRAPublisher (or merge_and_unload() it first)")
+            weights = weights.state_dict()
+        if not isinstance(weights, Mapping):
+            raise EngineError(f"cannot publish a {type(weights).__name__}: give a state dict, a module or a folder")
+        state = dict(weights)
+        if self._tied:
+            state.pop("lm_head.weight", None)
+        base = self.base_keys()
+        unexpected = sorted(set(state) - base)
+        missing = sorted(base - set(state))
+        if unexpected or missing:
+            raise EngineError(
+                f"state dict does not match the served checkpoint: unexpected {unexpected[:5]}, missing {missing[:5]}"
+            )
+
+        def write(tmp: Path) -> None:
+            _save_tensors(state, tmp / "model.safetensors")
+            for name in _COPY_FROM_BASE:
+                if (self.base_model_dir / name).is_file():
+                    shutil.copy2(self.base_model_dir / name, tmp / name)
+
+        return _write_atomically(folder, write)
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep`` written folders (the one being served is always among them)."""
+        while len(self.written) > self.keep:
+            old = self.written.pop(0)
+            if old != self.current:
+                shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,410 @@
+"""Start, watch and stop a local vLLM OpenAI-compatible server, or attach to one started elsewhere.
+
+Choices a reader needs to know:
+
+* **Its own interpreter.** vLLM pins its own torch and lives in a separate virtualenv (``.venv-vllm``, made by
+  ``scripts/setup_vllm_venv.sh``); ``find_vllm_python`` picks ``$CLAWLOOP_VLLM_PYTHON`` first, then
+  ``<repo>/.venv-vllm/bin/python``. The server is started as ``python -m vllm.entrypoints.openai.api_server``
+  (the ``vllm`` console script looks for a distribution literally named ``vllm``, which the CPU wheel is not).
+* **Settings that keep clawloop's numbers right**, set on every server started here:
+  ``--logprobs-mode processed_logprobs`` (generated-token log-probs come from the distribution actually sampled
+  from: after temperature and top-p, like the embedded engine), ``--generation-config vllm`` (the model folder's
+  generation defaults never change a request's sampling silently) and ``--max-logprobs`` (how many alternatives
+  scoring may ask for per position). LoRA serving (``enable_lora``) turns on runtime adapter loading through
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``. ``dev_mode`` (``VLLM_SERVER_DEV_MODE=1``) exposes ``/pause``,
+  ``/resume``, ``/collective_rpc`` and ``/reset_prefix_cache``, which checkpoint publication needs; never expose a
+  dev-mode server beyond the trainer's network.
+* **Small by default**: ``--max-model-len 2048``, ``--max-num-seqs 16`` and, on CPU, a 1 GiB KV cache
+  (``VLLM_CPU_KVCACHE_SPACE``). ``enforce_eager`` skips torch.compile: startup takes a couple of minutes instead
+  of several on a small CPU, at some cost in decode speed.
+* **Lifecycle.** The process runs in its own session (process group) with stdout/stderr in a log file. ``start``
+  waits for ``GET /health`` and the served model in ``GET /v1/models`` up to ``startup_timeout_s``, failing early
+  (with the log's tail in the error) when the process exits. ``stop`` sends SIGTERM to the group, then SIGKILL after
+  a grace period. ``ensure_running`` restarts a server that died (up to ``max_restarts``). ``attach`` wraps a
+  server started elsewhere: the same health wait, and ``stop`` leaves it alone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from clawloop.engines.base import EngineError
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VENV_DIRNAME = ".venv-vllm"
+_RUNNING: weakref.WeakSet[VLLMServer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    """A server started here never outlives the interpreter that started it (it holds GBs of memory)."""
+    for server in list(_RUNNING):
+        server.stop(timeout_s=10)
+
+
+def find_vllm_python() -> Path | None:
+    """The interpreter of the vLLM virtualenv: ``$CLAWLOOP_VLLM_PYTHON``, else ``<repo>/.venv-vllm/bin/python``."""
+    env = os.environ.get("CLAWLOOP_VLLM_PYTHON", "").strip()
+    if env:
+        path = Path(env).expanduser()
+        return path if path.is_file() else None
+    path = REPO_ROOT / VENV_DIRNAME / "bin" / "python"
+    return path if path.is_file() else None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class VLLMServerSettings:
+    """How to start one vLLM server. Field names follow vLLM's flags where there is one."""
+
+    model: str
+    """A local Hugging Face model folder (clawloop never lets vLLM download)."""
+    served_model_name: str = "base"
+    python: str = ""
+    """Interpreter with vLLM installed; empty = ``find_vllm_python()``."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0 = pick a free port at start."""
+    dtype: str = "auto"
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+    max_logprobs: int = 64
+    logprobs_mode: str = "processed_logprobs"
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_loras: int = 2
+    dev_mode: bool = False
+    enforce_eager: bool = False
+    cpu_kv_cache_gb: int | None = 1
+    """``VLLM_CPU_KVCACHE_SPACE`` (GiB) for the CPU build; None leaves vLLM's default. Ignored on GPU builds."""
+    gpu_memory_utilization: float | None = None
+    api_key: str = ""
+    """When set the server requires ``Authorization: Bearer <api_key>``."""
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    log_file: str = ""
+    """Where the server's output goes; empty = a new file in the temp folder."""
+    startup_timeout_s: float = 300.0
+    stop_timeout_s: float = 30.0
+    max_restarts: int = 3
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> VLLMServerSettings:
+        """Build from a config section (unknown keys are an error, so typos do not pass silently)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown vLLM server settings {unknown}; known: {sorted(known)}")
+        values = dict(values)
+        if "extra_args" in values:
+            values["extra_args"] = tuple(values["extra_args"])
+        return cls(**values)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self, python: str | Path) -> list[str]:
+        argv = [
+            str(python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model),
+            "--served-model-name", self.served_model_name,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--max-logprobs", str(self.max_logprobs),
+            "--logprobs-mode", self.logprobs_mode,
+            "--generation-config", "vllm",
+        ]
+        if self.enable_lora:
+            argv += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
+        if self.enforce_eager:
+            argv.append("--enforce-eager")
+        if self.gpu_memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.api_key:
+            argv += ["--api-key", self.api_key]
+        return argv + list(self.extra_args)
+
+    def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        env["HF_HUB_OFFLINE"] = "1"  # never download: the model is a local folder
+        env["TRANSFORMERS_OFFLINE"] = "1"
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        if self.cpu_kv_cache_gb is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.cpu_kv_cache_gb))
+        if self.enable_lora:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        # The main venv's variables must not leak into the other interpreter.
+        for key in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
+            env.pop(key, None)
+        env.update(self.env)
+        return env
+
+    def model_vocab_size(self) -> int | None:
+        """``vocab_size`` from the model folder's config.json (None when unreadable)."""
+        try:
+            config = json.loads((Path(self.model) / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        value = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+        return int(value) if value else None
+
+
+class VLLMServer:
+    """One vLLM server: a process started here, or an attached URL (see the module docstring)."""
+
+    def __init__(self, settings: VLLMServerSettings | None = None, *, url: str = "", api_key: str = "",
+                 served_model_name: str = "", startup_timeout_s: float = 300.0):
+        if settings is None and not url:
+            raise ValueError("give settings (start a server) or url (attach to one)")
+        self.settings = settings
+        self._url = url.rstrip("/")
+        self._api_key = api_key or (settings.api_key if settings else "")
+        self._served_name = served_model_name or (settings.served_model_name if settings else "")
+        self._startup_timeout_s = settings.startup_timeout_s if settings else startup_timeout_s
+        self.process: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+        self.restarts = 0
+        self.startup_s: float | None = None
+
+    # ------------------------------------------------------------------------------------------ set-up
+
+    @classmethod
+    def attach(cls, url: str, *, api_key: str = "", served_model_name: str = "",
+               startup_timeout_s: float = 60.0) -> VLLMServer:
+        """Wrap a server started elsewhere (``stop`` will not touch it). Call ``start`` to wait for it."""
+        return cls(url=url, api_key=api_key, served_model_name=served_model_name,
+                   startup_timeout_s=startup_timeout_s)
+
+    @property
+    def managed(self) -> bool:
+        return self.settings is not None
+
+    @property
+    def url(self) -> str:
+        if self._url:
+            return self._url
+        raise EngineError("the vLLM server has not been started yet")
+
+    @property
+    def served_model_name(self) -> str:
+        return self._served_name
+
+    def start(self) -> VLLMServer:
+        """Start the process (managed) and wait until it serves; an attached server is only waited for."""
+        self.launch()
+        self.wait_ready()
+        return self
+
+    def launch(self) -> VLLMServer:
+        """Start the process without waiting (start several servers, then ``wait_ready`` each)."""
+        if self.managed and (self.process is None or self.process.poll() is not None):
+            self._spawn()
+        return self
+
+    def _spawn(self) -> None:
+        settings = self.settings
+        assert settings is not None
+        python = Path(settings.python) if settings.python else find_vllm_python()
+        if python is None or not Path(python).is_file():
+            raise EngineError(
+                "no vLLM interpreter: run scripts/setup_vllm_venv.sh (creates .venv-vllm) or set "
+                "CLAWLOOP_VLLM_PYTHON to a python with vllm installed"
+            )
+        if not (Path(settings.model) / "config.json").is_file():
+            raise EngineError(f"vLLM model {settings.model!r} is not a local model folder with config.json")
+        if settings.port == 0:
+            settings = replace(settings, port=free_port(settings.host))
+            self.settings = settings
+        self._url = settings.url
+        if settings.log_file:
+            self.log_path = Path(settings.log_file)
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        else:
+            fd, name = tempfile.mkstemp(prefix=f"clawloop-vllm-{settings.port}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        argv = settings.command(python)
+        log.info("starting vLLM: %s (log %s)", " ".join(argv), self.log_path)
+        with open(self.log_path, "ab") as out:
+            out.write(f"\n=== clawloop: {' '.join(argv)}\n".encode())
+            out.flush()
+            self.process = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=settings.environment(), start_new_session=True,
+            )
+        _RUNNING.add(self)
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Block until ``/health`` answers 200 and the served model is listed; EngineError otherwise."""
+        timeout_s = self._startup_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        last = "no answer yet"
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        with httpx.Client(timeout=httpx.Timeout(5.0, connect=2.0), headers=headers) as client:
+            while True:
+                if self.process is not None and self.process.poll() is not None:
+                    raise EngineError(
+                        f"vLLM server {self.url} exited with code {self.process.returncode} while starting; "
+                        f"log {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        models = client.get(f"{self.url}/v1/models")
+                        if models.status_code == 200:
+                            names = [m.get("id") for m in models.json().get("data", [])]
+                            if not self._served_name or self._served_name in names:
+                                if not self._served_name and names:
+                                    self._served_name = str(names[0])
+                                self.startup_s = time.monotonic() - started
+                                return
+                            last = f"serves {names}, not {self._served_name!r}"
+                        else:
+                            last = f"/v1/models answered {models.status_code}"
+                    else:
+                        last = "/health not ready"
+                except (httpx.HTTPError, ValueError) as exc:
+                    last = f"{type(exc).__name__}: {exc}"
+                if time.monotonic() >= deadline:
+                    where = f"; log {self.log_path}:\n{self.log_tail()}" if self.log_path else ""
+                    if self.managed:
+                        self.stop()
+                    raise EngineError(f"vLLM server {self.url} not ready after {timeout_s:.0f} s ({last}){where}")
+                time.sleep(1.0)
+
+    # ------------------------------------------------------------------------------------------ running
+
+    def is_alive(self) -> bool:
+        if self.process is not None:
+            return self.process.poll() is None
+        if not self.managed:
+            try:
+                return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
+            except httpx.HTTPError:
+                return False
+        return False
+
+    def ensure_running(self) -> bool:
+        """Restart a managed server that died (``max_restarts`` at most). Returns True when it was restarted."""
+        if not self.managed or self.is_alive():
+            return False
+        assert self.settings is not None
+        if self.restarts >= self.settings.max_restarts:
+            raise EngineError(
+                f"vLLM server {self.url} died and was already restarted {self.restarts} times; log "
+                f"{self.log_path}:\n{self.log_tail()}"
+            )
+        log.warning("vLLM server %s died (code %s); restarting", self._url,
+                    self.process.returncode if self.process else None)
+        self.restarts += 1
+        self.process = None
+        self.start()
+        return True
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 20000))
+            text = f.read().decode("utf-8", "replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Terminate a managed server's process group (SIGTERM, then SIGKILL); an attached server is left alone."""
+        process, self.process = self.process, None
+        _RUNNING.discard(self)
+        if process is None or process.poll() is not None:
+            return
+        grace = timeout_s if timeout_s is not None else (self.settings.stop_timeout_s if self.settings else 30.0)
+        try:
+            os.killpg(process.pid, signal.SIGTERM)  # the group is the server's own session
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait(10)
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -------------------------------------------------------------------------------------------- engine
+
+    def engine(self, **overrides: Any) -> Any:
+        """A ``VLLMEngine`` for this server, told what the settings already say (context, logprob limits...)."""
+        from clawloop.engines.vllm import VLLMEngine
+
+        kwargs: dict[str, Any] = {"api_key": self._api_key}
+        if self.settings is not None:
+            s = self.settings
+            kwargs.update(
+                max_context=s.max_model_len,
+                max_logprobs=s.max_logprobs,
+                # Prompt log-probs on a LoRA-enabled CPU server crash its engine (vLLM 0.32 CPU LoRA logits path).
+                prompt_logprobs=not s.enable_lora,
+                vocab_size=s.model_vocab_size(),
+            )
+        kwargs.update(overrides)
+        return VLLMEngine(self.url, self.served_model_name, **kwargs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m clawloop.engines.vllm_server SETTINGS.json``: start a server and keep it up until interrupted."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m clawloop.engines.vllm_server SETTINGS.json", file=sys.stderr)
+        return 2
+    settings = VLLMServerSettings.from_mapping(json.loads(Path(args[0]).read_text()))
+    server = VLLMServer(settings).start()
+    print(f"vLLM serving {server.served_model_name} at {server.url} (log {server.log_path})", flush=True)
+    try:
+        while True:
+            time.sleep(5)
+            server.ensure_running()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

