@@ -1,0 +1,172 @@
+"""Hint injection and the teacher's top-k targets, checked against an independent forward pass."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from clawloop.api.chat import ChatRenderer
+from clawloop.config import Config
+from clawloop.engines.base import SamplingParams
+from clawloop.pipeline import chat_render_fn
+from clawloop.store import TurnRecord
+from clawloop.teacher import Teacher, inject_hint, train_temperature
+
+TOOL_LOOP = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "List the files."},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "a.txt b.txt"},
+]
+TOOLS = [{"type": "function", "function": {"name": "ls", "description": "list files",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+
+# ---- hint injection -------------------------------------------------------------------------------------
+
+def test_hint_goes_into_last_user_message_only():
+    messages = TOOL_LOOP[:1] + [{"role": "user", "content": "first"}, {"role": "assistant", "content": "ok"}] \
+        + TOOL_LOOP[1:]
+    out = inject_hint(messages, "Sort them by size.")
+    assert out[3]["content"] == "List the files.\n\n[user's hint / instruction]\nSort them by size."
+    # everything else untouched, including the tool messages after the last user message and earlier users
+    assert out[:3] == messages[:3] and out[4:] == messages[4:]
+    assert messages[3]["content"] == "List the files."  # the input is not modified
+
+
+def test_hint_without_user_message_adds_one():
+    messages = [{"role": "system", "content": "sys"}]
+    assert inject_hint(messages, "Be brief.") == [
+        {"role": "system", "content": "sys"}, {"role": "user", "content": "[user's hint / instruction]\nBe brief."}]
+    assert inject_hint([], "Be brief.") == [{"role": "user", "content": "[user's hint / instruction]\nBe brief."}]
+
+
+def test_hint_into_content_parts():
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]
+    assert inject_hint(messages, "Wave.")[0]["content"] == "Hello there\n\n[user's hint / instruction]\nWave."
+
+
+def test_train_temperature_rule():
+    cfg = SimpleNamespace(train_temperature=0.0)
+    assert train_temperature(cfg, 0.6) == 0.6
+    assert train_temperature(cfg, 0.0) == 1.0  # greedy turns score at 1
+    assert train_temperature(SimpleNamespace(train_temperature=0.8), 0.6) == 0.8
+
+
+# ---- targets on the tiny model ----------------------------------------------------------------------------
+
+def make_turn(tokenizer, engine, messages, tools=None, max_tokens=6):
+    prompt_ids = ChatRenderer(tokenizer).render(messages, tools).ids
+    gen = asyncio.run(engine.generate(prompt_ids, SamplingParams(temperature=0.7, max_tokens=max_tokens, seed=3)))
+    return TurnRecord(session_id="s", messages=messages, tools=tools, prompt_ids=prompt_ids,
+                      response_ids=gen.token_ids, logprobs=gen.logprobs, temperature=0.7, top_p=1.0,
+                      policy_version=0, response_text=gen.text, id=1)
+
+
+def reference_logprobs(model, prompt_ids, response_ids, temperature):
+    """Independent computation: one plain forward, log-softmax of logits / T at the response positions."""
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    p, t = len(prompt_ids), len(response_ids)
+    return torch.log_softmax(logits[p - 1:p - 1 + t] / temperature, dim=-1)
+
+
+@pytest.fixture
+def teacher(tiny_engine, tiny_tokenizer):
+    config = Config(model="tiny", topk=4)
+    return Teacher(tiny_engine, chat_render_fn(tiny_tokenizer), config)
+
+
+def test_targets_match_a_direct_forward_pass(teacher, tiny_engine, tiny_tokenizer):
+    turn = make_turn(tiny_tokenizer, tiny_engine, TOOL_LOOP, TOOLS)
+    hints = ["Sort by size.", "Show sizes in bytes, largest first."]
+    out = asyncio.run(teacher.targets(turn, hints))
+    T, K, C = len(turn.response_ids), 4, 2
+    t = out.tensors
+    assert t["student_ids_T_K"].shape == (T, K) and t["student_ids_T_K"].dtype == torch.int64
+    for name in ("teacher_ids_C_T_K", "teacher_logprobs_C_T_K", "teacher_at_student_C_T_K"):
+        assert t[name].shape == (C, T, K), name
+    assert t["teacher_ids_C_T_K"].dtype == torch.int64 and t["teacher_logprobs_C_T_K"].dtype == torch.float32
+    assert t["hint_lens_C"].tolist() == [len(h) for h in hints]
+    assert out.info["render_matches"] is True and out.info["temperature"] == 0.7
+
+    model = tiny_engine.model
+    student_ref = reference_logprobs(model, turn.prompt_ids, turn.response_ids, 0.7)
+    assert torch.equal(t["student_ids_T_K"], student_ref.topk(K, dim=-1).indices)
+    for c, hint in enumerate(hints):
+        prompt = ChatRenderer(tiny_tokenizer).render(inject_hint(TOOL_LOOP, hint), TOOLS).ids
+        assert teacher.prompt_ids(turn, hint) == prompt
+        ref = reference_logprobs(model, prompt, turn.response_ids, 0.7)
+        top = ref.topk(K, dim=-1)
+        assert torch.equal(t["teacher_ids_C_T_K"][c], top.indices)
+        torch.testing.assert_close(t["teacher_logprobs_C_T_K"][c], top.values, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(t["teacher_at_student_C_T_K"][c], ref.gather(-1, t["student_ids_T_K"]),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_hint_changes_teacher_logprobs_and_ids_stay_consistent(teacher, tiny_engine, tiny_tokenizer):
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    turn = make_turn(tiny_tokenizer, tiny_engine, messages)
+    anchor = asyncio.run(teacher.targets(turn, []))
+    hinted = asyncio.run(teacher.targets(turn, ["Answer with the single word: banana"]))
+    assert anchor.info["anchor"] and anchor.tensors["hint_lens_C"].tolist() == [0]
+    # same student set whatever the hint: it comes from the un-hinted prompt
+    assert torch.equal(anchor.tensors["student_ids_T_K"], hinted.tensors["student_ids_T_K"])
+    diff = (anchor.tensors["teacher_at_student_C_T_K"] - hinted.tensors["teacher_at_student_C_T_K"]).abs()
+    assert diff.max() > 1e-3  # the teacher reads the hint
+    # the hint is in the teacher prompt, in the last user message, before the generation prompt
+    text = tiny_tokenizer.decode(teacher.prompt_ids(turn, "Answer with the single word: banana"))
+    assert text.endswith("<|im_start|>user\nName a fruit.\n\n[user's hint / instruction]\n"
+                         "Answer with the single word: banana<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_teacher_at_ids_agrees_with_stored_targets(teacher, tiny_engine, tiny_tokenizer):
+    turn = make_turn(tiny_tokenizer, tiny_engine, [{"role": "user", "content": "Count to three."}])
+    hints = ["Use digits.", "Write the numbers as words."]
+    out = asyncio.run(teacher.targets(turn, hints))
+    again = asyncio.run(teacher.teacher_at_ids(turn, hints, out.tensors["student_ids_T_K"]))
+    torch.testing.assert_close(again, out.tensors["teacher_at_student_C_T_K"], atol=1e-5, rtol=1e-5)
+    # at other ids (as the trainer asks when the old policy's top-k moved), it is a different gather
+    other = torch.flip(out.tensors["teacher_ids_C_T_K"][1], dims=[-1])
+    at_other = asyncio.run(teacher.teacher_at_ids(turn, hints, other))
+    assert at_other.shape == (2, len(turn.response_ids), 4)
+    torch.testing.assert_close(at_other[1], torch.flip(out.tensors["teacher_logprobs_C_T_K"][1], dims=[-1]),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_render_mismatch_is_reported(teacher, tiny_engine, tiny_tokenizer):
+    turn = make_turn(tiny_tokenizer, tiny_engine, [{"role": "user", "content": "Hi"}])
+    turn.prompt_ids = turn.prompt_ids[:-1] + [turn.prompt_ids[-1], 198]  # not what rendering gives today
+    out = asyncio.run(teacher.targets(turn, ["Say hello back."]))
+    assert out.info["render_matches"] is False
+
+
+# ---- the real model ---------------------------------------------------------------------------------------
+
+@pytest.mark.real_model
+def test_real_model_hint_raises_logprob_of_the_hinted_word():
+    from clawloop.engines import model_files
+    from clawloop.engines.hf import HFEngine
+
+    path = model_files.default_model_dir()
+    tokenizer = model_files.load_tokenizer(path)
+    engine = HFEngine(path, tokenizer, device="cpu", num_threads=2)
+    try:
+        teacher = Teacher(engine, chat_render_fn(tokenizer), Config(topk=4))
+        messages = [{"role": "user", "content": "Name a fruit."}]
+        prompt_ids = ChatRenderer(tokenizer).render(messages).ids
+        response_ids = tokenizer("Banana", add_special_tokens=False)["input_ids"] + [2]
+        turn = TurnRecord(session_id="s", messages=messages, prompt_ids=prompt_ids, response_ids=response_ids,
+                          logprobs=[0.0] * len(response_ids), temperature=1.0, top_p=1.0, policy_version=0, id=1)
+        hint = "Answer with the single word: banana"
+        at = torch.tensor([[i] * 4 for i in response_ids])  # gather at the response's own tokens
+        plain = asyncio.run(teacher.teacher_at_ids(turn, [], at))[0, :, 0]
+        hinted = asyncio.run(teacher.teacher_at_ids(turn, [hint], at))[0, :, 0]
+        n_word = len(response_ids) - 1
+        print("log p(banana) un-hinted", plain[:n_word].sum().item(), "hinted", hinted[:n_word].sum().item())
+        assert hinted[:n_word].sum() > plain[:n_word].sum() + 1.0, (plain, hinted)
+    finally:
+        engine.close_sync()
