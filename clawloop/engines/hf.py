@@ -106,6 +106,8 @@ class _PublishJob:
     """double_buffer: the ready new model, swapped in at the next step boundary."""
     apply: Callable[[torch.nn.Module], None] | None = None
     """drain: applied in place by the worker once no sequence is running."""
+    version: int | None = None
+    """The version to publish as (None: current + 1)."""
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -334,11 +336,14 @@ class HFEngine:
         self._inbox.put(job)
         return await job.future
 
-    async def publish(self, weights: Weights, timeout_s: float | None = None) -> int:
-        """Swap in new weights (see module docstring); returns the new ``policy_version``."""
-        return await asyncio.to_thread(self.publish_sync, weights, timeout_s)
+    async def publish(self, weights: Weights, timeout_s: float | None = None, version: int | None = None) -> int:
+        """Swap in new weights (see module docstring); returns the new ``policy_version``.
 
-    def publish_sync(self, weights: Weights, timeout_s: float | None = None) -> int:
+        ``version`` sets the version explicitly (a trainer resuming from a checkpoint continues its count);
+        by default it is the current version plus one."""
+        return await asyncio.to_thread(self.publish_sync, weights, timeout_s, version)
+
+    def publish_sync(self, weights: Weights, timeout_s: float | None = None, version: int | None = None) -> int:
         """Blocking ``publish`` for trainer threads. Never call it on the event loop's thread."""
         if self._closed:
             raise EngineError("engine is closed")
@@ -349,10 +354,10 @@ class HFEngine:
                 new_model = copy.deepcopy(self._latest_model)
                 with torch.no_grad():
                     _apply_weights(new_model, weights)
-                job = _PublishJob(model=new_model.eval())
+                job = _PublishJob(model=new_model.eval(), version=version)
             else:
                 _check_state_dict(self._latest_model, weights)
-                job = _PublishJob(apply=lambda m: _apply_weights(m, weights))
+                job = _PublishJob(apply=lambda m: _apply_weights(m, weights), version=version)
             self._inbox.put(job)
             version = self._wait_published(job, timeout_s)
             if job.model is not None:
@@ -530,7 +535,7 @@ class HFEngine:
                     self._publications.popleft()
                     job.done.set_exception(EngineError(f"publishing weights failed: {exc}"))
                     continue
-            self._version += 1
+            self._version = self._version + 1 if job.version is None else int(job.version)
             self._publications.popleft()
             job.done.set_result(self._version)
 

@@ -31,12 +31,22 @@ What it asks vLLM for, and why the numbers mean what the interface promises:
      scored **exactly**: a one-token generation request with ``prompt = prompt_ids + response_ids[:t]``, the
      request's temperature, no top-p/top-k, and ``logprob_token_ids`` = the position's top-k ids, response token
      and requested ids. With ``processed_logprobs`` those values come from ``log_softmax(logits / T)`` over the full
-     vocabulary. It costs one request per such position (prefix caching keeps each cheap), so it is exact and
-     slower. Temperature never changes the order of ids, so the probe's top-k ids are the tempered top-k too.
+     vocabulary. It costs one request per such position, so it is exact and slower; the last position goes
+     first so that the others find the shared prefix in vLLM's prefix cache (which caches whole KV blocks: on
+     CPU, where vLLM's default block is 128 tokens, start scoring servers with a smaller ``block_size``, e.g.
+     32). Temperature never changes the order of ids, so the probe's top-k ids are the tempered top-k too.
 
   ``prompt_logprobs=False`` (a server with ``--enable-lora``: prompt log-probs through the CPU LoRA logits path
   crash vLLM 0.32's engine) scores every position with step 3, first asking for the top-k at that position.
   vLLM needs one spare position for the generated token, so scoring needs ``P + T < max_context``.
+* **Two kinds of log-prob request never overlap.** In vLLM 0.32 a batch holding one ``logprob_token_ids`` request
+  returns *every* row's log-probs gathered at ``logprob_token_ids`` columns, so a concurrent request asking for
+  its top alternatives (``logprobs > 0``) silently gets the sampled token plus padding instead. The engine
+  therefore admits "top-k" requests and "chosen-ids" requests in alternating groups (``_KindGate``, fair: a
+  waiting group goes next); requests asking for neither run freely. This covers every request sent through one
+  engine object, so give a server whose requests need top alternatives a single ``VLLMEngine`` per process (and
+  do not share it with other clients asking for them). As a last guard a top-k answer with fewer finite entries
+  than asked (impossible at temperature > 0 without top-p) is an error, never a result.
 * **Versions.** Requests go to the model name of the current policy route (``set_policy``): the base model's
   served name, or a versioned LoRA adapter's name, so a request runs on the version it was sent to from start to
   end. The engine counts in-flight requests per model name (``inflight``/``when_idle``) and lets callers pin a
@@ -56,7 +66,7 @@ import contextlib
 import json
 import logging
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +98,69 @@ class PolicyRoute:
 
     version: int
     model: str
+
+
+class _KindGate:
+    """Admits requests of one kind at a time ("top" or "ids"); requests of kind None pass (module docstring)."""
+
+    def __init__(self) -> None:
+        self.kind: str | None = None
+        self.active = 0
+        self.waiting: deque[tuple[str, asyncio.Future]] = deque()
+
+    @contextlib.asynccontextmanager
+    async def admit(self, kind: str | None):
+        if kind is None:
+            yield
+            return
+        self.waiting = deque((k, f) for k, f in self.waiting if not f.done())  # drop cancelled waiters
+        if self.active == 0 and self.waiting:
+            self._dispatch()
+        free = self.active == 0 and not self.waiting
+        joins = self.kind == kind and self.active > 0 and all(k == kind for k, _ in self.waiting)
+        if free or joins:
+            self.kind = kind
+            self.active += 1
+        else:
+            fut = asyncio.get_running_loop().create_future()
+            self.waiting.append((kind, fut))
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():  # admitted just before the cancellation
+                    self._leave()
+                raise
+        try:
+            yield
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """With nothing running, admit the oldest waiting request and every waiting one of its kind."""
+        self.kind = None
+        self.waiting = deque((k, f) for k, f in self.waiting if not f.done())
+        if not self.waiting:
+            return
+        self.kind = self.waiting[0][0]
+        rest: deque[tuple[str, asyncio.Future]] = deque()
+        for k, fut in self.waiting:
+            if k == self.kind:
+                self.active += 1
+                fut.set_result(None)
+            else:
+                rest.append((k, fut))
+        self.waiting = rest
+
+
+def _logprob_kind(body: dict) -> str | None:
+    if body.get("logprob_token_ids"):
+        return "ids"
+    return "top" if (body.get("logprobs") or 0) > 0 else None
 
 
 class VLLMEngine:
@@ -150,6 +223,7 @@ class VLLMEngine:
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._semaphore: asyncio.Semaphore | None = None
+        self._kinds = _KindGate()
         self.loop: asyncio.AbstractEventLoop | None = None
         """The event loop this engine last ran on (publishers use it from other threads)."""
 
@@ -229,7 +303,7 @@ class VLLMEngine:
             text_parts: list[str] = []
             pending = ""  # text that arrived in a chunk without tokens rides on the next token
             finish: str | None = None
-            async for chunk in self._stream("/v1/completions", body):
+            async for chunk in self._gated_stream("/v1/completions", body):
                 if not chunk.get("choices"):
                     continue  # a usage-only chunk
                 choice = _first_choice(chunk, self.base_url)
@@ -281,7 +355,8 @@ class VLLMEngine:
         return await self.publisher.publish(weights, **kwargs)
 
     def publish_sync(self, weights: Any, timeout_s: float | None = None, **kwargs: Any) -> int:
-        """Blocking ``publish`` for trainer threads: runs on the engine's event loop when it has one."""
+        """Blocking ``publish`` for trainer threads: runs on the engine's event loop when it has one. Never call
+        it on that loop's own thread (it would wait for itself)."""
         coro = self.publish(weights, **kwargs)
         if self.loop is not None and self.loop.is_running():
             return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
@@ -395,7 +470,9 @@ class VLLMEngine:
         if params.top_logprobs < 0:
             raise EngineError("top_logprobs must be >= 0")
         if params.top_logprobs > self.max_logprobs:
-            raise EngineError(f"top_logprobs={params.top_logprobs} exceeds the server's max_logprobs={self.max_logprobs}")
+            raise EngineError(
+                f"top_logprobs={params.top_logprobs} exceeds the server's max_logprobs={self.max_logprobs}"
+            )
         if self._max_context is not None and len(ids) + params.max_tokens > self._max_context:
             raise PromptTooLongError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length of "
@@ -523,19 +600,25 @@ class VLLMEngine:
         exact: list[int] = list(range(T))
         if T and self.prompt_logprobs:
             exact = []
-            probe = await self._probe(prompt, response, route, max(K, self.score_probe_k))
+            probe_k = min(max(K, self.score_probe_k), self.max_logprobs)
+            probe = await self._probe(prompt, response, route, probe_k)
             for t, entry in enumerate(probe):
                 ranked = sorted((rank, i) for i, (_, rank) in entry.items() if rank is not None)
                 topk[t] = [i for _, i in ranked[:K]]
                 if len(topk[t]) < K:
                     raise EngineError(f"{self.base_url} returned {len(topk[t])} prompt log-probs, asked for {K}")
-                tempered = self._temper(entry, temperature)
+                tempered = self._temper(entry, temperature, probe_k)
                 if tempered is None or not needed[t] <= tempered.keys():
                     exact.append(t)
                 else:
                     values[t] = tempered
-        await asyncio.gather(*(self._score_position(prompt, response, t, temperature, topk, needed, values, route, K)
-                               for t in exact))
+        if exact:
+            # The last position first: its prefill puts every full KV block of prompt + response in vLLM's prefix
+            # cache, so the other positions' requests recompute only their last partial block.
+            last = exact.pop()
+            await self._score_position(prompt, response, last, temperature, topk, needed, values, route, K)
+            await asyncio.gather(*(self._score_position(prompt, response, t, temperature, topk, needed, values,
+                                                        route, K) for t in exact))
         logprobs_T = torch.tensor([values[t][response[t]] for t in range(T)], dtype=torch.float32)
         topk_ids_T_K = torch.tensor([topk[t] for t in range(T)], dtype=torch.long).reshape(T, K)
         topk_logprobs_T_K = torch.tensor([[values[t][i] for i in topk[t]] for t in range(T)],
@@ -557,7 +640,7 @@ class VLLMEngine:
                      k: int) -> list[dict[int, tuple[float, int | None]]]:
         """Per response position: {id: (untempered log-prob, rank)} for the top-k and the response token."""
         body = self._neutral_body(prompt + response, max_tokens=1, temperature=0.0, top_p=1.0)
-        body["prompt_logprobs"] = min(k, self.max_logprobs)
+        body["prompt_logprobs"] = k
         self.stats["score_probe"] += 1
         async with self._limit():
             data = await self._post_completion(body, route.model)
@@ -584,8 +667,13 @@ class VLLMEngine:
             out.append(entry)
         return out
 
-    def _temper(self, entry: dict[int, tuple[float, int | None]], temperature: float) -> dict[int, float] | None:
-        """Tempered log-probs of the probed ids, or None when the tail bracket is wider than the tolerance."""
+    def _temper(self, entry: dict[int, tuple[float, int | None]], temperature: float,
+                probe_k: int) -> dict[int, float] | None:
+        """Tempered log-probs of the probed ids, or None when the tail bracket is wider than the tolerance.
+
+        ``entry`` holds the probe's top ``probe_k`` ids plus the response token (whatever its rank); every id not
+        in it is at most as likely as the ``probe_k``-th best id.
+        """
         raw = {i: lp for i, (lp, _) in entry.items()}
         if temperature == 1.0:
             return raw
@@ -594,8 +682,8 @@ class VLLMEngine:
         known_mass = math.fsum(math.exp(lp) for lp in finite)
         tail = max(0.0, 1.0 - known_mass)
         head = math.fsum(math.exp(a * lp) for lp in finite)
-        ranks = [(rank, lp) for lp, rank in entry.values() if rank is not None]
-        p_k = math.exp(max(ranks)[1]) if ranks else 0.0  # every id outside the probe is at most this likely
+        top = sorted((rank, lp) for lp, rank in entry.values() if rank is not None)[:probe_k]
+        p_k = math.exp(top[-1][1]) if top else 0.0  # the k-th best: every unlisted id is at most this likely
         if tail <= 0.0:
             lo = hi = head
         elif a > 1.0:
@@ -625,7 +713,13 @@ class VLLMEngine:
             self.stats["score_position"] += 1
             async with self._limit():
                 got.update(_first_top(await self._post_completion(body, route.model), self.base_url))
+            got = {i: v for i, v in got.items() if v > float("-inf")}
             ranked = sorted(got.items(), key=lambda p: -p[1])
+            if len(ranked) < K:
+                raise EngineError(
+                    f"{self.base_url} returned {len(ranked)} finite top log-probs at position {t}, asked for {K} "
+                    "(another client's logprob_token_ids request in the same batch overrides top-k in vLLM 0.32)"
+                )
             topk[t] = [i for i, _ in ranked[:K]]
         wanted = sorted((set(topk[t]) | needed[t]) - got.keys())
         if wanted:
@@ -664,7 +758,8 @@ class VLLMEngine:
 
     async def _post_completion(self, body: dict, model: str) -> dict:
         body = dict(body, model=model)
-        return await self._request("POST", "/v1/completions", body, retry=True)
+        async with self._kinds.admit(_logprob_kind(body)):
+            return await self._request("POST", "/v1/completions", body, retry=True)
 
     async def _request(self, method: str, path: str, body: dict | None, *, retry: bool,
                        expect_json: bool = True) -> Any:
@@ -681,13 +776,15 @@ class VLLMEngine:
                     await self._backoff(url, exc, delay)
                     delay *= 2
                     continue
-                raise EngineError(f"{url}: no answer within {self.request_timeout_s:.0f} s ({type(exc).__name__})") from exc
+                raise self._timeout_error(url, exc) from exc
             except httpx.TransportError as exc:
                 if not last:
                     await self._backoff(url, exc, delay)
                     delay *= 2
                     continue
-                raise EngineError(f"{url} is unreachable after {attempts} attempts: {type(exc).__name__}: {exc}") from exc
+                raise EngineError(
+                    f"{url} is unreachable after {attempts} attempts: {type(exc).__name__}: {exc}"
+                ) from exc
             if response.status_code in _RETRY_STATUS and not last:
                 await self._backoff(url, f"HTTP {response.status_code}", delay)
                 delay *= 2
@@ -698,6 +795,9 @@ class VLLMEngine:
                 return response.text
             return self._decode(url, response)
         raise AssertionError("unreachable")
+
+    def _timeout_error(self, url: str, exc: Exception) -> EngineError:
+        return EngineError(f"{url}: no answer within {self.request_timeout_s:.0f} s ({type(exc).__name__})")
 
     async def _backoff(self, url: str, why: Any, delay: float) -> None:
         self.stats["retries"] += 1
@@ -723,6 +823,11 @@ class VLLMEngine:
         if status == 404:
             return EngineError(f"{url}: not found (404): {message}")
         return EngineError(f"{url} answered {status}: {message}")
+
+    async def _gated_stream(self, path: str, body: dict) -> AsyncIterator[dict]:
+        async with self._kinds.admit(_logprob_kind(body)):
+            async for event in self._stream(path, body):
+                yield event
 
     async def _stream(self, path: str, body: dict) -> AsyncIterator[dict]:
         """Server-sent events of a streaming request; connection failures before the first event are retried."""
@@ -754,7 +859,7 @@ class VLLMEngine:
                         yield event
                     raise EngineError(f"{url} closed the stream before [DONE]")
             except httpx.TimeoutException as exc:
-                raise EngineError(f"{url}: no answer within {self.request_timeout_s:.0f} s ({type(exc).__name__})") from exc
+                raise self._timeout_error(url, exc) from exc
             except httpx.TransportError as exc:
                 if isinstance(exc, (httpx.ConnectError,)) and not last:
                     await self._backoff(url, exc, delay)

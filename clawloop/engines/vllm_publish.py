@@ -138,8 +138,12 @@ class LoRAPublisher(_Publisher):
             self.engine.set_policy(version, name)
             self.loaded.append((version, name))
             for _, old in self.loaded[: -1 - self.keep_previous]:
-                if old not in self._retiring:
+                if old in self._retiring:
+                    continue
+                if self.engine.in_use(old):  # unload once the last request on it finishes
                     self._retiring[old] = asyncio.ensure_future(self._retire(old))
+                else:
+                    await self._retire(old)
             return version
 
     def _materialise(self, adapter: Any, folder: Path) -> Path:
@@ -176,6 +180,18 @@ class LoRAPublisher(_Publisher):
             log.exception("unloading LoRA adapter %s failed", name)
         finally:
             self._retiring.pop(name, None)
+
+    async def restore(self) -> None:
+        """Load the adapters this publisher keeps again, e.g. after ``VLLMServer.ensure_running`` restarted the
+        server (a restart forgets runtime-loaded adapters)."""
+        async with self._serial():
+            for _, name in self.loaded:
+                try:
+                    body = {"lora_name": name, "lora_path": self._server_path(self.root / name)}
+                    await self._call("POST", "/v1/load_lora_adapter", body)
+                except EngineError as exc:
+                    if "already been loaded" not in str(exc):
+                        raise
 
     async def wait_retired(self) -> None:
         """Wait until every adapter scheduled for unloading is unloaded (tests, shutdown)."""
@@ -219,6 +235,13 @@ class CheckpointPublisher(_Publisher):
             self.current = folder
             await asyncio.to_thread(self._prune)
             return version
+
+    async def restore(self) -> None:
+        """Reload the current weights, e.g. after a restarted server came back up with the base model."""
+        async with self._serial():
+            if self.current != self.base_model_dir:
+                async with self.engine.draining():
+                    await self._reload(self.current, self.engine.policy_version)
 
     async def _reload(self, folder: Path, version: int) -> None:
         try:

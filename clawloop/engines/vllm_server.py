@@ -16,7 +16,9 @@ Choices a reader needs to know:
   dev-mode server beyond the trainer's network.
 * **Small by default**: ``--max-model-len 2048``, ``--max-num-seqs 16`` and, on CPU, a 1 GiB KV cache
   (``VLLM_CPU_KVCACHE_SPACE``). ``enforce_eager`` skips torch.compile: startup takes a couple of minutes instead
-  of several on a small CPU, at some cost in decode speed.
+  of several on a small CPU (the first compiled start of a configuration is the slow one; vLLM caches the
+  result under ``~/.cache/vllm``), at some cost in decode speed. ``block_size`` (32 suits CPU scoring servers:
+  see ``clawloop.engines.vllm``) is left to vLLM unless set.
 * **Lifecycle.** The process runs in its own session (process group) with stdout/stderr in a log file. ``start``
   waits for ``GET /health`` and the served model in ``GET /v1/models`` up to ``startup_timeout_s``, failing early
   (with the log's tail in the error) when the process exits. ``stop`` sends SIGTERM to the group, then SIGKILL after
@@ -98,6 +100,9 @@ class VLLMServerSettings:
     max_loras: int = 2
     dev_mode: bool = False
     enforce_eager: bool = False
+    block_size: int | None = None
+    """KV cache block (tokens); None = vLLM's default (128 on CPU). Prefix caching reuses whole blocks only, so
+    a scoring server's per-position requests profit from small blocks (32 on CPU)."""
     cpu_kv_cache_gb: int | None = 1
     """``VLLM_CPU_KVCACHE_SPACE`` (GiB) for the CPU build; None leaves vLLM's default. Ignored on GPU builds."""
     gpu_memory_utilization: float | None = None
@@ -145,6 +150,8 @@ class VLLMServerSettings:
             argv += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
         if self.enforce_eager:
             argv.append("--enforce-eager")
+        if self.block_size is not None:
+            argv += ["--block-size", str(self.block_size)]
         if self.gpu_memory_utilization is not None:
             argv += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         if self.api_key:
@@ -369,7 +376,10 @@ class VLLMServer:
     # -------------------------------------------------------------------------------------------- engine
 
     def engine(self, **overrides: Any) -> Any:
-        """A ``VLLMEngine`` for this server, told what the settings already say (context, logprob limits...)."""
+        """A ``VLLMEngine`` for this server, told what the settings already say (context, logprob limits...).
+
+        For an attached server nothing is known: ``await engine.connect()`` learns the context length, and a
+        LoRA-enabled one needs ``prompt_logprobs=False``, ``max_logprobs=`` its ``--max-logprobs``."""
         from clawloop.engines.vllm import VLLMEngine
 
         kwargs: dict[str, Any] = {"api_key": self._api_key}
@@ -393,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m clawloop.engines.vllm_server SETTINGS.json", file=sys.stderr)
         return 2
     settings = VLLMServerSettings.from_mapping(json.loads(Path(args[0]).read_text()))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the server on SIGTERM too, not only Ctrl-C
     server = VLLMServer(settings).start()
     print(f"vLLM serving {server.served_model_name} at {server.url} (log {server.log_path})", flush=True)
     try:

@@ -1,0 +1,89 @@
+"""Fixtures for tests against real vLLM servers (marker ``vllm``).
+
+* ``vllm_python`` (session): the vLLM interpreter (``$CLAWLOOP_VLLM_PYTHON`` or ``.venv-vllm/bin/python``);
+  every ``vllm`` test is skipped with the reason when there is none.
+* ``vllm_servers`` (session): two servers on SmolLM2-135M-Instruct, float32, eager mode (no torch.compile: a
+  start of 2-5 minutes on a small shared CPU instead of 5-10), launched together and stopped at the end:
+  ``"policy"`` with LoRA hot-loading (generation, publication) and ``"scorer"`` without LoRA (prompt log-prob
+  scoring, which crashes vLLM 0.32's CPU engine when LoRA is enabled). Both run in dev mode for checkpoint
+  reloads. Their logs are in the session's temporary folder; a failed start shows the log's tail.
+* ``hf_engine`` (session): the embedded engine on the same model, the reference for every number.
+* ``smol_tokenizer`` / ``smol_prompt(text)``: the model's tokenizer and a ChatML prompt for one user message.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from clawloop.engines import model_files
+from clawloop.engines.vllm_server import VLLMServer, VLLMServerSettings, find_vllm_python
+
+STARTUP_TIMEOUT_S = 900.0
+
+
+def pytest_collection_modifyitems(config, items):
+    if find_vllm_python() is not None:
+        return
+    skip = pytest.mark.skip(reason="no vLLM interpreter: run scripts/setup_vllm_venv.sh (.venv-vllm) or set "
+                                   "CLAWLOOP_VLLM_PYTHON")
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def vllm_python():
+    python = find_vllm_python()
+    if python is None:
+        pytest.skip("no vLLM interpreter: run scripts/setup_vllm_venv.sh or set CLAWLOOP_VLLM_PYTHON")
+    return python
+
+
+@pytest.fixture(scope="session")
+def smol_dir():
+    return model_files.default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smol_dir):
+    return model_files.load_tokenizer(smol_dir)
+
+
+@pytest.fixture(scope="session")
+def smol_prompt(smol_tokenizer):
+    def make(text: str) -> list[int]:
+        messages = [{"role": "user", "content": text}]
+        return list(smol_tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(vllm_python, smol_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    common = dict(model=str(smol_dir), python=str(vllm_python), dtype="float32", max_model_len=2048,
+                  max_num_seqs=8, max_logprobs=64, enforce_eager=True, dev_mode=True, block_size=32,
+                  startup_timeout_s=STARTUP_TIMEOUT_S)
+    servers = {
+        "policy": VLLMServer(VLLMServerSettings(**common, enable_lora=True, max_lora_rank=8, max_loras=2,
+                                                log_file=str(logs / "policy.log"))),
+        "scorer": VLLMServer(VLLMServerSettings(**common, log_file=str(logs / "scorer.log"))),
+    }
+    try:
+        for server in servers.values():
+            server.launch()
+        for server in servers.values():
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_engine(smol_dir):
+    from clawloop.engines.hf import HFEngine
+
+    engine = HFEngine(smol_dir, device="cpu", num_threads=2, max_batch_size=4)
+    yield engine
+    engine.close_sync()
