@@ -1,0 +1,173 @@
+"""Training-step throughput and peak memory on the default model (SmolLM2-135M-Instruct), full vs LoRA.
+
+For each variant a fresh subprocess loads the model, writes ``samples × steps`` hybrid-method samples into a
+temporary store (real chat-template prompts, ``--tokens`` response tokens of real text, two hint candidates with
+top-k teacher tensors, one sample in two without a hint), and runs ``--steps`` trainer steps through
+``clawloop.trainer.core.Trainer`` — the same code the server runs. It reports, per step, samples/s and where the
+time went:
+
+* forward  — the decoder over prompt + response (hidden states),
+* loss     — output layer at the response positions + the objective (one chunked log-softmax) + their backward,
+* backward — the decoder's backward,
+* optimizer — gradient clipping and the AdamW update,
+
+and the process's peak resident memory (VmHWM) and the resident memory right after loading the model, so the
+difference is what training adds. The first step includes one-time allocations (AdamW state); the last step is
+the steady state.
+
+    .venv/bin/python benchmarks/train_step.py                       # 4 samples x 256 tokens, 2 steps, full + LoRA
+    .venv/bin/python benchmarks/train_step.py --samples 8 --tokens 512 --variants full,lora,full-sep
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+VARIANTS = {
+    "full": {"lora": False},
+    "lora": {"lora": True},
+    # The separate no-grad old-policy forward (what several PPO epochs need), for comparison with the fused one.
+    "full-sep": {"lora": False, "fuse_old": False},
+}
+PHASES = ("time_old_forward_s", "time_forward_s", "time_loss_s", "time_backward_s", "time_optimizer_s")
+FILLER = ("The quick brown fox jumps over the lazy dog while the committee reviews the quarterly report, "
+          "and every engineer on the team writes careful notes about caching, retries and timeouts. ")
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def child(variant: str, samples: int, tokens: int, steps: int, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    from clawloop.config import Config
+    from clawloop.engines.model_files import default_model_dir, load_tokenizer
+    from clawloop.store import SampleRecord, Store, TurnRecord
+    from clawloop.trainer.core import Trainer
+    from clawloop.trainer.publish import LocalVersion
+
+    opts = VARIANTS[variant]
+    model_dir = default_model_dir()
+    tokenizer = load_tokenizer(model_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Config.from_dict(dict(model=str(model_dir), device="cpu", run_dir=tmp, method="hybrid",
+                                       lora=opts["lora"], rollout_batch_size=samples,
+                                       micro_batch_size=min(samples, 4), metrics_backends=["jsonl"]))
+        store = Store(Path(tmp) / "store.sqlite")
+        text_ids = tokenizer(FILLER * (tokens // 20 + 2), add_special_tokens=False)["input_ids"]
+        gen = torch.Generator().manual_seed(0)
+        k, vocab = config.topk, len(tokenizer)
+        for i in range(samples * steps):
+            messages = [{"role": "user", "content": f"Question {i}: summarise the meeting notes."}]
+            prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+            response = list(text_ids[i:i + tokens - 1]) + [2]
+            tid = store.add_turn(TurnRecord(session_id=f"s{i}", messages=messages, prompt_ids=prompt,
+                                            response_ids=response, logprobs=[-1.0] * tokens, temperature=0.6,
+                                            top_p=1.0, policy_version=0))
+            store.set_next_state(tid, [{"role": "user", "content": "please fix it"}])
+            store.claim_judgeable(1)
+            hints, targets = [], None
+            if i % 2 == 0:
+                hints = ["Keep it to three bullet points.", "Mention the decision and the owner of each action."]
+                C = len(hints)
+                ids = torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(C * tokens)])
+                targets = {
+                    "student_ids_T_K": torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(tokens)]),
+                    "teacher_ids_C_T_K": ids.reshape(C, tokens, k),
+                    "teacher_logprobs_C_T_K": -torch.rand(C, tokens, k, generator=gen).sort(-1).values * 4,
+                    "teacher_at_student_C_T_K": -torch.rand(C, tokens, k, generator=gen) * 8,
+                    "hint_lens_C": torch.tensor([len(h) for h in hints]),
+                }
+            store.put_sample(SampleRecord(turn_id=tid, reward=1.0 if i % 3 else -1.0,
+                                          kind="rl+opd" if hints else "rl", hints=hints, targets=targets))
+        trainer = Trainer(config, store, LocalVersion(), console=None, fuse_old=opts.get("fuse_old"))
+        rss_loaded_kib = _status_kib("VmRSS")
+        params = sum(p.numel() for p in trainer.models.trainable_parameters())
+        results = []
+        for _ in range(steps):
+            lease, leased = store.lease_samples(samples)
+            t0, c0 = time.perf_counter(), time.process_time()
+            metrics = trainer.run_batch(lease, leased)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            results.append({"wall_s": wall, "cpu_s": cpu, "step_time_s": metrics["step_time_s"], "samples": metrics["samples"],
+                            "tokens": metrics["tokens"], **{p: metrics.get(p, 0.0) for p in PHASES},
+                            "loss": metrics["loss"]})
+        trainer.close()
+        store.close()
+    return {"variant": variant, "trainable_params": params, "steps": results,
+            "rss_after_load_mib": rss_loaded_kib / 1024, "peak_rss_mib": _status_kib("VmHWM") / 1024}
+
+
+def run_variant(variant: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--child", variant, "--samples", str(args.samples), "--tokens", str(args.tokens),
+           "--steps", str(args.steps), "--threads", str(args.threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{variant} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def report(results: list[dict], args: argparse.Namespace) -> None:
+    print(f"\nTraining step on SmolLM2-135M-Instruct, CPU, {args.threads} threads: {args.samples} samples x "
+          f"{args.tokens} response tokens per step, method hybrid (half the samples hinted, 2 candidates, k=4)\n")
+    header = (f"{'variant':<9} {'step':>4} {'step s':>7} {'cpu s':>7} {'samples/s':>9} {'tokens/s':>8} {'old fwd':>7} "
+              f"{'fwd':>6} {'loss':>6} {'bwd':>6} {'optim':>6} {'loss %':>6} {'fwd+bwd %':>9}")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        for i, s in enumerate(r["steps"], 1):
+            t = s["step_time_s"]
+            fb = s["time_forward_s"] + s["time_backward_s"] + s["time_old_forward_s"]
+            print(f"{r['variant']:<9} {i:>4} {t:>7.2f} {s['cpu_s']:>7.1f} {s['samples'] / t:>9.2f} {s['tokens'] / t:>8.0f} "
+                  f"{s['time_old_forward_s']:>7.2f} {s['time_forward_s']:>6.2f} {s['time_loss_s']:>6.2f} "
+                  f"{s['time_backward_s']:>6.2f} {s['time_optimizer_s']:>6.2f} {100 * s['time_loss_s'] / t:>6.1f} "
+                  f"{100 * fb / t:>9.1f}")
+    print()
+    print(f"{'variant':<9} {'trainable':>12} {'RSS after load MiB':>19} {'peak RSS MiB':>13} {'added MiB':>10}")
+    for r in results:
+        print(f"{r['variant']:<9} {r['trainable_params']:>12,} {r['rss_after_load_mib']:>19.0f} "
+              f"{r['peak_rss_mib']:>13.0f} {r['peak_rss_mib'] - r['rss_after_load_mib']:>10.0f}")
+    if len(results) > 1:
+        base = results[0]["steps"][-1]["step_time_s"]
+        print()
+        for r in results[1:]:
+            ratio = r["steps"][-1]["step_time_s"] / base
+            print(f"steady-state step time {r['variant']} / {results[0]['variant']}: {ratio:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--variants", default="full,lora")
+    parser.add_argument("--json", action="store_true", help="Print the raw results as JSON too.")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.samples, args.tokens, args.steps, args.threads)))
+        return
+    results = [run_variant(v.strip(), args) for v in args.variants.split(",") if v.strip()]
+    report(results, args)
+    if args.json:
+        print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

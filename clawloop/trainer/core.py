@@ -1,0 +1,210 @@
+"""The trainer's state and its unit of work, shared by the online loop and offline training.
+
+``Trainer`` owns the training model, the optimizer, the step counter and the policy version, and turns one
+leased batch into one committed step:
+
+    prepare (join turns, drop what cannot train, with reasons) → train_step → publish → commit_step
+    → metrics → checkpoint (every ``checkpoint_every`` steps)
+
+Ordering and crash safety:
+
+* The optimizer update happens before anything is recorded; if training raises, the caller releases the
+  lease and the samples go back to ready (nothing was updated).
+* Weights are published before the step is committed so the step row carries the version those weights were
+  actually served under. A publication failure does not undo the step: it is committed with the previous
+  version label and publication is retried before the next step.
+* The store commit marks the samples consumed by this step number. A crash after it but before the next
+  checkpoint is repaired on resume by ``store.requeue_after_step(checkpoint step)``: every sample trains into
+  the resumed weights exactly once.
+* Step numbers continue the store's: starting without ``resume`` in a run that already has steps continues
+  the numbering (with fresh weights, as asked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from clawloop.config import Config
+from clawloop.store import SampleRecord, Store
+from clawloop.trainer import checkpoint as ckpt
+from clawloop.trainer.batch import prepare_items
+from clawloop.trainer.metrics import MetricsWriter
+from clawloop.trainer.model import TrainModels, load_train_models, load_trainable_state_dict, \
+    trainable_state_dict
+from clawloop.trainer.old_policy import RefreshFn
+from clawloop.trainer.publish import LocalVersion, publish_weights
+from clawloop.trainer.step import make_optimizer, train_step
+
+log = logging.getLogger(__name__)
+
+
+def make_refresh(teacher: Any, loop: asyncio.AbstractEventLoop | None = None) -> RefreshFn | None:
+    """A blocking ``(turn, hints, at_ids_T_K, temperature) -> [C, T, K]`` for the training thread.
+
+    ``teacher`` may be a ``clawloop.teacher.Teacher`` (its async ``teacher_at_ids`` runs on ``loop``, the
+    event loop that owns the engines) or already such a callable (tests)."""
+    if teacher is None:
+        return None
+    method = getattr(teacher, "teacher_at_ids", None)
+    if method is None:
+        if callable(teacher):
+            return teacher
+        raise TypeError(f"{type(teacher).__name__} is neither a Teacher nor a callable")
+
+    def refresh(turn: Any, hints: list[str], at_ids_T_K: torch.Tensor, temperature: float) -> torch.Tensor:
+        result = method(turn, hints, at_ids_T_K, temperature=temperature)
+        if not asyncio.iscoroutine(result):
+            return result
+        if loop is not None and loop.is_running():
+            return asyncio.run_coroutine_threadsafe(result, loop).result()
+        return asyncio.run(result)
+
+    return refresh
+
+
+class Trainer:
+    def __init__(self, config: Config, store: Store, engine: Any = None, *, run_dir: str | Path | None = None,
+                 refresh: RefreshFn | None = None, models: TrainModels | None = None,
+                 console: TextIO | None = sys.stderr, keep_checkpoints: int = 2, fuse_old: bool | None = None):
+        self.config = config
+        self.store = store
+        self.engine = engine if engine is not None else LocalVersion()
+        self.run_dir = Path(run_dir if run_dir is not None else config.run_dir)
+        self.refresh = refresh
+        self.models = models if models is not None else load_train_models(config)
+        self.optimizer = make_optimizer(self.models, config)
+        last = store.last_step()
+        self.step = last[0] if last else 0
+        self.policy_version = int(self.engine.policy_version)
+        self.last_checkpoint_step = self.step
+        self.needs_publish = False
+        self.keep_checkpoints = keep_checkpoints
+        self.fuse_old = fuse_old
+        """None = read ℓ_old from the loss's own forward when one update per batch (see ``step``)."""
+        self.metrics = MetricsWriter(self.run_dir, config.metrics_backends, console=console)
+        self.last_metrics: dict[str, Any] = {}
+        self.max_context = self._max_context()
+        self.vocab_size = int(self.models.causal_lm.get_output_embeddings().weight.shape[0])
+
+    def _max_context(self) -> int | None:
+        ctx = getattr(self.engine, "max_context", None)
+        if isinstance(ctx, int):
+            return ctx
+        return getattr(self.models.causal_lm.config, "max_position_embeddings", None)
+
+    # ---- resume / checkpoint ------------------------------------------------------------------------
+    def resume(self) -> dict[str, int]:
+        """Load the newest checkpoint (if any) and requeue samples of steps after it. Blocking."""
+        found = ckpt.load_latest(self.run_dir, map_location=self.models.device)
+        if found is None:
+            requeued = self.store.requeue_after_step(0)
+            self.step = 0
+            self.last_checkpoint_step = 0
+            log.warning("trainer: no checkpoint in %s; %d consumed samples requeued, starting at step 0",
+                        self.run_dir, requeued)
+            return {"step": 0, "requeued": requeued}
+        if bool(found.state.get("lora", self.models.lora)) != self.models.lora:
+            raise RuntimeError(f"checkpoint {found.path} was written with lora={found.state.get('lora')}, "
+                               f"this run has lora={self.models.lora}")
+        load_trainable_state_dict(self.models, found.weights)
+        if found.optimizer is not None:
+            self.optimizer.load_state_dict(found.optimizer)
+        for group in self.optimizer.param_groups:  # the configured lr wins over the saved one
+            group["lr"] = self.config.learning_rate
+        requeued = self.store.requeue_after_step(found.step)
+        self.step = found.step
+        self.last_checkpoint_step = found.step
+        self.policy_version = found.policy_version
+        if found.step > 0 or found.policy_version > 0:
+            self.policy_version = publish_weights(self.engine, self.models, version=found.policy_version)
+        log.warning("trainer: resumed from %s (step %d, version %d); %d samples requeued", found.path.name,
+                    found.step, self.policy_version, requeued)
+        return {"step": found.step, "requeued": requeued, "policy_version": self.policy_version}
+
+    def save_checkpoint(self) -> Path:
+        path = ckpt.save_checkpoint(
+            self.run_dir, self.step, self.policy_version, trainable_state_dict(self.models),
+            self.optimizer.state_dict(),
+            extra={"lora": self.models.lora, "model_dir": str(self.models.model_dir), "method": self.config.method},
+            keep_last=self.keep_checkpoints)
+        self.last_checkpoint_step = self.step
+        return path
+
+    def checkpoint_if_due(self, force: bool = False) -> Path | None:
+        if self.step == self.last_checkpoint_step:
+            return None
+        if force or self.step % self.config.checkpoint_every == 0:
+            return self.save_checkpoint()
+        return None
+
+    # ---- one batch ------------------------------------------------------------------------------------
+    def publish(self) -> bool:
+        try:
+            self.policy_version = publish_weights(self.engine, self.models)
+            self.needs_publish = False
+            return True
+        except Exception:
+            log.exception("trainer: publishing weights failed; will retry before the next step")
+            self.needs_publish = True
+            return False
+
+    def run_batch(self, lease_id: str, samples: list[SampleRecord],
+                  should_stop: Callable[[], bool] | None = None) -> dict[str, Any] | None:
+        """Train one step on a leased batch and commit it. Returns the step metrics, or None when no sample
+        was trainable (all dropped with reasons) or a stop was requested before training began (lease
+        released). Raises on failure; the caller releases the lease."""
+        if self.needs_publish:
+            self.publish()
+        items, drops, stats = prepare_items(self.store, samples, self.config, self.policy_version,
+                                            self.max_context, self.vocab_size)
+        for turn_id, reason in drops:
+            self.store.drop_leased_sample(turn_id, reason)
+        if not items:
+            self.store.release_lease(lease_id)
+            return None
+        if should_stop is not None and should_stop():
+            self.store.release_lease(lease_id)
+            return None
+        metrics = train_step(self.models, self.optimizer, items, self.config, refresh=self.refresh,
+                             fuse_old=self.fuse_old)
+        published = self.publish()
+        step = self.step + 1
+        metrics.update(stats.as_metrics())
+        metrics.update({
+            "step": step,
+            "policy_version": self.policy_version,
+            "published": 1.0 if published else 0.0,
+            "dropped": float(len(drops)),
+            "waiting": float(self.store.ready_count()),
+        })
+        turn_ids = [it.turn_id for it in items]
+        self.store.commit_step(lease_id, step, self.policy_version, _jsonable(metrics), turn_ids)
+        self.step = step  # only once the store agrees, so step numbers never skip
+        self.last_metrics = metrics
+        self.metrics.write(metrics)
+        self.metrics.progress(metrics, int(metrics["waiting"]))
+        self.checkpoint_if_due()
+        return metrics
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def _jsonable(metrics: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            out[k] = None
+        elif isinstance(v, (int, float, str, bool)) or v is None:
+            out[k] = v
+        else:
+            out[k] = float(v)
+    return out

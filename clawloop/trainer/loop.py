@@ -1,0 +1,204 @@
+"""The online trainer: an asyncio component that trains while the server serves.
+
+``OnlineTrainer(config, store, policy_engine, teacher=None)``:
+
+* ``start()`` loads the training model (in a worker thread), resumes from the newest checkpoint when asked,
+  and starts the loop;
+* the loop waits until ``store.ready_count() >= rollout_batch_size`` (woken early by ``wake()``, which the
+  pipeline calls when it writes a sample; otherwise it polls), leases exactly one batch, and trains it in a
+  worker thread — the event loop, and with it serving, never blocks on training. Publication swaps the
+  engine's weights between requests (requests in flight finish on the weights they started with);
+* a step that fails releases its lease (its samples become ready again) and the loop backs off (doubling
+  from ``error_backoff_s`` up to ``max_backoff_s``) before trying again; the error is logged and counted. The
+  failed batch's samples are then retried one per step, so samples that train fine go through and one that
+  breaks every step it is in is isolated; after ``max_sample_failures`` failed steps it is dropped with reason
+  ``train_error`` (never silently) instead of stopping training forever;
+* ``stop()`` lets a running step finish (a step cannot be cut in half without losing its samples' accounting),
+  releases anything still leased, writes a final checkpoint when steps were taken since the last one, and
+  closes the metrics sinks.
+
+The teacher, when given, is asked for fresh teacher log-probs where the old policy's top-k moved away from
+the provisional set stored with a sample; its coroutines run on this event loop (``run_coroutine_threadsafe``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, TextIO
+
+from clawloop.config import Config
+from clawloop.store import Store
+from clawloop.trainer.core import Trainer, make_refresh
+from clawloop.trainer.model import TrainModels
+
+log = logging.getLogger(__name__)
+
+
+class OnlineTrainer:
+    def __init__(self, config: Config, store: Store, policy_engine: Any, teacher: Any = None, *,
+                 run_dir: str | Path | None = None, resume: bool = False, poll_interval_s: float = 1.0,
+                 error_backoff_s: float = 5.0, max_backoff_s: float = 300.0, max_sample_failures: int = 5,
+                 models: TrainModels | None = None,
+                 console: TextIO | None = sys.stderr):
+        self.config = config
+        self.store = store
+        self.engine = policy_engine
+        self.teacher = teacher
+        self.run_dir = Path(run_dir if run_dir is not None else config.run_dir)
+        self.resume = resume
+        self.poll_interval_s = float(poll_interval_s)
+        self.error_backoff_s = float(error_backoff_s)
+        self.max_backoff_s = float(max_backoff_s)
+        self.max_sample_failures = int(max_sample_failures)
+        self._sample_failures: Counter[int] = Counter()
+        self._models = models
+        self._console = console
+        self.core: Trainer | None = None
+        self.failures = 0
+        self.last_error = ""
+        self.resumed: dict[str, int] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self._busy = False
+
+    # ---- status (read by the API's status/metrics endpoints) ------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.core.step if self.core else 0
+
+    @property
+    def policy_version(self) -> int:
+        return self.core.policy_version if self.core else int(getattr(self.engine, "policy_version", 0))
+
+    @property
+    def last_metrics(self) -> dict[str, Any]:
+        return dict(self.core.last_metrics) if self.core else {}
+
+    @property
+    def training(self) -> bool:
+        """True while a step is running."""
+        return self._busy
+
+    def status(self) -> dict[str, Any]:
+        return {"step": self.step, "policy_version": self.policy_version, "training": self._busy,
+                "failures": self.failures, "last_error": self.last_error,
+                "samples_waiting": self.store.ready_count(), "last_metrics": self.last_metrics}
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._stopping = False
+        refresh = make_refresh(self.teacher, self._loop)
+        self.core = await asyncio.to_thread(
+            Trainer, self.config, self.store, self.engine, run_dir=self.run_dir, refresh=refresh,
+            models=self._models, console=self._console)
+        if self.resume:
+            self.resumed = await asyncio.to_thread(self.core.resume)
+        self._task = asyncio.create_task(self._run(), name="clawloop-trainer")
+
+    def wake(self) -> None:
+        """A sample became ready (safe to call from any thread)."""
+        loop, event = self._loop, self._wake
+        if loop is None or event is None or loop.is_closed():
+            return
+        try:
+            if asyncio.get_running_loop() is loop:
+                event.set()
+                return
+        except RuntimeError:
+            pass
+        loop.call_soon_threadsafe(event.set)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._wake is not None:
+            self._wake.set()
+        if self._task is not None:
+            try:
+                await self._task  # a running step finishes; the loop then exits
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self.core is not None:
+            await asyncio.to_thread(self._shutdown)
+
+    def _shutdown(self) -> None:
+        assert self.core is not None
+        try:
+            self.core.checkpoint_if_due(force=True)
+        finally:
+            self.core.close()
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        assert self.core is not None and self._wake is not None
+        batch = int(self.config.rollout_batch_size)
+        consecutive = 0
+        quarantine = 0  # single-sample steps still to take after a failed step
+        while not self._stopping:
+            n = 1 if quarantine > 0 else batch
+            try:
+                ready = await asyncio.to_thread(self.store.ready_count)
+                lease_id, samples = ("", []) if ready < n else await asyncio.to_thread(
+                    self.store.lease_samples, n, 3600.0, n)
+            except Exception as exc:  # noqa: BLE001 - e.g. the database is locked for longer than its timeout
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("trainer: reading the store failed; retrying")
+                await self._sleep(self.error_backoff_s)
+                continue
+            if not samples:
+                await self._sleep(self.poll_interval_s)
+                continue
+            if quarantine > 0:
+                quarantine -= 1
+            self._busy = True
+            try:
+                await asyncio.to_thread(self.core.run_batch, lease_id, samples, lambda: self._stopping)
+                consecutive = 0
+                for s in samples:
+                    self._sample_failures.pop(s.turn_id, None)
+            except Exception as exc:  # noqa: BLE001 - a failed step must not end serving
+                self.failures += 1
+                consecutive += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("trainer: step failed; its %d samples go back to ready", len(samples))
+                try:
+                    kept = await asyncio.to_thread(self._give_back, lease_id, [s.turn_id for s in samples])
+                except Exception:  # noqa: BLE001 - the lease then expires on its own
+                    log.exception("trainer: releasing lease %s failed; it returns when it expires", lease_id)
+                    kept = 0
+                # Retry the failed samples one per step (they are the oldest ready, so they come first): the
+                # ones that train go through, the one that keeps failing is isolated and eventually dropped.
+                quarantine = max(quarantine, kept)
+                await self._sleep(min(self.max_backoff_s, self.error_backoff_s * 2 ** (consecutive - 1)))
+            finally:
+                self._busy = False
+
+    def _give_back(self, lease_id: str, turn_ids: list[int]) -> int:
+        """After a failed step: drop samples that failed too often (recorded), return the rest to ready.
+        Returns how many went back."""
+        for tid in turn_ids:
+            self._sample_failures[tid] += 1
+            if self._sample_failures[tid] >= self.max_sample_failures:
+                self.store.drop_leased_sample(tid, "train_error")
+                del self._sample_failures[tid]
+                log.error("trainer: sample of turn %d was in %d failed steps; dropped (reason train_error)", tid,
+                          self.max_sample_failures)
+        return self.store.release_lease(lease_id)
+
+    async def _sleep(self, seconds: float) -> None:
+        assert self._wake is not None
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=seconds)
+        except asyncio.TimeoutError:
+            pass
+        self._wake.clear()

@@ -1,0 +1,149 @@
+"""The model the trainer updates: full fine-tuning or a LoRA adapter, and the frozen reference.
+
+Choices:
+
+* The trainer keeps its own copy of the policy, separate from the serving engine's, so a request in flight
+  keeps the weights it started with; new weights reach serving only through publication.
+* Weights train in float32 (AdamW moments on a bf16 copy lose small updates); the serving engine may use any
+  dtype it likes.
+* LoRA goes through peft with dropout 0 and no bias, so the LoRA path and the full path compute the same
+  objective on the same forward; nothing is specialised to either.
+* The model stays in eval mode during training: no dropout, so the new-policy forward at the first PPO
+  epoch reproduces the old-policy forward exactly (ratio 1), as the objective assumes.
+* Reference for the KL term (only when ``kl_coef > 0``): with LoRA, the same model with the adapter switched
+  off (no second copy); with full fine-tuning, a frozen copy of the starting weights.
+* Logits are computed only at the response positions: the decoder runs over prompt + response, then the
+  output head is applied to the hidden states that predict response tokens. Prompt logits are never
+  materialised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clawloop.config import Config
+from clawloop.engines.model_files import load_model, resolve_device, resolve_model
+
+
+@dataclass
+class TrainModels:
+    policy: torch.nn.Module
+    """What the optimizer updates: the causal LM (full) or the peft wrapper (LoRA)."""
+    causal_lm: torch.nn.Module
+    """The underlying causal LM (with LoRA layers injected when ``lora``)."""
+    lora: bool
+    model_dir: Path
+    reference: torch.nn.Module | None = None
+    """Frozen copy of the starting weights (full fine-tuning with ``kl_coef > 0``)."""
+    use_reference: bool = False
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.causal_lm.parameters()).device
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def reference_model(self) -> Iterator[torch.nn.Module]:
+        """The model to run for ℓ_ref: the frozen copy, or the LoRA model with its adapter off."""
+        if not self.use_reference:
+            raise RuntimeError("no reference model (kl_coef is 0)")
+        if self.reference is not None:
+            yield self.reference
+            return
+        with self.policy.disable_adapter():  # type: ignore[attr-defined]
+            yield self.causal_lm
+
+
+def load_train_models(config: Config, model_dir: str | Path | None = None) -> TrainModels:
+    """Load the policy for training as ``config`` says (``model``, ``lora*``, ``device``, ``kl_coef``)."""
+    path = Path(model_dir) if model_dir is not None else resolve_model(config.model)
+    device = resolve_device(config.device)
+    causal_lm = load_model(path, dtype="float32", device=device)
+    causal_lm.eval()
+    causal_lm.config.use_cache = False
+    use_reference = config.kl_coef > 0
+    reference = None
+    if not config.lora:
+        if use_reference:
+            reference = copy.deepcopy(causal_lm).eval()
+            reference.requires_grad_(False)
+        causal_lm.requires_grad_(True)
+        return TrainModels(policy=causal_lm, causal_lm=causal_lm, lora=False, model_dir=path,
+                           reference=reference, use_reference=use_reference)
+
+    from peft import LoraConfig, get_peft_model
+
+    lora_config = LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        target_modules=list(config.lora_target_modules),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    # LoRA's A matrices are random at init: seed them so a run is reproducible.
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft probes a deprecated transformers attribute; the warning says nothing about this model.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        torch.manual_seed(config.seed)
+        policy = get_peft_model(causal_lm, lora_config)
+    policy.eval()
+    inner = policy.get_base_model()
+    return TrainModels(policy=policy, causal_lm=inner, lora=True, model_dir=path, reference=None,
+                       use_reference=use_reference)
+
+
+def response_hidden(causal_lm: torch.nn.Module, input_ids_B_L: torch.Tensor, attention_mask_B_L: torch.Tensor,
+                    prompt_lens: list[int], response_lens: list[int]) -> list[torch.Tensor]:
+    """Final hidden states at the positions that predict each sample's response tokens: ``[T_i, H]`` each.
+
+    Position ``p - 1 + t`` predicts response token ``t`` (``p`` = prompt length).
+    """
+    decoder = causal_lm.get_decoder()
+    out = decoder(input_ids=input_ids_B_L, attention_mask=attention_mask_B_L, use_cache=False)
+    hidden_B_L_H = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return [hidden_B_L_H[i, p - 1:p - 1 + t] for i, (p, t) in enumerate(zip(prompt_lens, response_lens))]
+
+
+def response_logits(causal_lm: torch.nn.Module, input_ids_B_L: torch.Tensor, attention_mask_B_L: torch.Tensor,
+                    prompt_lens: list[int], response_lens: list[int]) -> list[torch.Tensor]:
+    """Raw (un-tempered) logits ``[T_i, V]`` at each sample's response positions only."""
+    head = causal_lm.get_output_embeddings()
+    hidden = response_hidden(causal_lm, input_ids_B_L, attention_mask_B_L, prompt_lens, response_lens)
+    return [head(h_T_H) for h_T_H in hidden]
+
+
+def trainable_state_dict(models: TrainModels) -> dict[str, torch.Tensor]:
+    """What a checkpoint must hold to restore the trained weights: all weights (full) or the adapter (LoRA)."""
+    if models.lora:
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(models.policy).items()}
+    return {k: v.detach().cpu().clone() for k, v in models.causal_lm.state_dict().items()}
+
+
+def load_trainable_state_dict(models: TrainModels, state: dict[str, Any]) -> None:
+    if models.lora:
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(models.policy, state)
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise RuntimeError(f"checkpoint adapter has keys this model lacks: {unexpected[:5]}")
+        return
+    missing, unexpected = models.causal_lm.load_state_dict(state, strict=False)
+    # Tied output weights may be stored once; anything else missing means a different architecture.
+    missing = [k for k in missing if not k.endswith("lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected "
+                           f"{unexpected[:5]}")

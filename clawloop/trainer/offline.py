@@ -1,0 +1,83 @@
+"""``clawloop train RUN_DIR``: train on the samples a run collected earlier, without serving.
+
+The run's store is opened, interrupted leases are returned (``store.recover()``), the newest checkpoint of the
+run is resumed when there is one (so offline training continues an online run, or an earlier offline one),
+and then full batches of ``rollout_batch_size`` ready samples are trained one step each. The remainder smaller
+than a batch is trained as a last, smaller step unless ``full_batches_only``. A checkpoint is written at the
+end. No engine serves, so publication only counts versions; no teacher is at hand, so samples whose stored
+student top-k set is out of date keep it (see ``old_policy``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from clawloop.config import Config
+from clawloop.store import Store
+from clawloop.trainer.core import Trainer, make_refresh
+from clawloop.trainer.model import TrainModels
+from clawloop.trainer.publish import LocalVersion
+
+log = logging.getLogger(__name__)
+
+STORE_FILENAME = "store.sqlite"
+
+
+def store_path(run_dir: str | Path) -> Path:
+    """The run's SQLite store: ``RUN_DIR/store.sqlite``, or the only ``*.sqlite``/``*.db`` file there."""
+    run_dir = Path(run_dir)
+    default = run_dir / STORE_FILENAME
+    if default.exists():
+        return default
+    found = sorted(p for pattern in ("*.sqlite", "*.db") for p in run_dir.glob(pattern))
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise FileNotFoundError(f"{run_dir} holds no store ({STORE_FILENAME})")
+    raise FileNotFoundError(f"{run_dir} holds several stores ({', '.join(p.name for p in found)}); "
+                            f"which one is the run's is ambiguous")
+
+
+def train_offline(config: Config, run_dir: str | Path | None = None, max_steps: int | None = None, *,
+                  store: Store | None = None, teacher: Any = None, models: TrainModels | None = None,
+                  full_batches_only: bool = False, resume: bool = True,
+                  console: TextIO | None = sys.stderr) -> dict[str, Any]:
+    """Train over the ready samples of a stored run. Returns a summary (steps, samples, last metrics)."""
+    run_dir = Path(run_dir if run_dir is not None else config.run_dir)
+    own_store = store is None
+    if store is None:
+        store = Store(store_path(run_dir))
+    store.recover()
+    trainer = Trainer(config, store, LocalVersion(), run_dir=run_dir, refresh=make_refresh(teacher),
+                      models=models, console=console)
+    try:
+        if resume:
+            trainer.resume()
+        batch = int(config.rollout_batch_size)
+        steps = samples = 0
+        while max_steps is None or steps < max_steps:
+            ready = store.ready_count()
+            if ready == 0 or (ready < batch and full_batches_only):
+                break
+            lease_id, leased = store.lease_samples(batch)
+            if not leased:
+                break
+            try:
+                metrics = trainer.run_batch(lease_id, leased)
+            except BaseException:
+                store.release_lease(lease_id)
+                raise
+            if metrics is None:
+                continue
+            steps += 1
+            samples += int(metrics["samples"])
+        trainer.checkpoint_if_due(force=True)
+        return {"steps": steps, "samples": samples, "step": trainer.step, "policy_version": trainer.policy_version,
+                "ready_left": store.ready_count(), "last_metrics": trainer.last_metrics}
+    finally:
+        trainer.close()
+        if own_store:
+            store.close()

@@ -1,0 +1,217 @@
+"""One training step over a batch of samples: old-policy side, objective, gradient, AdamW update.
+
+Choices:
+
+* The objective is ``clawloop.losses.sample_objective`` for every method and for both full fine-tuning and
+  LoRA; the trainer only feeds it tensors. Batch loss = mean over the step's samples of each sample's loss.
+* Memory: a micro-batch runs the decoder once over prompt + response; its final hidden states are cut from the
+  graph (``leaf``), and each sample then gets its output-layer logits ``[T_i, V]`` at its response positions
+  only, its objective, and its own backward into the leaf. So at most one sample's ``[T, V]`` logits exist at a
+  time; the decoder's backward runs once per micro-batch with the accumulated hidden-state gradient.
+  Gradients accumulate over micro-batches (each loss is divided by the step's sample count), then one
+  optimizer update.
+* Old-policy side: with one update per batch (``steps_per_batch = 1``, the default) the old policy *is* the
+  current policy before the update, so ℓ_old and the student top-k are read (detached) from the very logits
+  the loss uses — one forward instead of two, and ρ = 1 exactly. With several PPO epochs a separate no-grad
+  forward (``old_policy.fill_old_side``) runs first and every epoch reuses it.
+* AdamW with the configured lr, betas and weight decay; the global gradient norm is clipped at ``grad_clip``.
+  An update whose gradient is not finite is skipped (the step still completes and says so in its metrics).
+* The model runs in eval mode (no dropout) throughout.
+* A sample that cannot get an OPD term (``opd_on_unhinted = anchor`` but no anchor targets were stored, e.g.
+  its teacher call failed) trains its RL term only and is counted (``anchor_missing``), rather than failing the
+  step for the whole batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from clawloop.config import Config
+from clawloop.losses import MetricsAccumulator, ObjectiveSample, ObjectiveSettings, group_normalized_rewards, \
+    sample_objective
+from clawloop.trainer.batch import TrainItem, collate, micro_batches
+from clawloop.trainer.model import TrainModels
+from clawloop.trainer.old_policy import RefreshFn, fill_old_side, fill_reference, old_side_from_logits
+
+
+def make_optimizer(models: TrainModels, config: Config) -> torch.optim.Optimizer:
+    params = models.trainable_parameters()
+    if not params:
+        raise RuntimeError("the model has no trainable parameters")
+    beta1, beta2 = config.adam_betas
+    return torch.optim.AdamW(params, lr=config.learning_rate, betas=(beta1, beta2),
+                             weight_decay=config.weight_decay)
+
+
+def rewards_for(items: list[TrainItem], config: Config) -> list[float]:
+    """Each sample's reward; with ``group_norm``, normalised within groups of samples sharing a prompt."""
+    rewards = [float(it.sample.reward) for it in items]
+    if not config.group_norm:
+        return rewards
+    groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for i, it in enumerate(items):
+        groups[tuple(it.turn.prompt_ids)].append(i)
+    out = list(rewards)
+    for members in groups.values():
+        if len(members) > 1:
+            normed = group_normalized_rewards(torch.tensor([rewards[i] for i in members], dtype=torch.float32))
+            for i, value in zip(members, normed.tolist()):
+                out[i] = value
+    return out
+
+
+def objective_sample(item: TrainItem, logits_T_V: torch.Tensor, reward: float) -> ObjectiveSample:
+    hinted = bool(item.sample.hints) and item.teacher_tensors is not None
+    return ObjectiveSample(
+        response_ids_T=item.response_ids_T.to(logits_T_V.device),
+        old_logprobs_T=item.old_logprobs_T,
+        reward=reward,
+        logits_T_V=logits_T_V,
+        targets=item.targets,
+        teacher_logprobs_T=item.teacher_logprobs_T,
+        ref_logprobs_T=item.ref_logprobs_T,
+        behaviour_logprobs_T=item.behaviour_logprobs_T.to(logits_T_V.device),
+        hinted=hinted,
+        pg_weights_T=item.token_weights_T,
+        temperature=item.temperature,
+    )
+
+
+def settings_for(item: TrainItem, settings: ObjectiveSettings) -> ObjectiveSettings:
+    """``anchor`` needs targets on the un-hinted prompt; a sample stored without them (the teacher failed and the
+    pipeline kept its vote) trains its RL term only instead of failing the whole step."""
+    if settings.opd_on_unhinted == "anchor" and item.teacher_tensors is None:
+        item.info["anchor_missing"] = 1.0
+        return dataclasses.replace(settings, opd_on_unhinted="skip")
+    return settings
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: list[TrainItem], config: Config,
+               *, refresh: RefreshFn | None = None, fuse_old: bool | None = None) -> dict[str, Any]:
+    """Train on ``items`` (``steps_per_batch`` updates) and return the step's metrics (floats)."""
+    if not items:
+        raise ValueError("train_step needs at least one sample")
+    t_start = time.perf_counter()
+    settings = ObjectiveSettings.from_config(config)
+    epochs = int(config.steps_per_batch)
+    fuse = (epochs == 1) if fuse_old is None else (fuse_old and epochs == 1)
+    device = models.device
+    rewards = rewards_for(items, config)
+    timings: dict[str, float] = defaultdict(float)
+    params = models.trainable_parameters()
+
+    if not fuse:
+        t0 = time.perf_counter()
+        fill_old_side(models, items, config, micro_batch_size=config.micro_batch_size, refresh=refresh)
+        _sync(device)
+        timings["time_old_forward_s"] += time.perf_counter() - t0
+
+    epoch_metrics: list[dict[str, float]] = []
+    grad_norms: list[float] = []
+    skipped = 0
+    n = len(items)
+    index = {id(it): i for i, it in enumerate(items)}
+    head = models.causal_lm.get_output_embeddings()
+    decoder = models.causal_lm.get_decoder()
+    for _ in range(epochs):
+        optimizer.zero_grad(set_to_none=True)
+        acc = MetricsAccumulator()
+        for group in micro_batches(items, config.micro_batch_size):
+            mb = collate(group, device)
+            if fuse and models.use_reference:
+                t0 = time.perf_counter()
+                fill_reference(models, group, mb)
+                timings["time_old_forward_s"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = decoder(input_ids=mb.input_ids_B_L, attention_mask=mb.attention_mask_B_L, use_cache=False)
+            hidden_B_L_H = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+            # Cut the graph here: each sample's head + loss runs (and is freed) on its own.
+            leaf_B_L_H = hidden_B_L_H.detach().requires_grad_(True)
+            _sync(device)
+            timings["time_forward_s"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for i, item in enumerate(group):
+                p, T = item.prompt_len, item.response_len
+                logits_T_V = head(leaf_B_L_H[i, p - 1:p - 1 + T])
+                if fuse:
+                    old_side_from_logits(item, logits_T_V, config, refresh)
+                result = sample_objective(objective_sample(item, logits_T_V, rewards[index[id(item)]]),
+                                          settings_for(item, settings))
+                if result.loss.requires_grad:  # a sample with no active term has a constant 0 loss
+                    (result.loss / n).backward()
+                acc.add(result.metrics)
+                del logits_T_V, result
+            _sync(device)
+            timings["time_loss_s"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            if leaf_B_L_H.grad is not None:
+                hidden_B_L_H.backward(leaf_B_L_H.grad)
+            del hidden_B_L_H, leaf_B_L_H, out
+            _sync(device)
+            timings["time_backward_s"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if torch.isfinite(torch.tensor(grad_norm)):
+            optimizer.step()
+        else:
+            skipped += 1
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        timings["time_optimizer_s"] += time.perf_counter() - t0
+        grad_norms.append(grad_norm)
+        epoch_metrics.append(acc.result())
+
+    metrics = _mean_dicts(epoch_metrics)
+    metrics.update(timings)
+    metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics["updates_skipped_nonfinite"] = float(skipped)
+    metrics["lr"] = float(optimizer.param_groups[0]["lr"])
+    metrics["samples"] = float(n)
+    metrics["tokens"] = float(sum(it.response_len for it in items))
+    metrics["step_time_s"] = time.perf_counter() - t_start
+    metrics.update(_item_metrics(items))
+    return metrics
+
+
+def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for d in dicts for k in d}
+    return {k: sum(d[k] for d in dicts if k in d) / sum(1 for d in dicts if k in d) for k in keys}
+
+
+def _item_metrics(items: list[TrainItem]) -> dict[str, float]:
+    """Behaviour-vs-old gap, sample policy versions, student top-k refresh counts, importance weights."""
+    versions = [it.turn.policy_version for it in items]
+    out = {
+        "old_behaviour_logprob_gap": sum(it.info.get("behaviour_gap", 0.0) for it in items) / len(items),
+        "sample_version_min": float(min(versions)),
+        "sample_version_max": float(max(versions)),
+        "sample_version_mean": sum(versions) / len(versions),
+        "hinted_samples": float(sum(1 for it in items if it.sample.hints)),
+        "reward_mean": sum(float(it.sample.reward) for it in items) / len(items),
+    }
+    changed = [it.info["student_topk_changed_frac"] for it in items if "student_topk_changed_frac" in it.info]
+    if changed:
+        out["student_topk_changed_frac"] = sum(changed) / len(changed)
+    out["student_topk_refreshed"] = float(sum(it.info.get("student_topk_refreshed", 0.0) for it in items))
+    out["student_topk_kept_provisional"] = float(
+        sum(it.info.get("student_topk_kept_provisional", 0.0) for it in items))
+    tis = [it.info["tis_weight_mean"] for it in items if "tis_weight_mean" in it.info]
+    if tis:
+        out["tis_weight_mean"] = sum(tis) / len(tis)
+    out["teacher_refresh_failed"] = float(sum(it.info.get("teacher_refresh_failed", 0.0) for it in items))
+    out["anchor_missing"] = float(sum(it.info.get("anchor_missing", 0.0) for it in items))
+    combine = [it.info["combine_teacher"] for it in items if "combine_teacher" in it.info]
+    if combine:
+        out["combine_teacher_found_frac"] = sum(combine) / len(combine)
+    return out

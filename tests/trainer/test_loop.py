@@ -1,0 +1,177 @@
+"""The online trainer inside an event loop, and offline training over a stored run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from clawloop.engines.hf import HFEngine
+from clawloop.store import Store, TurnState
+from clawloop.trainer import checkpoint as ckpt
+from clawloop.trainer.loop import OnlineTrainer
+from clawloop.trainer.metrics import read_metrics
+from clawloop.trainer.offline import train_offline
+
+from trainer_helpers import HINTS, add_sample
+
+
+async def wait_for(predicate, timeout_s=120.0, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def test_trains_once_a_batch_is_ready_without_blocking_the_event_loop(make_config, base_model, tiny_tokenizer,
+                                                                      tiny_model_path, tmp_path):
+    config = make_config(method="hybrid", rollout_batch_size=2)
+    store = Store(tmp_path / "store.sqlite")
+    engine = HFEngine(tiny_model_path, device="cpu", num_threads=2, max_batch_size=4)
+
+    async def main():
+        trainer = OnlineTrainer(config, store, engine, poll_interval_s=0.05, console=None)
+        await trainer.start()
+        add_sample(store, base_model, tiny_tokenizer, 0, reward=1.0, hints=HINTS)
+        trainer.wake()
+        await asyncio.sleep(0.3)
+        assert trainer.step == 0 and store.ready_count() == 1  # one sample is not a batch
+        add_sample(store, base_model, tiny_tokenizer, 1, reward=-1.0)
+        trainer.wake()
+        await wait_for(lambda: trainer.training, what="the step to start")
+        ticks = 0
+        while trainer.training:  # the loop stays responsive while the step runs in its thread
+            ticks += 1
+            await asyncio.sleep(0.005)
+        await wait_for(lambda: trainer.step == 1, what="step 1")
+        assert ticks > 0
+        assert engine.policy_version == 1 and trainer.policy_version == 1
+        status = trainer.status()
+        assert status["step"] == 1 and status["samples_waiting"] == 0 and status["failures"] == 0
+        await trainer.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.close_sync()
+    assert store.count_samples() == {TurnState.CONSUMED: 2}
+    assert ckpt.latest_checkpoint_path(config.run_dir).name == "step_1"  # written at shutdown
+    (line,) = read_metrics(config.run_dir)
+    for key in ("loss", "grpo_loss", "opd_loss", "grad_norm", "lr", "step", "policy_version", "samples", "tokens",
+                "step_time_s", "staleness_mean", "old_behaviour_logprob_gap", "sample_version_max"):
+        assert key in line, key
+
+
+def test_a_failed_step_gives_its_samples_back(make_config, base_model, tiny_tokenizer, tmp_path, monkeypatch):
+    config = make_config(method="rl", rollout_batch_size=2)
+    store = Store(tmp_path / "store.sqlite")
+    for i in range(2):
+        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0)
+
+    def broken_step(*args, **kwargs):
+        raise RuntimeError("out of memory in the backward")
+
+    monkeypatch.setattr("clawloop.trainer.core.train_step", broken_step)
+
+    async def main():
+        from clawloop.trainer.publish import LocalVersion
+
+        trainer = OnlineTrainer(config, store, LocalVersion(), poll_interval_s=0.05, error_backoff_s=30.0,
+                                console=None)
+        await trainer.start()
+        await wait_for(lambda: trainer.failures == 1, what="the failure")
+        await wait_for(lambda: store.ready_count() == 2, what="the lease to be released")
+        assert "out of memory in the backward" in trainer.last_error
+        await trainer.stop()  # wakes the back-off
+        return trainer
+
+    trainer = asyncio.run(main())
+    assert trainer.step == 0 and store.steps() == []
+    assert store.count_samples() == {TurnState.READY: 2}
+    assert ckpt.latest_checkpoint_path(config.run_dir) is None  # nothing trained, nothing to save
+
+
+def test_a_sample_that_breaks_every_step_is_dropped_with_a_reason(make_config, base_model, tiny_tokenizer,
+                                                                  tmp_path, monkeypatch):
+    config = make_config(method="rl", rollout_batch_size=2)
+    store = Store(tmp_path / "store.sqlite")
+    bad = add_sample(store, base_model, tiny_tokenizer, 0, reward=1.0)
+    good = [add_sample(store, base_model, tiny_tokenizer, i, reward=1.0) for i in (1, 2)]
+    from clawloop.trainer import core
+
+    real_step = core.train_step
+
+    def step_failing_on_bad(models, optimizer, items, config, **kwargs):
+        if any(it.turn_id == bad for it in items):
+            raise ValueError("non-finite loss")
+        return real_step(models, optimizer, items, config, **kwargs)
+
+    monkeypatch.setattr("clawloop.trainer.core.train_step", step_failing_on_bad)
+
+    async def main():
+        from clawloop.trainer.publish import LocalVersion
+
+        trainer = OnlineTrainer(config, store, LocalVersion(), poll_interval_s=0.05, error_backoff_s=0.01,
+                                max_sample_failures=3, console=None)
+        await trainer.start()
+        await wait_for(lambda: store.get_turn(bad).state == TurnState.DROPPED, what="the bad sample's drop")
+        await wait_for(lambda: trainer.step == 1, what="the good samples' step")
+        await trainer.stop()
+        return trainer
+
+    trainer = asyncio.run(main())
+    assert trainer.failures == 3
+    assert store.get_turn(bad).reason == "train_error"
+    assert sorted(store.steps()[0]["turn_ids"]) == sorted(good)
+
+
+def test_stop_during_a_step_finishes_it_and_leaves_nothing_leased(make_config, base_model, tiny_tokenizer,
+                                                                  tmp_path):
+    config = make_config(method="rl", rollout_batch_size=2)
+    store = Store(tmp_path / "store.sqlite")
+    for i in range(3):
+        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0)
+
+    async def main():
+        from clawloop.trainer.publish import LocalVersion
+
+        trainer = OnlineTrainer(config, store, LocalVersion(), poll_interval_s=0.05, console=None)
+        await trainer.start()
+        await wait_for(lambda: trainer.training, what="the step to start")
+        await trainer.stop()
+        return trainer
+
+    trainer = asyncio.run(main())
+    assert trainer.step == 1
+    assert store.count_samples() == {TurnState.CONSUMED: 2, TurnState.READY: 1}
+    assert ckpt.load_latest(config.run_dir).step == 1
+
+
+def test_offline_training_consumes_a_stored_run_and_continues_it(make_config, base_model, tiny_tokenizer,
+                                                                 tmp_path):
+    config = make_config(method="hybrid", rollout_batch_size=2)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(exist_ok=True)
+    store = Store(run_dir / "store.sqlite")
+    ids = [add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i % 2 else -1.0,
+                      hints=HINTS if i == 0 else ()) for i in range(5)]
+    store.close()
+
+    first = train_offline(config, run_dir, max_steps=1, console=None)
+    assert first["steps"] == 1 and first["step"] == 1 and first["ready_left"] == 3
+    second = train_offline(config, run_dir, console=None)  # resumes at step 1, trains 2 + a final 1
+    assert second["steps"] == 2 and second["step"] == 3 and second["samples"] == 3
+    assert second["ready_left"] == 0 and second["policy_version"] == 3
+
+    store = Store(run_dir / "store.sqlite")
+    steps = store.steps()
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert sorted(t for s in steps for t in s["turn_ids"]) == sorted(ids)
+    assert ckpt.load_latest(run_dir).step == 3
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
+    # The saved weights differ from the starting model: training happened.
+    saved = ckpt.load_latest(run_dir).weights
+    key = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(saved[key], base_model.state_dict()[key])

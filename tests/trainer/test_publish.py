@@ -1,0 +1,119 @@
+"""Publication: after a step the serving engine runs the trained weights under a new policy version; LoRA is
+merged into plain base weights without touching the training model."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from clawloop.engines.base import ScoreRequest
+from clawloop.engines.hf import HFEngine
+from clawloop.store import Store
+from clawloop.trainer.core import Trainer
+from clawloop.trainer.publish import merged_state_dict
+
+from trainer_helpers import HINTS, add_sample, logprob_table, render
+
+
+@pytest.fixture
+def engine(tiny_model_path):
+    engine = HFEngine(tiny_model_path, device="cpu", num_threads=2, max_batch_size=4)
+    yield engine
+    engine.close_sync()
+
+
+def _score(engine, prompt, response):
+    (result,) = asyncio.run(engine.score([ScoreRequest(prompt_ids=prompt, response_ids=response, top_k=4,
+                                                       temperature=0.6)]))
+    return result
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_step_publishes_new_weights_under_a_new_version(make_config, base_model, tiny_tokenizer, tmp_path,
+                                                          engine, lora):
+    config = make_config(method="hybrid", lora=lora, lr=1e-2 if lora else 1e-3)
+    store = Store(tmp_path / "store.sqlite")
+    add_sample(store, base_model, tiny_tokenizer, 0, reward=1.0, hints=HINTS)
+    add_sample(store, base_model, tiny_tokenizer, 1, reward=-1.0)
+    probe_prompt = render(tiny_tokenizer, [{"role": "user", "content": "Tell me a joke."}])
+    probe_response = list(tiny_tokenizer("Why did the chicken cross?", add_special_tokens=False)["input_ids"])
+    before = _score(engine, probe_prompt, probe_response)
+    assert before.policy_version == 0
+
+    trainer = Trainer(config, store, engine, console=None)
+    metrics = trainer.run_batch(*store.lease_samples(2))
+    assert engine.policy_version == 1 and metrics["policy_version"] == 1 and metrics["published"] == 1.0
+    assert store.steps()[0]["policy_version"] == 1
+
+    after = _score(engine, probe_prompt, probe_response)
+    assert after.policy_version == 1
+    assert (after.logprobs_T - before.logprobs_T).abs().max() > 1e-3  # served outputs changed
+    # ... to exactly what the trainer's model now says.
+    expected = logprob_table(trainer.models.policy, probe_prompt, probe_response, 0.6)
+    expected_T = expected.gather(1, torch.tensor(probe_response)[:, None])[:, 0]
+    torch.testing.assert_close(after.logprobs_T, expected_T, atol=1e-4, rtol=1e-4)
+
+
+def test_lora_merge_equals_peft_merge_and_leaves_the_adapter_alone(make_config, base_model, tiny_tokenizer,
+                                                                   tmp_path):
+    config = make_config(method="rl", lora=True, lr=1e-2)
+    store = Store(tmp_path / "store.sqlite")
+    add_sample(store, base_model, tiny_tokenizer, 0, reward=1.0)
+    add_sample(store, base_model, tiny_tokenizer, 1, reward=-1.0)
+    trainer = Trainer(config, store, console=None)
+    trainer.run_batch(*store.lease_samples(2))
+    adapter_before = {n: p.detach().clone() for n, p in trainer.models.policy.named_parameters() if "lora_" in n}
+
+    merged = merged_state_dict(trainer.models)
+    reference = copy.deepcopy(trainer.models.policy).merge_and_unload().state_dict()
+    assert set(merged) == set(base_model.state_dict())  # plain base architecture keys
+    for key, value in reference.items():
+        torch.testing.assert_close(merged[key], value, atol=1e-6, rtol=1e-6)
+    changed = [k for k in merged if not torch.equal(merged[k], base_model.state_dict()[k])]
+    assert changed and all(k.split(".")[-2].endswith("proj") for k in changed)
+    # The training model still carries its unmerged adapter.
+    for n, p in trainer.models.policy.named_parameters():
+        if "lora_" in n:
+            assert torch.equal(p, adapter_before[n])
+    assert any("base_layer" in k for k in trainer.models.causal_lm.state_dict())
+
+
+def test_what_each_kind_of_engine_receives(make_config, tmp_path):
+    """Merged base weights by default; the PEFT model itself for an adapter-hot-loading (vLLM LoRA) engine; an
+    explicit version only to engines that take one."""
+    from clawloop.engines.vllm_publish import LoRAPublisher
+    from clawloop.trainer.model import load_train_models
+    from clawloop.trainer.publish import publish_weights
+
+    class Recorder:
+        def __init__(self, publisher=None, takes_version=True):
+            self.publisher, self.calls, self.policy_version = publisher, [], 0
+            if not takes_version:
+                self.publish_sync = self._plain
+
+        def publish_sync(self, weights, timeout_s=None, **kwargs):
+            self.calls.append((weights, kwargs))
+            self.policy_version = kwargs.get("version", self.policy_version + 1)
+            return self.policy_version
+
+        def _plain(self, weights):
+            self.calls.append((weights, {}))
+            self.policy_version += 1
+            return self.policy_version
+
+    lora = load_train_models(make_config(lora=True))
+    plain = Recorder()
+    assert publish_weights(plain, lora) == 1
+    weights, kwargs = plain.calls[0]
+    assert isinstance(weights, dict) and not any("lora_" in k for k in weights) and kwargs == {}
+    assert publish_weights(plain, lora, version=7) == 7 and plain.calls[1][1] == {"version": 7}
+
+    hot = Recorder(publisher=LoRAPublisher.__new__(LoRAPublisher))
+    publish_weights(hot, lora)
+    assert hot.calls[0][0] is lora.policy  # the adapter model, saved by the publisher
+
+    old_style = Recorder(takes_version=False)
+    assert publish_weights(old_style, lora, version=7) == 1  # cannot be told a version: counts on

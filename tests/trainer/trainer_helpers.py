@@ -1,0 +1,97 @@
+"""Helpers for trainer tests: real turns of the tiny model in a real store, and teacher targets.
+
+* ``add_sample(store, model, tokenizer, i, ...)`` — writes one served turn (real chat-template prompt,
+  real tokenizer ids for the answer, behaviour log-probs scored by ``model`` at the turn's temperature), moves it
+  through the store's states to ``ready`` with a ``SampleRecord``. Hinted samples get teacher targets computed
+  by ``model`` on the hint-augmented prompt (a frozen base teacher, as by default).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from clawloop.losses import build_topk_targets
+from clawloop.store import SampleRecord, Store, TurnRecord
+from clawloop.teacher import inject_hint
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about rain.",
+    "List three prime numbers.",
+    "How do I reverse a list in Python?",
+    "Name a colour of the sky.",
+    "Say hello in Spanish.",
+    "What is two plus two?",
+    "Give me a synonym for quick.",
+]
+ANSWERS = [
+    "Paris is the capital.",
+    "Rain on the roof, soft.",
+    "Two, three and five.",
+    "Use reversed or slicing.",
+    "Blue, most days.",
+    "Hola!",
+    "Four.",
+    "Fast.",
+]
+HINTS = ["Answer in one short sentence.", "Mention the exact number and nothing else."]
+
+
+def render(tokenizer, messages) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+
+
+@torch.no_grad()
+def logprob_table(model, prompt_ids: list[int], response_ids: list[int], temperature: float) -> torch.Tensor:
+    """[T, V] log-softmax(logits / τ) at the positions predicting each response token."""
+    ids = torch.tensor([prompt_ids + response_ids])
+    logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:len(prompt_ids) - 1 + len(response_ids)]
+    return torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), dim=-1)
+
+
+def teacher_tensors(model, tokenizer, messages, prompt_ids, response_ids, hints, temperature, k=4):
+    """What the pipeline stores for a hinted sample, computed with ``model`` as the frozen teacher."""
+    student_T_V = logprob_table(model, prompt_ids, response_ids, temperature)
+    if hints:
+        tables = [logprob_table(model, render(tokenizer, inject_hint(messages, h)), response_ids, temperature)
+                  for h in hints]
+    else:  # anchor: the un-hinted prompt
+        tables = [student_T_V]
+    t = build_topk_targets(student_T_V, torch.stack(tables), k)
+    return {
+        "student_ids_T_K": t.student_ids_T_K,
+        "teacher_ids_C_T_K": t.teacher_ids_C_T_K,
+        "teacher_logprobs_C_T_K": t.teacher_logprobs_C_T_K,
+        "teacher_at_student_C_T_K": t.teacher_at_student_C_T_K,
+        "hint_lens_C": torch.tensor([len(h) for h in hints] if hints else [0]),
+    }
+
+
+def add_sample(store: Store, model, tokenizer, i: int, *, reward: float = 1.0, hints=(), version: int = 0,
+               temperature: float = 0.6, anchor: bool = False, behaviour_shift: float = 0.0,
+               answer: str | None = None, edit_targets=None) -> int:
+    q = QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" (#{i})")
+    messages = [{"role": "user", "content": q}]
+    prompt_ids = render(tokenizer, messages)
+    text = answer if answer is not None else ANSWERS[i % len(ANSWERS)]
+    response_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [2]
+    table = logprob_table(model, prompt_ids, response_ids, temperature)
+    behaviour = (table.gather(1, torch.tensor(response_ids)[:, None])[:, 0] + behaviour_shift).tolist()
+    turn = TurnRecord(session_id=f"s{i}", turn_index=0, messages=messages, prompt_ids=prompt_ids,
+                      response_ids=response_ids, logprobs=behaviour, temperature=temperature, top_p=1.0,
+                      policy_version=version, response_text=text,
+                      assistant_message={"role": "assistant", "content": text})
+    tid = store.add_turn(turn)
+    assert store.set_next_state(tid, [{"role": "user", "content": "ok, thanks"}])
+    claimed = store.claim_judgeable(1)
+    assert [t.id for t in claimed] == [tid]
+    hints = list(hints)
+    targets = None
+    if hints or anchor:
+        targets = teacher_tensors(model, tokenizer, messages, prompt_ids, response_ids, hints,
+                                  temperature if temperature > 0 else 1.0)
+    if targets is not None and edit_targets is not None:
+        edit_targets(targets)  # e.g. a provisional student set computed by an older policy
+    kind = ("rl+opd" if reward else "opd") if hints else "rl"
+    assert store.put_sample(SampleRecord(turn_id=tid, reward=reward, kind=kind, hints=hints, targets=targets))
+    return tid
