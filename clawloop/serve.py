@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from clawloop.api.app import ChatService, create_app
 from clawloop.api.metrics import ServingMetrics
+from clawloop.api.trainer_routes import mount_trainer_routes
 from clawloop.api.sessions import JudgeableHook, SessionManager
 from clawloop.config import Config
 from clawloop.store import Store
@@ -105,6 +106,7 @@ class Server:
         self.service = ChatService(self.config, self.engine, self.store, self.sessions, tokenizer=self.tokenizer,
                                    metrics=ServingMetrics())
         self.app = create_app(self.service, lifespan=self._lifespan)
+        mount_trainer_routes(self.app, self.store, self.engine, self.config)  # remote trainers (issue 7)
         return self.app
 
     def _judgeable(self, turn_id: int) -> Any:

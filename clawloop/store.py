@@ -453,6 +453,13 @@ class Store:
             db.execute("UPDATE turns SET state=? WHERE id=?", (TurnState.READY, tid))
         return len(expired)
 
+    def extend_lease(self, lease_id: str, lease_s: float) -> int:
+        """Heartbeat of a remote trainer: push the lease's expiry to now + ``lease_s``. Returns how many samples
+        the lease still holds (0 = the lease was lost: expired and taken back, or already committed)."""
+        with self._tx() as db:
+            return db.execute("UPDATE samples SET lease_expires=? WHERE lease_id=? AND state=?",
+                              (time.time() + lease_s, lease_id, TurnState.LEASED)).rowcount
+
     def release_lease(self, lease_id: str) -> int:
         """Give a lease's samples back (e.g. the step failed)."""
         with self._tx() as db:

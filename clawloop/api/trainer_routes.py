@@ -1,0 +1,272 @@
+"""The trainer's side door into the API process: remote trainers lease batches, acknowledge them and report
+new weights over authenticated HTTP, so the trainer can run as its own process (or ``torchrun`` job).
+
+Routes (all ``POST`` with a JSON body, except ``GET /v1/trainer/state``):
+
+* ``/v1/trainer/lease {n, min_n, lease_s}`` → ``{lease_id, samples: [...], waiting}``; each sample carries its
+  turn (prompt/response ids exactly as generated, behaviour log-probs, temperature, policy version, messages)
+  and its judge/teacher outcome (reward, kind, hints, targets as base64 safetensors).
+* ``/v1/trainer/heartbeat {lease_id, lease_s}`` extends the lease; 409 when it was lost.
+* ``/v1/trainer/commit {lease_id, step, policy_version, metrics, turn_ids}`` → ``store.commit_step``; 409 when
+  the lease was lost (its samples expired and went to another trainer), so a step is acknowledged at most once.
+* ``/v1/trainer/release {lease_id}`` gives the batch back; ``/v1/trainer/drop {lease_id, turn_id, reason}``
+  records a leased sample the trainer refuses (too long, stale, ...), never silently.
+* ``/v1/trainer/weights {path, version, kind}`` publishes weights written to shared disk: ``kind = "full"``, a
+  folder of ``*.safetensors`` with the full state dict of the served architecture, or ``kind = "lora"``, a PEFT
+  adapter folder (hot-loaded by an engine whose publisher takes adapters; merged into the base model for the
+  embedded engine). The engine's new version is returned.
+* ``GET /v1/trainer/state`` → last committed step, policy version, samples waiting.
+
+Exactly-once comes from the store: a lease is a compare-and-set on the samples' state, an expired lease returns
+its samples to ready at the next lease call, and a commit under a lost lease fails as a whole.
+
+Auth: the admin key (Bearer, constant-time compare). With no admin key configured the routes answer only when
+the server binds a loopback address; otherwise every call is refused (403), since these routes hand out the
+run's data and change the served weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ipaddress
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import FastAPI
+from safetensors.torch import load_file as st_load_file
+from safetensors.torch import save as st_save
+from starlette.requests import Request
+
+from clawloop.api.auth import require_key
+from clawloop.api.errors import APIError
+from clawloop.store import SampleRecord, Store, TurnRecord
+
+MAX_LEASE_S = 24 * 3600.0
+
+
+def encode_tensors(tensors: dict[str, torch.Tensor] | None) -> str | None:
+    if tensors is None:
+        return None
+    return base64.b64encode(st_save({k: v.contiguous() for k, v in tensors.items()})).decode("ascii")
+
+
+def decode_tensors(text: str | None) -> dict[str, torch.Tensor] | None:
+    if text is None:
+        return None
+    from safetensors.torch import load as st_load
+
+    return st_load(base64.b64decode(text))
+
+
+def sample_to_json(sample: SampleRecord, turn: TurnRecord) -> dict[str, Any]:
+    return {
+        "turn_id": sample.turn_id,
+        "session_id": turn.session_id,
+        "turn_index": turn.turn_index,
+        "messages": turn.messages,
+        "tools": turn.tools,
+        "prompt_ids": list(turn.prompt_ids),
+        "response_ids": list(turn.response_ids),
+        "logprobs": list(turn.logprobs),
+        "temperature": turn.temperature,
+        "top_p": turn.top_p,
+        "policy_version": turn.policy_version,
+        "response_text": turn.response_text,
+        "reward": sample.reward,
+        "kind": sample.kind,
+        "hints": list(sample.hints),
+        "teacher_version": sample.teacher_version,
+        "info": sample.info,
+        "targets": encode_tensors(sample.targets),
+    }
+
+
+def sample_from_json(d: dict[str, Any], lease_id: str = "") -> tuple[SampleRecord, TurnRecord]:
+    turn = TurnRecord(session_id=d["session_id"], turn_index=int(d["turn_index"]), messages=d["messages"],
+                      tools=d.get("tools"), prompt_ids=[int(x) for x in d["prompt_ids"]],
+                      response_ids=[int(x) for x in d["response_ids"]], logprobs=[float(x) for x in d["logprobs"]],
+                      temperature=float(d["temperature"]), top_p=float(d["top_p"]),
+                      policy_version=int(d["policy_version"]), response_text=d.get("response_text", ""),
+                      id=int(d["turn_id"]), state="leased")
+    sample = SampleRecord(turn_id=int(d["turn_id"]), reward=float(d["reward"]), kind=d["kind"],
+                          hints=list(d["hints"]), targets=decode_tensors(d.get("targets")),
+                          teacher_version=int(d.get("teacher_version", 0)), info=dict(d.get("info") or {}),
+                          state="leased", lease_id=lease_id)
+    return sample, turn
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _number(body: dict[str, Any], key: str, default: float | None = None, *, minimum: float = 0.0) -> float:
+    value = body.get(key, default)
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < minimum:
+        raise APIError(400, f"'{key}' must be a number >= {minimum}.", "invalid_request_error", key, None)
+    return float(value)
+
+
+def _string(body: dict[str, Any], key: str) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"'{key}' must be a non-empty string.", "invalid_request_error", key, None)
+    return value
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except Exception:
+        raise APIError(400, "The body must be a JSON object.", "invalid_request_error", None, None) from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The body must be a JSON object.", "invalid_request_error", None, None)
+    return body
+
+
+def load_weights_folder(path: Path, kind: str, base_model: str | Path | None) -> Any:
+    """What the engine's ``publish_sync`` gets for a reported folder (see the module docstring)."""
+    if kind == "full":
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(st_load_file(str(f)))
+        return state
+    # LoRA adapter merged into the base weights (for engines that take full state dicts).
+    from peft import PeftModel
+
+    from clawloop.engines.model_files import load_model
+
+    base = load_model(base_model, dtype="float32", device="cpu")
+    merged = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
+    return {k: v.detach() for k, v in merged.state_dict().items()}
+
+
+def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -> None:
+    """Add the ``/v1/trainer/*`` routes for ``store`` and ``engine`` to ``app``."""
+    publish_lock = asyncio.Lock()
+
+    def authorise(request: Request) -> None:
+        if config.admin_key:
+            require_key(request, config.admin_key, "admin key")
+        elif not _is_loopback(str(config.host)):
+            raise APIError(403, "Trainer routes need an admin key when the server is not bound to loopback.",
+                           "permission_error", None, "admin_key_required")
+
+    async def lease(request: Request) -> Any:
+        authorise(request)
+        body = await _body(request)
+        n = int(_number(body, "n", minimum=1))
+        min_n = body.get("min_n")
+        min_n = None if min_n is None else int(_number(body, "min_n", minimum=0))
+        lease_s = min(_number(body, "lease_s", 600.0, minimum=0.001), MAX_LEASE_S)
+
+        def work() -> dict[str, Any]:
+            lease_id, samples = store.lease_samples(n, lease_s=lease_s, min_n=min_n)
+            return {"lease_id": lease_id, "lease_s": lease_s,
+                    "samples": [sample_to_json(s, store.get_turn(s.turn_id)) for s in samples],
+                    "waiting": store.ready_count()}
+
+        return await asyncio.to_thread(work)
+
+    async def heartbeat(request: Request) -> Any:
+        authorise(request)
+        body = await _body(request)
+        lease_id = _string(body, "lease_id")
+        lease_s = min(_number(body, "lease_s", 600.0, minimum=0.001), MAX_LEASE_S)
+        held = await asyncio.to_thread(store.extend_lease, lease_id, lease_s)
+        if held == 0:
+            raise APIError(409, f"Lease {lease_id} holds no samples (expired, committed or released).",
+                           "invalid_request_error", "lease_id", "lease_lost")
+        return {"lease_id": lease_id, "held": held, "lease_s": lease_s}
+
+    async def commit(request: Request) -> Any:
+        authorise(request)
+        body = await _body(request)
+        lease_id = _string(body, "lease_id")
+        step = int(_number(body, "step", minimum=1))
+        version = int(_number(body, "policy_version", minimum=0))
+        metrics = body.get("metrics") or {}
+        turn_ids = body.get("turn_ids")
+        if not isinstance(metrics, dict) or not isinstance(turn_ids, list) or not turn_ids \
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in turn_ids):
+            raise APIError(400, "'metrics' must be an object and 'turn_ids' a non-empty list of integers.",
+                           "invalid_request_error", None, None)
+        try:
+            await asyncio.to_thread(store.commit_step, lease_id, step, version, metrics, turn_ids)
+        except RuntimeError as exc:  # a sample is no longer held by this lease
+            raise APIError(409, str(exc), "invalid_request_error", "lease_id", "lease_lost") from None
+        except Exception as exc:  # e.g. the step number already exists
+            raise APIError(409, f"commit refused: {exc}", "invalid_request_error", "step", "commit_conflict") \
+                from None
+        return {"lease_id": lease_id, "step": step, "committed": len(turn_ids)}
+
+    async def release(request: Request) -> Any:
+        authorise(request)
+        body = await _body(request)
+        lease_id = _string(body, "lease_id")
+        return {"lease_id": lease_id, "released": await asyncio.to_thread(store.release_lease, lease_id)}
+
+    async def drop(request: Request) -> Any:
+        authorise(request)
+        body = await _body(request)
+        turn_id = int(_number(body, "turn_id", minimum=0))
+        reason = _string(body, "reason")
+        await asyncio.to_thread(store.drop_leased_sample, turn_id, reason)
+        return {"turn_id": turn_id, "dropped": True}
+
+    async def weights(request: Request) -> Any:
+        authorise(request)
+        body = await _body(request)
+        path = Path(_string(body, "path"))
+        version = body.get("version")
+        version = None if version is None else int(_number(body, "version", minimum=0))
+        kind = body.get("kind", "full")
+        if kind not in ("full", "lora"):
+            raise APIError(400, "'kind' must be 'full' or 'lora'.", "invalid_request_error", "kind", None)
+        if not path.exists():
+            raise APIError(400, f"No such file or folder: {path}", "invalid_request_error", "path", None)
+
+        def work() -> int:
+            from clawloop.trainer.publish import _takes_adapters
+
+            payload: Any = str(path) if kind == "lora" and _takes_adapters(engine) else \
+                load_weights_folder(path, kind, config.model)
+            if version is None:
+                return int(engine.publish_sync(payload))
+            return int(engine.publish_sync(payload, version=version))
+
+        async with publish_lock:
+            try:
+                new_version = await asyncio.to_thread(work)
+            except Exception as exc:
+                raise APIError(500, f"publishing {path} failed: {exc}", "server_error", "path", None) from None
+        return {"policy_version": new_version}
+
+    async def state(request: Request) -> Any:
+        authorise(request)
+
+        def work() -> dict[str, Any]:
+            last = store.last_step()
+            return {"step": last[0] if last else 0, "policy_version": int(engine.policy_version),
+                    "waiting": store.ready_count()}
+
+        return await asyncio.to_thread(work)
+
+    app.add_api_route("/v1/trainer/lease", lease, methods=["POST"])
+    app.add_api_route("/v1/trainer/heartbeat", heartbeat, methods=["POST"])
+    app.add_api_route("/v1/trainer/commit", commit, methods=["POST"])
+    app.add_api_route("/v1/trainer/release", release, methods=["POST"])
+    app.add_api_route("/v1/trainer/drop", drop, methods=["POST"])
+    app.add_api_route("/v1/trainer/weights", weights, methods=["POST"])
+    app.add_api_route("/v1/trainer/state", state, methods=["GET"])

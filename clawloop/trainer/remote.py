@@ -1,0 +1,112 @@
+"""``RemoteStore``: the part of ``clawloop.store.Store`` a trainer uses, over the API process's trainer routes
+(``clawloop.api.trainer_routes``), so the same trainer code runs in its own process.
+
+The leased turns arrive with their samples and are kept until the lease is committed or released, so
+``get_turn`` (used when a batch is prepared) needs no extra round trip. Every call has a timeout; transport
+errors are retried with backoff, HTTP answers are not (a 409 means the lease was lost and is raised as
+``LeaseLost``, like ``Store.commit_step`` raising when its samples are no longer held).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from clawloop.store import SampleRecord, TurnRecord
+
+
+class LeaseLost(RuntimeError):
+    """The lease's samples were taken back (expired and re-leased, or already committed)."""
+
+
+class RemoteStore:
+    def __init__(self, api_url: str, admin_key: str = "", *, timeout_s: float = 60.0, retries: int = 3,
+                 backoff_s: float = 0.5):
+        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self._client = httpx.Client(base_url=api_url.rstrip("/"), headers=headers, timeout=timeout_s)
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._turns: dict[int, TurnRecord] = {}
+        self._lease_turns: dict[str, list[int]] = {}
+        self._waiting = 0
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        for attempt in range(self.retries + 1):
+            try:
+                response = self._client.request(method, path, json=body)
+                break
+            except httpx.TransportError:
+                if attempt == self.retries:
+                    raise
+                time.sleep(self.backoff_s * 2 ** attempt)
+        if response.status_code == 409:
+            raise LeaseLost(response.text)
+        response.raise_for_status()
+        return response.json()
+
+    # ---- the Store subset ---------------------------------------------------------------------------
+    def lease_samples(self, n: int, lease_s: float = 3600.0, min_n: int | None = None) -> tuple[str, list[SampleRecord]]:
+        from clawloop.api.trainer_routes import sample_from_json
+
+        out = self._call("POST", "/v1/trainer/lease", {"n": n, "min_n": min_n, "lease_s": lease_s})
+        lease_id = out["lease_id"]
+        samples = []
+        for d in out["samples"]:
+            sample, turn = sample_from_json(d, lease_id)
+            self._turns[sample.turn_id] = turn
+            samples.append(sample)
+        self._lease_turns[lease_id] = [s.turn_id for s in samples]
+        self._waiting = int(out.get("waiting", 0))
+        return lease_id, samples
+
+    def get_turn(self, turn_id: int) -> TurnRecord:
+        try:
+            return self._turns[turn_id]
+        except KeyError:
+            raise KeyError(f"turn {turn_id} is not part of a lease held here") from None
+
+    def heartbeat(self, lease_id: str, lease_s: float = 3600.0) -> int:
+        return int(self._call("POST", "/v1/trainer/heartbeat", {"lease_id": lease_id, "lease_s": lease_s})["held"])
+
+    extend_lease = heartbeat
+
+    def commit_step(self, lease_id: str, step: int, policy_version: int, metrics: dict[str, Any],
+                    turn_ids: list[int]) -> None:
+        self._call("POST", "/v1/trainer/commit", {"lease_id": lease_id, "step": step,
+                                                  "policy_version": policy_version, "metrics": metrics,
+                                                  "turn_ids": list(turn_ids)})
+        self._forget(lease_id)
+
+    def release_lease(self, lease_id: str) -> int:
+        released = int(self._call("POST", "/v1/trainer/release", {"lease_id": lease_id})["released"])
+        self._forget(lease_id)
+        return released
+
+    def drop_leased_sample(self, turn_id: int, reason: str) -> None:
+        self._call("POST", "/v1/trainer/drop", {"turn_id": turn_id, "reason": reason})
+
+    def ready_count(self) -> int:
+        """Samples waiting as of the last lease (no extra round trip per step)."""
+        return self._waiting
+
+    def state(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/trainer/state")
+
+    def last_step(self) -> tuple[int, dict[str, Any]] | None:
+        step = int(self.state()["step"])
+        return (step, {}) if step > 0 else None
+
+    def report_weights(self, path: str, version: int | None = None, kind: str = "full") -> int:
+        body: dict[str, Any] = {"path": str(path), "kind": kind}
+        if version is not None:
+            body["version"] = int(version)
+        return int(self._call("POST", "/v1/trainer/weights", body)["policy_version"])
+
+    def _forget(self, lease_id: str) -> None:
+        for tid in self._lease_turns.pop(lease_id, []):
+            self._turns.pop(tid, None)
+
+    def close(self) -> None:
+        self._client.close()

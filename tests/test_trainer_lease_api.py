@@ -1,0 +1,187 @@
+"""Remote trainers against a live API process: leases over HTTP, the admin key, and a trainer killed mid-lease
+whose batch returns to the queue and is trained exactly once by the next trainer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from clawloop.config import Config
+from clawloop.engines.model_files import load_model, load_tokenizer
+from clawloop.serve import Server
+from clawloop.store import TurnState
+from clawloop.trainer.remote import LeaseLost, RemoteStore
+from tests.trainer.trainer_helpers import add_sample
+
+ROOT = Path(__file__).resolve().parents[1]
+ADMIN_KEY = "trainer-admin-key-7f3a"
+
+LEASE_AND_HANG = textwrap.dedent("""
+    import sys, time
+    from clawloop.trainer.remote import RemoteStore
+    store = RemoteStore(sys.argv[1], sys.argv[2])
+    lease_id, samples = store.lease_samples(3, lease_s=float(sys.argv[3]), min_n=3)
+    print(lease_id, *[s.turn_id for s in samples], flush=True)
+    time.sleep(600)  # "training": killed before it commits
+""")
+
+
+@pytest.fixture
+def server(tiny_model_path, tmp_path):
+    torch.set_num_threads(2)
+    config = Config.from_dict(dict(model=str(tiny_model_path), device="cpu", run_dir=str(tmp_path / "api"),
+                                   admin_key=ADMIN_KEY, port=0, train=False, rollout_batch_size=3,
+                                   micro_batch_size=3, num_threads=1))
+    srv = Server(config)
+    srv.build()
+    model = load_model(tiny_model_path, device="cpu")
+    tokenizer = load_tokenizer(tiny_model_path)
+    for i in range(3):
+        add_sample(srv.store, model, tokenizer, i, reward=1.0 if i % 2 == 0 else -1.0,
+                   hints=["Answer briefly."] if i == 0 else ())
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_trainer_routes_need_the_admin_key(server):
+    url = server.base_url
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic " + ADMIN_KEY}):
+        r = httpx.post(f"{url}/v1/trainer/lease", json={"n": 3}, headers=headers)
+        assert r.status_code == 401, headers
+        assert httpx.post(f"{url}/v1/trainer/weights", json={"path": "/"}, headers=headers).status_code == 401
+    assert server.store.count_samples() == {"ready": 3}  # nothing was leased by the refused calls
+    store = RemoteStore(url, ADMIN_KEY)
+    assert store.state() == {"step": 0, "policy_version": 0, "waiting": 3}
+    lease_id, samples = store.lease_samples(3, lease_s=60, min_n=3)
+    assert len(samples) == 3 and server.store.count_samples() == {"leased": 3}
+    turn = store.get_turn(samples[0].turn_id)
+    assert turn.response_ids == server.store.get_turn(samples[0].turn_id).response_ids
+    hinted = [s for s in samples if s.hints]
+    assert hinted and hinted[0].targets is not None
+    want = server.store.samples()[0].targets
+    for key, value in want.items():
+        assert torch.equal(hinted[0].targets[key], value)
+    assert store.heartbeat(lease_id, 60) == 3
+    assert store.release_lease(lease_id) == 3
+    with pytest.raises(LeaseLost):
+        store.heartbeat(lease_id, 60)
+    assert server.store.count_samples() == {"ready": 3}
+
+
+@pytest.mark.timeout(240)
+def test_killed_trainer_batch_is_trained_once_by_the_next(server, tiny_model_path, tmp_path):
+    url = server.base_url
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    lease_s = 3.0
+    doomed = subprocess.Popen([sys.executable, "-c", LEASE_AND_HANG, url, ADMIN_KEY, str(lease_s)], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        line = doomed.stdout.readline().split()
+    finally:
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait(30)
+    lost_lease, leased_ids = line[0], sorted(int(x) for x in line[1:])
+    assert len(leased_ids) == 3
+    assert server.store.count_samples() == {"leased": 3}
+
+    # While the dead trainer's lease runs, nobody else gets its samples.
+    probe = RemoteStore(url, ADMIN_KEY)
+    _, none = probe.lease_samples(3, lease_s=60, min_n=1)
+    assert none == []
+    deadline = time.time() + lease_s + 0.5
+    while time.time() < deadline:
+        time.sleep(0.1)
+
+    trainer = subprocess.run(
+        [sys.executable, "-m", "clawloop.trainer.distributed", "--api", url, "--admin-key", ADMIN_KEY,
+         "--max-steps", "1", "--poll-s", "0.2", "--lease-s", "120",
+         "--set", f"model={tiny_model_path}", "--set", "device=cpu", "--set", f"run_dir={tmp_path / 'trainer'}",
+         "--set", "rollout_batch_size=3", "--set", "micro_batch_size=3", "--set", "num_threads=1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    assert trainer.returncode == 0, trainer.stderr[-4000:]
+
+    store = server.store
+    steps = store.steps()
+    assert len(steps) == 1 and steps[0]["step"] == 1
+    assert sorted(steps[0]["turn_ids"]) == leased_ids
+    assert store.count_samples() == {"consumed": 3}
+    assert {s.consumed_step for s in store.samples()} == {1}
+    assert store.count_turns().get(TurnState.CONSUMED) == 3
+    # The trainer reported its weights: the API's engine serves version 1, which the step row records.
+    assert server.engine.policy_version == 1 == steps[0]["policy_version"]
+    # The dead trainer's lease is gone for good: acknowledging it now is refused, nothing changes.
+    with pytest.raises(LeaseLost):
+        probe.commit_step(lost_lease, 2, 1, {}, leased_ids)
+    assert len(store.steps()) == 1 and store.count_samples() == {"consumed": 3}
+
+
+def test_without_admin_key_routes_answer_only_on_loopback(tmp_path):
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    from clawloop.api.errors import install_error_handlers
+    from clawloop.api.trainer_routes import mount_trainer_routes
+    from clawloop.store import Store
+    from clawloop.trainer.publish import LocalVersion
+
+    store = Store(tmp_path / "store.sqlite")
+    for host, status in (("0.0.0.0", 403), ("10.1.2.3", 403), ("127.0.0.1", 200), ("::1", 200)):
+        app = FastAPI()
+        install_error_handlers(app)
+        config = Config.from_dict(dict(host=host, admin_key=""))
+        mount_trainer_routes(app, store, LocalVersion(), config)
+        with TestClient(app) as client:
+            assert client.get("/v1/trainer/state").status_code == status, host
+            assert client.post("/v1/trainer/lease", json={"n": 1}).status_code == status, host
+    store.close()
+
+
+def test_heartbeat_keeps_a_lease_past_its_first_expiry(server):
+    trainer = RemoteStore(server.base_url, ADMIN_KEY)
+    other = RemoteStore(server.base_url, ADMIN_KEY)
+    lease_id, samples = trainer.lease_samples(3, lease_s=1.0, min_n=3)
+    assert len(samples) == 3
+    assert trainer.heartbeat(lease_id, 120) == 3
+    deadline = time.time() + 1.5
+    while time.time() < deadline:
+        time.sleep(0.1)
+    assert other.lease_samples(3, lease_s=60, min_n=1)[1] == []  # still held: the heartbeat extended it
+    trainer.commit_step(lease_id, 1, 0, {"loss": 0.5}, [s.turn_id for s in samples])
+    assert server.store.count_samples() == {"consumed": 3}
+    assert server.store.steps()[0]["metrics"] == {"loss": 0.5}
+
+
+def test_reported_lora_adapter_is_merged_into_the_embedded_engine(server, tiny_model_path, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    base = load_model(tiny_model_path, device="cpu")
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)  # a trained adapter (B starts at zero, which would change nothing)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    merged = peft_model.merge_and_unload().state_dict()
+
+    trainer = RemoteStore(server.base_url, ADMIN_KEY)
+    assert trainer.report_weights(str(tmp_path / "adapter"), version=5, kind="lora") == 5
+    assert server.engine.policy_version == 5
+    served = server.engine.model.state_dict()
+    key = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(served[key], merged[key])
+    assert not torch.equal(served[key], load_model(tiny_model_path, device="cpu").state_dict()[key])
+    with pytest.raises(httpx.HTTPStatusError):
+        trainer.report_weights(str(tmp_path / "missing"), version=6)
+    assert server.engine.policy_version == 5
