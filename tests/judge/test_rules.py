@@ -1,0 +1,159 @@
+"""The keyword rule judge: what it reads as approval, correction and tool error, the hints it writes, and that its
+records look like an LLM judge's (parseable boxed votes, m of each kind) when the pipeline runs it."""
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from clawloop.config import Config
+from clawloop.judge.parse import parse_eval, parse_hint
+from clawloop.judge.rules import RuleJudge, as_instruction, decide
+from clawloop.judge.votes import JudgeSettings
+from clawloop.pipeline import build_judge
+from clawloop.sim.data.questions import POOLS
+from clawloop.sim.personas import PERSONAS
+from clawloop.store import TurnRecord
+
+CASES = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "judge_cases.jsonl"
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def turn(next_state, turn_id=3):
+    return TurnRecord(session_id="s", messages=user("What is a volcano?"), prompt_ids=[1, 2], response_ids=[3],
+                      logprobs=[-1.0], temperature=0.6, top_p=1.0, policy_version=0, response_text="A mountain.",
+                      assistant_message={"role": "assistant", "content": "A mountain."}, next_state=next_state,
+                      id=turn_id)
+
+
+@pytest.mark.parametrize("reply", [
+    "Thanks!",
+    "Thanks! That's what I needed.",
+    "Correct, thanks.",
+    "Perfect. Now write one that checks whether a string is a palindrome.",
+    "Great, and how many feet is that?",
+    "Nice summary. Can you do Hamlet next?",           # a new request after approval is not a correction
+    "Thanks! Could you please explain tides?",
+    "Thank you. Why don't stars fall from the sky?",   # negation inside the next question
+    "Good answer, thanks! Why should I drink water every day?",
+    "Great, thank you. Next question: How can I make my writing clearer?",
+    "No problem, that worked.",
+    "Parfait, merci beaucoup !",
+])
+def test_approval_is_plus_one_without_hint(reply):
+    d = decide(user(reply))
+    assert d.score == 1, d
+    assert d.hint == ""
+
+
+@pytest.mark.parametrize("reply, hint", [
+    ("That's too long. Please answer in one short sentence.", "That's too long. Answer in one short sentence."),
+    ("Could you say that in French? I only speak French.", "Say that in French. I only speak French."),
+    ("Thanks, but please answer in French.", "Answer in French."),  # thanks does not rescue a change request
+    ('Start with "In short," next time, please.', 'Start with "In short,".'),
+    ("No, I said descending. Largest first.", "I said descending. Largest first."),
+    ("Shorter, please. One sentence is enough for me.", "Shorter. One sentence is enough."),
+    ("In Spanish, please! No hablo inglés.", "In Spanish! No hablo inglés."),
+    ("You didn't answer what I asked: What is a volcano?", "You didn't answer what I asked: What is a volcano?"),
+    ("Wrong, it was Jane Austen.", "Wrong, it was Jane Austen."),
+    ("That's not a haiku. It must be 5-7-5. Fix it. And make it rhyme.",  # at most three sentences
+     "That's not a haiku. It must be 5-7-5. Fix it."),
+])
+def test_correction_is_minus_one_with_an_instruction_hint(reply, hint):
+    d = decide(user(reply))
+    assert d.score == -1, d
+    assert d.hint == hint
+
+
+@pytest.mark.parametrize("reply", ["Try again.", "No. Ok."])
+def test_a_correction_too_short_to_teach_gives_no_hint(reply):
+    d = decide(user(reply))
+    assert d.score == -1 and d.hint == ""  # "Try again." is 10 characters: a hint must be longer
+
+
+@pytest.mark.parametrize("reply", [
+    "I'll think about it.", "hmm", "?", "What's the weather tomorrow?", "My cat just knocked over a glass.",
+    "Ok. Different topic: can you explain photosynthesis?", "",
+])
+def test_no_explicit_signal_is_zero(reply):
+    d = decide(user(reply))
+    assert d.score == 0 and d.hint == ""
+
+
+def test_tool_results():
+    err = decide([{"role": "tool", "content": "Traceback (most recent call last):\nFileNotFoundError: config.yml"}])
+    assert err.score == -1 and err.hint == "The previous action failed with: FileNotFoundError: config.yml"
+    assert decide([{"role": "tool", "content": "F.\n1 failed, 1 passed"}]).score == -1
+    assert decide([{"role": "tool", "content": "24 passed in 3.2s"}]).score == 1
+    assert decide([{"role": "tool", "content": "Lisbon has about 545,000 people (2021)."}]).score == 1
+    assert decide([{"role": "tool", "content": '{"error": "rate limit exceeded, retry later"}'}]).score == 0
+    assert decide([{"role": "tool", "content": "[]"}]).score == 0
+    # A user's correction after a failing tool gives the user's words as the hint.
+    both = decide([{"role": "tool", "content": "PermissionError: app.log"},
+                   {"role": "user", "content": "You need sudo for that file."}])
+    assert both.score == -1 and both.hint == "You need sudo for that file."
+
+
+def test_every_persona_reply_reads_as_the_persona_meant_it():
+    """The simulated users' thanks (with any next question) are +1; every correction, complaint and re-ask is -1
+    with a hint. This is what lets the demo train on the rule judge."""
+    questions = [q for pool in POOLS.values() for q in pool["train"] + pool["heldout"]]
+    for persona in PERSONAS.values():
+        for template in persona.thanks:
+            for q in questions:
+                d = decide(user(template.format(question=q)))
+                assert (d.score, d.hint) == (1, ""), (template, q)
+        for text in persona.farewells:
+            assert decide(user(text)).score == 1, text
+        for template in persona.corrections + persona.nonsense + persona.unanswered:
+            for q in questions[::7]:
+                d = decide(user(template.format(question=q)))
+                assert d.score == -1 and len(d.hint) > 10, (template, q)
+
+
+def test_agreement_with_the_labelled_judge_cases():
+    cases = [json.loads(line) for line in CASES.read_text().splitlines() if line.strip()]
+    votes = [decide(c["next_state"]).score == c["expected_vote"] for c in cases]
+    hints = [bool(decide(c["next_state"]).hint) == c["hint_expected"] for c in cases]
+    assert sum(votes) / len(votes) >= 0.95
+    assert sum(hints) / len(hints) >= 0.9
+
+
+def test_as_instruction():
+    assert as_instruction("Could you please write it in Spanish?") == "Write it in Spanish."
+    assert as_instruction("Hmm, no, please use bullets") == "Use bullets."
+    assert as_instruction("Please.") == ""
+
+
+def test_votes_look_like_an_llm_judges_and_the_pipeline_builds_it():
+    config = Config.load(env={}, judge_backend="rules", prm_m=3)
+    judge = build_judge(config)
+    assert isinstance(judge, RuleJudge)
+    seen = []
+    out = asyncio.run(judge.judge(turn(user("Too long. Please answer in one sentence.")), on_vote=seen.append))
+    assert out.reward == -1 and out.candidates == ["Too long. Answer in one sentence."]
+    assert len(out.eval_votes) == 3 and len(out.hint_votes) == 3 and len(seen) == 6
+    assert [v.index for v in out.eval_votes] == [0, 1, 2]
+    for v in out.eval_votes:
+        assert v.turn_id == 3 and parse_eval(v.raw_text).score == -1 and "too much or too little" in v.raw_text
+    for v in out.hint_votes:
+        parsed = parse_hint(v.raw_text)
+        assert parsed.score == 1 and parsed.hint == v.hint == "Too long. Answer in one sentence."
+
+    good = asyncio.run(judge.judge(turn(user("Thanks!")), want_hints=False))
+    assert good.reward == 1 and good.hint_votes == [] and good.candidates == []
+    assert all(parse_eval(v.raw_text).score == 1 for v in good.eval_votes)
+    hints_only = asyncio.run(judge.judge(turn(user("Please answer in Spanish.")), want_eval=False))
+    assert hints_only.reward == 0 and hints_only.eval_votes == [] and hints_only.candidates == ["Answer in Spanish."]
+    asyncio.run(judge.client.close())
+
+
+def test_hint_min_chars_is_respected():
+    judge = RuleJudge(JudgeSettings(votes_m=1, hint_min_chars=40))
+    out = asyncio.run(judge.judge(turn(user("Please answer in French."))))
+    assert out.reward == -1 and out.candidates == []
+    assert out.hint_votes[0].score == -1 and parse_hint(out.hint_votes[0].raw_text).score == -1
