@@ -2,7 +2,9 @@
 
     clawloop serve [--model tiny] [--port 30000] [--api-key KEY] ...   (every Config setting is a flag)
     clawloop records export RUN_DIR [--out DIR]
-    clawloop train | demo | eval ...
+    clawloop demo [--persona brief] [--interactions 48] [--seed 0] [--run-dir DIR] [--judge-url URL] ...
+    clawloop eval [--methods rl,opd,hybrid] [--personas brief,inshort] [--seeds 0,1,2] [--out DIR] ...
+    clawloop train ...
 """
 
 from __future__ import annotations
@@ -33,11 +35,17 @@ def _run_store_path(run_dir: Path) -> Path:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from clawloop.serve import run
-
     config = config_from_args(args)
+    if config.train:
+        from clawloop.runtime import run
+    else:
+        from clawloop.serve import run
+    kwargs = {"resume": args.resume} if config.train else {}
+    if args.resume and not config.train:
+        print("clawloop serve: --resume needs training on (drop --no-train)", file=sys.stderr)
+        return 2
     try:
-        run(config, log_level=args.log_level)
+        run(config, log_level=args.log_level, **kwargs)
     except KeyboardInterrupt:  # Ctrl-C / SIGINT after a clean shutdown: not an error
         pass
     return 0
@@ -65,9 +73,52 @@ def cmd_records_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_not_yet(args: argparse.Namespace) -> int:
-    print(f"clawloop {args.command}: not available yet", file=sys.stderr)
-    return 2
+def _config_cli_values(args: argparse.Namespace) -> dict:
+    import dataclasses
+
+    from clawloop.config import Config
+
+    names = {f.name for f in dataclasses.fields(Config)}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from clawloop.sim.demo import LoopOptions, default_run_dir, demo_config, print_result, run_loop
+
+    cli = _config_cli_values(args)
+    seed = int(cli.get("seed", 0))
+    run_dir = Path(cli.get("run_dir") or default_run_dir(args.persona, seed))
+    if (run_dir / STORE_FILENAME).exists():
+        print(f"clawloop demo: {run_dir} already holds a run; pick a fresh --run-dir", file=sys.stderr)
+        return 2
+    cli.update(run_dir=str(run_dir), seed=seed)
+    cli.setdefault("port", 0)
+    config = demo_config(cli, file=args.config)
+    options = LoopOptions(persona=args.persona, interactions=args.interactions, seed=seed,
+                          eval_every=args.eval_every, heldout_n=args.heldout_n)
+    summary = run_loop(config, options)
+    print_result(summary)
+    print(f"  wrote {run_dir / 'summary.json'} and {run_dir / 'learning_curve.png'}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from clawloop.sim.compare import main_from_args
+
+    return main_from_args(args, _config_cli_values(args))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from clawloop.trainer.offline import train_offline
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / STORE_FILENAME).exists():
+        print(f"clawloop train: {run_dir} holds no run ({STORE_FILENAME} missing)", file=sys.stderr)
+        return 2
+    config = config_from_args(args).replace(run_dir=str(run_dir))
+    summary = train_offline(config, run_dir, args.max_steps)
+    print(json.dumps(summary, default=str))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="Serve the policy behind an OpenAI-compatible API.")
     add_cli_arguments(serve)
+    serve.add_argument("--resume", action="store_true", help="Continue the run in --run-dir from its latest "
+                       "checkpoint (samples of steps after it are trained again, none twice).")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="Log level of the server.")
     serve.set_defaults(func=cmd_serve)
@@ -89,11 +142,45 @@ def build_parser() -> argparse.ArgumentParser:
                         "to, never truncated.")
     export.set_defaults(func=cmd_records_export)
 
-    for name, help_ in (("train", "Train on a run's collected samples."),
-                        ("demo", "Run the end-to-end demo."),
-                        ("eval", "Evaluate a policy.")):
-        p = sub.add_parser(name, help=help_)
-        p.set_defaults(func=cmd_not_yet, accepts_anything=True)
+    from clawloop.sim import demo as demo_defaults
+
+    demo = sub.add_parser("demo", help="Watch the default model learn a simulated user's preference online.",
+                          description="Serve the default model, run a simulated user through the HTTP API while "
+                          "the server judges and trains online, and report the held-out preference score before "
+                          "and after. The demo preset (LoRA, lr, KL, batch size, rule judge) applies to every "
+                          "setting not given explicitly.")
+    add_cli_arguments(demo)
+    demo.add_argument("--persona", default=demo_defaults.DEMO_PERSONA, help="Simulated user (brief, inshort, "
+                      "french, spanish).")
+    demo.add_argument("--interactions", type=int, default=demo_defaults.DEMO_INTERACTIONS,
+                      help="Answers the simulated user reacts to.")
+    demo.add_argument("--eval-every", type=int, default=demo_defaults.DEMO_EVAL_EVERY,
+                      help="Score the held-out questions every N interactions (0 = before and after only).")
+    demo.add_argument("--heldout-n", type=int, default=0, help="Held-out questions to score (0 = all).")
+    demo.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                      help="Log level of the server and pipeline.")
+    demo.set_defaults(func=cmd_demo)
+
+    evaluation = sub.add_parser("eval", help="Compare methods over personas and seeds (resumable).",
+                                description="Run the demo loop for every (method, persona, seed) cell, cache each "
+                                "cell's result in the output folder, and write a markdown + JSON table and a plot.")
+    add_cli_arguments(evaluation)
+    from clawloop.sim.compare import add_arguments as add_compare_arguments
+
+    add_compare_arguments(evaluation)
+    evaluation.add_argument("--log-level", default="warning",
+                            choices=["critical", "error", "warning", "info", "debug"],
+                            help="Log level of the server and pipeline.")
+    evaluation.set_defaults(func=cmd_eval)
+
+    train = sub.add_parser("train", help="Train offline on the ready samples of a stored run (resumes from its "
+                           "latest checkpoint).")
+    add_cli_arguments(train)
+    train.add_argument("run_dir", metavar="RUN_DIR", help="The run folder (holding store.sqlite).")
+    train.add_argument("--max-steps", type=int, default=None, help="Stop after this many optimizer steps.")
+    train.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                       help="Log level.")
+    train.set_defaults(func=cmd_train)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""The ``clawloop`` command: serve (as a real subprocess), records export, and the placeholder subcommands."""
+"""The ``clawloop`` command: serve (as a real subprocess), records export, train, and argument errors."""
 
 from __future__ import annotations
 
@@ -46,10 +46,23 @@ def test_records_export_of_a_folder_without_a_store_fails_cleanly(tmp_path, caps
     assert main(["records", "export", str(tmp_path / "missing")]) == 2
 
 
-@pytest.mark.parametrize("command", ["train", "demo", "eval"])
-def test_unfinished_subcommands_say_so(command, capsys):
-    assert main([command, "--anything"]) == 2
-    assert "not available yet" in capsys.readouterr().err
+@pytest.mark.parametrize("command", ["train", "demo", "eval", "serve"])
+def test_unknown_flags_are_refused(command):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--anything"])
+    assert exc.value.code == 2
+
+
+def test_train_on_a_folder_without_a_run_fails_cleanly(tmp_path, capsys):
+    assert main(["train", str(tmp_path), "--model", "tiny"]) == 2
+    assert "holds no run" in capsys.readouterr().err
+
+
+def test_train_with_nothing_ready_takes_no_step(tmp_path, capsys):
+    _store_with_turns(tmp_path, 2)  # turns still awaiting their next state: no sample to train on
+    assert main(["train", str(tmp_path), "--model", "tiny", "--device", "cpu", "--num-threads", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 0
 
 
 def test_serve_has_a_flag_for_every_setting():

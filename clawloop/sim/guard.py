@@ -20,8 +20,11 @@ Rules (each one names its reason, so reports can say why an answer failed):
 * ``low_diversity``: for answers of at least ``diversity_min_words`` words, distinct words are less than
   ``min_distinct_ratio`` of all words (a loop over a few words, even with varying punctuation).
 
-With the question given (``check(text, question=...)``), one more rule applies:
+With the question given (``check(text, question=...)``), two more rules apply:
 
+* ``echo``: every word of the answer is a word of the question or a function word ("Why do stars shine?"
+  answered with itself): short and on topic, yet no answer. A policy trained toward "one short sentence" found
+  this shortcut, and a user who thanks for it would reward it;
 * ``off_topic``: no content word of the question (4+ letters, not a function word) appears in the answer,
   matching on a 5-letter prefix so ``pancakes``/``pancake`` or ``read``/``reading`` count. This catches the
   commonest non-answer of a small model told to open with a greeting ("Hello! I'm here to help. What's your
@@ -82,6 +85,14 @@ def on_topic(question: str, answer: str) -> bool:
     return any(s.startswith(k[:5]) or k.startswith(s[:5]) for k in keys for s in said)
 
 
+def echoes(question: str, answer: str) -> bool:
+    """True when the answer adds no word of its own to the question ("Why do stars shine?" answered with
+    "Why do stars shine?" or "Stars shine."): it says nothing, although it is short and on topic."""
+    asked = {w.lower() for w in _LETTERS_RE.findall(question)}
+    said = [w.lower() for w in _LETTERS_RE.findall(answer)]
+    return bool(said) and all(w in asked or w in ENGLISH_STOPWORDS for w in said)
+
+
 def check(text: str, config: GuardConfig = GuardConfig(), question: str | None = None) -> GuardResult:
     """All the rules ``text`` breaks (none = sound); with ``question``, also whether it stays on topic."""
     reasons: list[str] = []
@@ -107,6 +118,8 @@ def check(text: str, config: GuardConfig = GuardConfig(), question: str | None =
         reasons.append("low_diversity")
     if question is not None and not on_topic(question, text):
         reasons.append("off_topic")
+    if question is not None and echoes(question, text):
+        reasons.append("echo")
     return GuardResult(ok=not reasons, reasons=tuple(reasons))
 
 

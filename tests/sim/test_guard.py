@@ -99,3 +99,18 @@ def test_on_topic_answers_pass(question, answer):
 def test_answers_that_ignore_the_question_are_off_topic(question, answer):
     assert "off_topic" in check(answer, question=question).reasons
     assert check(answer).ok or "off_topic" not in check(answer).reasons  # only checked with a question
+
+
+@pytest.mark.parametrize(
+    "question, answer, echo",
+    [
+        ("Why do stars shine?", "Why do stars shine?", True),  # a trained policy's shortcut to "one sentence"
+        ("Why do stars shine?", "Stars shine.", True),
+        ("Why do stars shine?", "Stars shine because they fuse hydrogen.", False),
+        ("What is the capital of Egypt?", "Cairo is the capital.", False),
+    ],
+)
+def test_an_answer_that_only_repeats_the_question_is_an_echo(question, answer, echo):
+    result = check(answer, question=question)
+    assert ("echo" in result.reasons) is echo and result.ok is not echo
+    assert check(answer).ok  # only checked with a question

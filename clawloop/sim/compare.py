@@ -1,0 +1,224 @@
+"""``clawloop eval``: the demo loop for several methods × personas × seeds, a table and a plot.
+
+Every (method, persona, seed) cell is one ``demo.run_loop`` on a fresh runtime in ``OUT/cells/<cell>/``; its
+summary is cached there as ``result.json``. A cell with a result is never run again, and a cell without one
+(interrupted) is wiped and run from scratch, so the grid can be run in pieces, in any order, across sessions
+(``--methods hybrid --seeds 0`` now, the rest later). The settings shared by all cells (everything but the method,
+persona, seed and run folder) are written to ``OUT/settings.json`` on the first run; a later run with different
+settings stops instead of mixing incomparable cells (``--force`` overrides, ``--table-only`` just re-aggregates).
+
+Per (method, persona), over the seeds that have results:
+
+* **interactions to target**: the first evaluation point whose held-out score reaches ``--target`` (mean over
+  the seeds that reached it, and how many did; a seed that never does counts as not reached, not as 0);
+* **final score**: held-out preference score after training, mean ± standard deviation (min–max);
+* **guard after**: the degeneracy guard's pass rate after training (mean), next to **before** (mean);
+* the score before training, for reference.
+
+Written: ``OUT/table.md`` (with the command that made it), ``OUT/table.json`` and ``OUT/comparison.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from clawloop.sim.demo import DEMO_EVAL_EVERY, DEMO_PRESET, LoopOptions, demo_config, run_loop
+
+DEFAULT_METHODS = ("rl", "opd", "hybrid")
+DEFAULT_PERSONAS = ("brief", "inshort")
+DEFAULT_SEEDS = (0, 1, 2)
+DEFAULT_INTERACTIONS = 48
+DEFAULT_TARGET = 0.5
+# Settings that differ between cells by design, or that do not change what a cell measures.
+_PER_CELL = {"method", "seed", "run_dir", "port", "num_threads", "host", "w_rl", "w_opd"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="Comma-separated methods.")
+    parser.add_argument("--personas", default=",".join(DEFAULT_PERSONAS), help="Comma-separated personas.")
+    parser.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)), help="Comma-separated seeds.")
+    parser.add_argument("--interactions", type=int, default=DEFAULT_INTERACTIONS, help="Interactions per cell.")
+    parser.add_argument("--eval-every", type=int, default=DEMO_EVAL_EVERY,
+                        help="Held-out evaluation every N interactions (the resolution of 'interactions to target').")
+    parser.add_argument("--heldout-n", type=int, default=0, help="Held-out questions per evaluation (0 = all).")
+    parser.add_argument("--target", type=float, default=DEFAULT_TARGET, help="Score that counts as learnt.")
+    parser.add_argument("--out", default="runs/eval", help="Output folder (cells, table, plot).")
+    parser.add_argument("--table-only", action="store_true", help="Only aggregate the cells already run.")
+    parser.add_argument("--force", action="store_true", help="Run even if the settings differ from the "
+                        "folder's settings.json.")
+    parser.add_argument("--max-cells", type=int, default=0, help="Stop after running this many new cells "
+                        "(0 = all).")
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in str(text).split(",") if x.strip()]
+
+
+def cell_name(method: str, persona: str, seed: int) -> str:
+    return f"{method}-{persona}-s{seed}"
+
+
+def shared_settings(config_dict: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in sorted(config_dict.items()) if k not in _PER_CELL}
+
+
+def run_cell(out_dir: Path, method: str, persona: str, seed: int, *, cli: Mapping[str, Any],
+             options: LoopOptions, file: str | None = None, out: Callable[[str], None] = print,
+             **loop_kwargs: Any) -> dict[str, Any]:
+    """The cached result of one cell, running it first when there is none."""
+    cell_dir = out_dir / "cells" / cell_name(method, persona, seed)
+    result_path = cell_dir / "result.json"
+    if result_path.exists():
+        return json.loads(result_path.read_text())
+    if cell_dir.exists():  # an interrupted cell: its store and weights are half a run; start over
+        shutil.rmtree(cell_dir)
+    config = demo_config({**cli, "method": method, "seed": seed, "run_dir": str(cell_dir), "port": 0}, file=file)
+    opts = LoopOptions(**{**options.__dict__, "persona": persona, "seed": seed,
+                          "label": cell_name(method, persona, seed)})
+    summary = run_loop(config, opts, out=out, **loop_kwargs)
+    result = {"method": method, "persona": persona, "seed": seed, **summary}
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    result_path.write_text(json.dumps(result, indent=1, ensure_ascii=False, default=str))
+    return result
+
+
+def load_cells(out_dir: Path) -> list[dict[str, Any]]:
+    cells = []
+    for path in sorted((out_dir / "cells").glob("*/result.json")):
+        cells.append(json.loads(path.read_text()))
+    return cells
+
+
+def interactions_to_target(curve: Iterable[Mapping[str, Any]], target: float) -> int | None:
+    for point in curve:
+        if point["score"] >= target:
+            return int(point["interactions"])
+    return None
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def aggregate(cells: list[dict[str, Any]], target: float) -> list[dict[str, Any]]:
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for c in cells:
+        groups.setdefault((c["persona"], c["method"]), []).append(c)
+    rows = []
+    for (persona, method), runs in sorted(groups.items()):
+        runs.sort(key=lambda c: c["seed"])
+        finals = [c["after"]["score"] for c in runs]
+        befores = [c["before"]["score"] for c in runs]
+        reached = [interactions_to_target(c["curve"], target) for c in runs]
+        hit = [r for r in reached if r is not None]
+        mean, sd = _mean_sd(finals)
+        rows.append({
+            "persona": persona, "method": method, "seeds": [c["seed"] for c in runs], "n": len(runs),
+            "score_before_mean": statistics.fmean(befores),
+            "final_score_mean": mean, "final_score_sd": sd, "final_score_min": min(finals),
+            "final_score_max": max(finals), "final_scores": finals,
+            "guard_before_mean": statistics.fmean(c["before"]["guard_pass_rate"] for c in runs),
+            "guard_after_mean": statistics.fmean(c["after"]["guard_pass_rate"] for c in runs),
+            "interactions_to_target": reached,
+            "interactions_to_target_mean": statistics.fmean(hit) if hit else None,
+            "reached_target": len(hit),
+            "steps_mean": statistics.fmean(c["steps"] for c in runs),
+            "minutes_mean": statistics.fmean(c["timings_s"]["total_s"] for c in runs) / 60.0,
+        })
+    return rows
+
+
+def markdown_table(rows: list[dict[str, Any]], target: float, interactions: int | None = None) -> str:
+    head = ("| persona | method | seeds | score before | final score, mean ± sd (min–max) | "
+            f"interactions to {target:g} (seeds reaching it) | guard before → after | steps | min/run |\n"
+            "|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        reach = (f"{r['interactions_to_target_mean']:.0f} ({r['reached_target']}/{r['n']})"
+                 if r["interactions_to_target_mean"] is not None else f"not reached (0/{r['n']})")
+        lines.append(
+            f"| {r['persona']} | {r['method']} | {','.join(map(str, r['seeds']))} | {r['score_before_mean']:.2f} | "
+            f"{r['final_score_mean']:.2f} ± {r['final_score_sd']:.2f} ({r['final_score_min']:.2f}–"
+            f"{r['final_score_max']:.2f}) | {reach} | {r['guard_before_mean']:.2f} → {r['guard_after_mean']:.2f} | "
+            f"{r['steps_mean']:.0f} | {r['minutes_mean']:.1f} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def write_outputs(out_dir: Path, cells: list[dict[str, Any]], target: float, command: str) -> list[dict[str, Any]]:
+    rows = aggregate(cells, target)
+    table = markdown_table(rows, target)
+    settings = json.loads((out_dir / "settings.json").read_text()) if (out_dir / "settings.json").exists() else {}
+    text = (f"Command: `{command}`\n\n{table}\n"
+            f"Held-out preference score: share of greedy answers to the persona's held-out questions that follow the "
+            f"preference and pass the degeneracy guard. Settings shared by all cells: {out_dir / 'settings.json'}.\n")
+    (out_dir / "table.md").write_text(text)
+    (out_dir / "table.json").write_text(json.dumps({"command": command, "target": target, "rows": rows,
+                                                    "settings": settings}, indent=1, default=str))
+    if cells:
+        from clawloop.sim.plot import comparison
+
+        comparison(cells, out_dir / "comparison.png", target=target)
+    return rows
+
+
+def main_from_args(args: argparse.Namespace, cli: dict[str, Any], out: Callable[[str], None] = print) -> int:
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    command = "clawloop eval " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1 else \
+        "clawloop eval"
+    if not args.table_only:
+        probe = demo_config({**cli, "run_dir": str(out_dir / "cells"), "port": 0}, file=args.config)
+        shared = shared_settings(probe.to_dict(redact=True))
+        shared["interactions"], shared["eval_every"], shared["heldout_n"] = (args.interactions, args.eval_every,
+                                                                              args.heldout_n)
+        settings_path = out_dir / "settings.json"
+        if settings_path.exists():
+            before = json.loads(settings_path.read_text())
+            diff = sorted(k for k in set(before) | set(shared) if before.get(k) != shared.get(k))
+            if diff and not args.force:
+                out(f"clawloop eval: {out_dir} holds cells run with other settings ({', '.join(diff)}); use another "
+                    "--out, the same settings, or --force")
+                return 2
+        else:
+            settings_path.write_text(json.dumps(shared, indent=1, default=str))
+        options = LoopOptions(interactions=args.interactions, eval_every=args.eval_every, heldout_n=args.heldout_n)
+        ran = 0
+        for persona in _split(args.personas):
+            for seed in [int(s) for s in _split(args.seeds)]:
+                for method in _split(args.methods):
+                    name = cell_name(method, persona, seed)
+                    if (out_dir / "cells" / name / "result.json").exists():
+                        out(f"[eval] {name}: cached")
+                        continue
+                    if args.max_cells and ran >= args.max_cells:
+                        out(f"[eval] {name}: left for a later run (--max-cells {args.max_cells})")
+                        continue
+                    t0 = time.monotonic()
+                    out(f"[eval] {name}: running")
+                    r = run_cell(out_dir, method, persona, seed, cli=cli, options=options, file=args.config,
+                                 out=out)
+                    ran += 1
+                    out(f"[eval] {name}: score {r['before']['score']:.2f} -> {r['after']['score']:.2f}, guard "
+                        f"{r['before']['guard_pass_rate']:.2f} -> {r['after']['guard_pass_rate']:.2f} "
+                        f"({(time.monotonic() - t0) / 60:.1f} min)")
+    cells = load_cells(out_dir)
+    rows = write_outputs(out_dir, cells, args.target, command)
+    out("")
+    out(markdown_table(rows, args.target))
+    out(f"wrote {out_dir / 'table.md'}, {out_dir / 'table.json'}, {out_dir / 'comparison.png'}")
+    return 0
+
+
+__all__ = ["DEMO_PRESET", "add_arguments", "aggregate", "interactions_to_target", "load_cells", "main_from_args",
+           "markdown_table", "run_cell", "write_outputs"]

@@ -1,0 +1,373 @@
+"""``clawloop demo``: watch the default model learn a simulated user's preference online, on a laptop CPU.
+
+One run (``run_loop``), used by the demo and by every cell of ``clawloop eval``:
+
+1. build the full runtime (server + judge pipeline + online trainer) on the configured model and serve it on a
+   free local port; time the model preparation (the GGUF conversion on a fresh machine);
+2. score the held-out questions before training: greedy answers (``X-Turn-Type: side``, never trained) checked
+   by the persona's checker and the degeneracy guard;
+3. run the persona through the real HTTP API for a fixed number of interactions while the server judges every
+   answer from the user's reply and trains online; print one line per session (turns, samples waiting, step,
+   policy version, loss); score the held-out questions again every ``eval_every`` interactions;
+4. wait until the judge pipeline is idle and the trainer has used every full batch, score again, and write
+   ``summary.json``, ``learning_curve.png`` and the held-out answers (``eval_*.json``) to the run folder.
+
+The demo preset (``DEMO_PRESET``): settings that learn the ``brief`` preference without degenerating, chosen by
+short experiments on SmolLM2-135M-Instruct (see ``PRESET_NOTES`` and the README). Any ``Config`` flag given on the
+command line, in ``--config`` or in the environment wins over the preset.
+
+Judge: the rule judge by default (``judge_backend = rules``): the embedded judge would be the frozen 135M model
+itself, which reads corrections poorly (``EMBEDDED_JUDGE_NOTE``), and the personas speak plainly enough for
+keyword rules. ``--judge-url`` switches to an LLM judge over any OpenAI-compatible endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from clawloop.config import Config, read_config_file, values_from_env
+from clawloop.sim.driver import EvalResult, Simulation, SimSession, evaluate
+from clawloop.sim.personas import Persona, get_persona
+
+DEMO_PERSONA = "brief"
+DEMO_INTERACTIONS = 48
+DEMO_EVAL_EVERY = 12
+
+DEMO_PRESET: dict[str, Any] = {
+    "method": "hybrid",
+    "lora": True,
+    "lr": 1e-3,
+    "kl_coef": 0.1,
+    "rollout_batch_size": 4,
+    "judge_backend": "rules",
+    "prm_m": 1,
+    "checkpoint_every": 1000,
+}
+"""Settings the demo uses unless told otherwise (why each one: ``PRESET_NOTES``)."""
+
+PRESET_NOTES: dict[str, str] = {
+    "method": "hybrid: GRPO on the votes plus top-k distillation toward the hint-conditioned teacher.",
+    "lora": "a LoRA adapter (rank 16, alpha 32) instead of full fine-tuning, which at lr 1e-5 drifted into "
+            "Spanish-French loops within 12 updates of 4 samples toward a 'Reply in French.' teacher.",
+    "lr": "1e-3 for the adapter. On 'brief', 48 interactions, batch 4, kl 0.05 (held-out score before -> after): "
+          "lr 1e-4 0.00 -> 0.00 (answers no shorter), 5e-4 0.00 -> 0.14 after 36, 1e-3 0.00 -> 1.00 (seed 0) "
+          "and 0.00 -> 0.50 (seed 1, after 0.71 at 33).",
+    "kl_coef": "k3 KL to the starting weights. At lr 1e-3, seed 1: 0.05 -> final 0.50 with a peak and a relapse, "
+               "0.1 -> 0.93 (0.14, 0.64, 0.86, 0.93 every 12 interactions, guard 0.93), 0.3 -> 0.00 (held "
+               "back too hard: answers stayed long).",
+    "rollout_batch_size": "4 samples per step: an optimizer step every four interactions, 12 steps in the demo.",
+    "judge_backend": "the rule judge (see EMBEDDED_JUDGE_NOTE and the judge line of the output).",
+    "prm_m": "the rule judge is deterministic: one vote of each kind says what m votes would.",
+    "checkpoint_every": "no intermediate checkpoints in a demo (the final one is still written at shutdown).",
+}
+"""Why each preset value (the numbers come from single runs of ``clawloop demo`` on a shared 2-core CPU)."""
+
+EMBEDDED_JUDGE_NOTE = (
+    "the embedded judge would be the frozen SmolLM2-135M policy itself, and it is too weak for the job: on the 68 "
+    "labelled cases of benchmarks/judge_accuracy.py (--votes 1 --max-tokens 48) its vote agreed with the label in "
+    "19% of cases (always answering +1 scores 37%), 85% of its votes were unparseable, it produced no usable hint, "
+    "and a vote took ~50 s on this CPU; the rules agree on 67 of the 68 cases at zero cost"
+)
+
+
+def judge_choice(config: Config) -> tuple[str, str]:
+    """(backend actually used, why) for the run's output."""
+    from clawloop.pipeline import judge_backend
+
+    backend = judge_backend(config)
+    if backend == "rules":
+        return backend, ("rule judge (keyword rules on the user's reply: thanks -> +1, a correction -> -1 and the "
+                         "correction rewritten as the hint; zero model cost), because " + EMBEDDED_JUDGE_NOTE
+                         + "; pass --judge-url URL for an LLM judge")
+    if backend == "http":
+        return backend, f"LLM judge at {config.judge_url} (model {config.judge_model or 'first listed'})"
+    return backend, ("embedded judge: the frozen base model on the same machine (weak at 135M parameters; "
+                     "--judge-backend rules or --judge-url URL are better choices on a laptop)")
+
+
+def demo_config(cli: Mapping[str, Any] | None = None, *, file: str | Path | None = None,
+                env: Mapping[str, str] | None = None, preset: Mapping[str, Any] | None = None,
+                **overrides: Any) -> Config:
+    """The run's config: ``preset`` (default ``DEMO_PRESET``) for every setting not given in the file, the
+    environment, ``cli`` or ``overrides``. A judge URL given without a backend selects the HTTP judge."""
+    import os
+
+    env = os.environ if env is None else env
+    given: set[str] = set()
+    if file:
+        given |= set(read_config_file(Path(file)))
+    given |= set(values_from_env(env))
+    cli_values = {k: v for k, v in (cli or {}).items() if v is not None}
+    given |= set(cli_values) | set(overrides)
+    preset_values = {k: v for k, v in dict(DEMO_PRESET if preset is None else preset).items() if k not in given}
+    if "judge_url" in given and "judge_backend" not in given:
+        preset_values["judge_backend"] = "http"
+    return Config.load(file=file, env=env, cli={**preset_values, **cli_values}, **overrides)
+
+
+# ---- one run -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoopOptions:
+    persona: str = DEMO_PERSONA
+    interactions: int = DEMO_INTERACTIONS
+    seed: int = 0
+    eval_every: int = DEMO_EVAL_EVERY
+    """Score the held-out questions every this many interactions (0 = only before and after)."""
+    eval_max_tokens: int = 64
+    eval_concurrency: int = 16
+    heldout_n: int = 0
+    """Held-out questions to score (0 = all of the persona's)."""
+    sim_max_tokens: int = 64
+    catch_up_timeout_s: float = 900.0
+    label: str = ""
+
+
+@dataclass
+class CurvePoint:
+    interactions: int
+    step: int
+    policy_version: int
+    score: float
+    guard_pass_rate: float
+    satisfied_rate: float
+    elapsed_s: float
+    phase: str
+    """before, during or after."""
+
+
+@dataclass
+class RunState:
+    curve: list[CurvePoint] = field(default_factory=list)
+    sessions: list[dict[str, Any]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    interactions: int = 0
+
+
+def _status(http: httpx.Client, base_url: str) -> dict[str, Any]:
+    try:
+        return http.get(f"{base_url}/v1/status").json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def _fmt_loss(status: dict[str, Any]) -> str:
+    last = status.get("last_step") or {}
+    loss = (last.get("metrics") or {}).get("loss")
+    return f"{loss:.4f}" if isinstance(loss, (int, float)) else "-"
+
+
+def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None] = print,
+             runtime_factory: Callable[[Config], Any] | None = None) -> dict[str, Any]:
+    """One learning run against a fresh runtime in ``config.run_dir``; returns (and writes) its summary."""
+    from clawloop.engines.model_files import resolve_model
+    from clawloop.runtime import build_runtime
+
+    t_start = time.monotonic()
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    persona: Persona = get_persona(options.persona)
+    questions = list(persona.heldout_questions[: options.heldout_n or None])
+    state = RunState()
+    backend, judge_why = judge_choice(config)
+    out(f"clawloop demo: persona '{persona.name}' wants: {persona.preference}")
+    out(f"judge: {judge_why}")
+    s = config
+    out(f"settings: method {s.method}, {'LoRA r' + str(s.lora_rank) if s.lora else 'full fine-tuning'}, "
+        f"lr {s.learning_rate:g}, kl_coef {s.kl_coef:g}, batch {s.rollout_batch_size}, "
+        f"{options.interactions} interactions, seed {options.seed}, run dir {run_dir}")
+
+    try:  # per-file "Loading weights" bars of three model loads would bury the progress lines
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except Exception:  # noqa: BLE001 - cosmetic only
+        pass
+    t0 = time.monotonic()
+    resolve_model(config.model)  # converts the shipped GGUF on first use (cached afterwards)
+    state.timings["model_ready_s"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    runtime = (runtime_factory or (lambda c: build_runtime(c, console=None)))(config)
+    runtime.start()
+    state.timings["start_s"] = time.monotonic() - t0
+    base_url = runtime.server.base_url
+    out(f"model ready in {state.timings['model_ready_s']:.0f}s, server up on {base_url} in "
+        f"{state.timings['start_s']:.0f}s")
+    http = httpx.Client(timeout=60.0)
+    eval_results: dict[str, EvalResult] = {}
+
+    def trainer_step() -> tuple[int, int]:
+        trainer = runtime.trainer
+        version = int(runtime.server.engine.policy_version)
+        return (trainer.step if trainer is not None else 0), version
+
+    def score(phase: str) -> CurvePoint:
+        t = time.monotonic()
+        step, version = trainer_step()
+        result = evaluate(base_url, persona, questions, max_tokens=options.eval_max_tokens,
+                          concurrency=options.eval_concurrency, seed=options.seed, model=config.served_model_name)
+        step_after, version_after = trainer_step()
+        point = CurvePoint(interactions=state.interactions, step=step_after, policy_version=version_after,
+                           score=result.score, guard_pass_rate=result.guard_pass_rate,
+                           satisfied_rate=result.satisfied_rate, elapsed_s=time.monotonic() - t_start, phase=phase)
+        state.curve.append(point)
+        key = f"eval_{phase}" if phase != "during" else f"eval_{state.interactions:04d}"
+        eval_results[key] = result
+        (run_dir / f"{key}.json").write_text(json.dumps(result.to_dict(), indent=1, ensure_ascii=False))
+        moved = "" if (step, version) == (step_after, version_after) else f" (weights moved from v{version})"
+        out(f"[eval] after {state.interactions:>3} interactions | step {step_after} | v{version_after}{moved} | "
+            f"score {result.score:.2f} | guard {result.guard_pass_rate:.2f} | checker {result.satisfied_rate:.2f} | "
+            f"{time.monotonic() - t:.0f}s")
+        return point
+
+    try:
+        t0 = time.monotonic()
+        before = score("before")
+        state.timings["eval_before_s"] = time.monotonic() - t0
+
+        sim = Simulation(base_url, persona, seed=options.seed, max_tokens=options.sim_max_tokens,
+                         model=config.served_model_name, session_prefix=f"demo-{persona.name}-s{options.seed}")
+        t_sim = time.monotonic()
+        eval_time = 0.0
+        next_eval = options.eval_every if options.eval_every > 0 else None
+        while state.interactions < options.interactions:
+            turns = min(persona.session_turns, options.interactions - state.interactions)
+            session: SimSession = sim.run_session(turns)
+            state.interactions += len(session.turns)
+            satisfied = sum(t.satisfied and t.sound for t in session.turns)
+            status = _status(http, base_url)
+            step, version = trainer_step()
+            first = session.turns[0]
+            state.sessions.append({"session_id": session.session_id, "turns": len(session.turns),
+                                   "satisfied": satisfied, "first_followed": bool(first.satisfied and first.sound),
+                                   "interactions": state.interactions, "step": step,
+                                   "policy_version": version,
+                                   "reply_kinds": [t.reply_kind for t in session.turns],
+                                   "elapsed_s": round(time.monotonic() - t_start, 1)})
+            out(f"[session {len(state.sessions):>3}] turns {len(session.turns)} (followed {satisfied}) | "
+                f"interactions {state.interactions:>3}/{options.interactions} | "
+                f"waiting {status.get('samples_waiting', '-')} | step {step} | v{version} | "
+                f"loss {_fmt_loss(status)} | {time.monotonic() - t_start:.0f}s")
+            if next_eval is not None and state.interactions >= next_eval and state.interactions < options.interactions:
+                t = time.monotonic()
+                score("during")
+                eval_time += time.monotonic() - t
+                next_eval += options.eval_every
+        state.timings["simulation_s"] = time.monotonic() - t_sim - eval_time
+        state.timings["eval_during_s"] = eval_time
+
+        t0 = time.monotonic()
+        caught_up = wait_for_training(runtime, options.catch_up_timeout_s)
+        state.timings["catch_up_s"] = time.monotonic() - t0
+        step, version = trainer_step()
+        out(f"[train] caught up: step {step}, v{version}"
+            + ("" if caught_up else f" (gave up waiting after {options.catch_up_timeout_s:.0f}s)"))
+        t0 = time.monotonic()
+        after = score("after")
+        state.timings["eval_after_s"] = time.monotonic() - t0
+        store = runtime.server.store
+        samples = Counter(smp.kind for smp in store.samples())
+        sample_states = store.count_samples()
+        drops = store.drop_reasons()
+        steps = store.steps()
+    finally:
+        http.close()
+        runtime.stop()
+    state.timings["total_s"] = time.monotonic() - t_start
+
+    summary = {
+        "label": options.label,
+        "persona": persona.name,
+        "preference": persona.preference,
+        "seed": options.seed,
+        "interactions": state.interactions,
+        "heldout_n": len(questions),
+        "before": _point_summary(before),
+        "after": _point_summary(after),
+        "improvement": after.score - before.score,
+        "caught_up": caught_up,
+        "steps": len(steps),
+        "final_policy_version": after.policy_version,
+        "step_metrics": [{"step": st["step"], "policy_version": st["policy_version"],
+                          **{k: st["metrics"].get(k) for k in ("loss", "grpo_loss", "opd_loss", "ref_kl",
+                                                               "grad_norm", "samples", "step_time_s")}}
+                         for st in steps],
+        "curve": [asdict(p) for p in state.curve],
+        "sessions": state.sessions,
+        "samples_by_kind": dict(samples),
+        "samples_by_state": sample_states,
+        "drop_reasons": drops,
+        "judge": {"backend": backend, "why": judge_why},
+        "settings": {**config.to_dict(redact=True), "lr": config.learning_rate},
+        "preset": DEMO_PRESET,
+        "options": asdict(options),
+        "timings_s": {k: round(v, 1) for k, v in state.timings.items()},
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False, default=str))
+    try:
+        from clawloop.sim.plot import learning_curve
+
+        learning_curve(summary, run_dir / "learning_curve.png")
+    except Exception as exc:  # noqa: BLE001 - a missing plot must not lose the numbers
+        out(f"(learning curve not drawn: {type(exc).__name__}: {exc})")
+    return summary
+
+
+def _point_summary(p: CurvePoint) -> dict[str, Any]:
+    return {"score": p.score, "guard_pass_rate": p.guard_pass_rate, "satisfied_rate": p.satisfied_rate,
+            "step": p.step, "policy_version": p.policy_version}
+
+
+def wait_for_training(runtime: Any, timeout_s: float, poll_s: float = 0.5) -> bool:
+    """Until the pipeline has judged every judgeable turn and the trainer has used every full batch."""
+    from clawloop.store import TurnState
+
+    store = runtime.server.store
+    pipeline, trainer = runtime.pipeline, runtime.trainer
+    batch = int(runtime.server.config.rollout_batch_size)
+    deadline = time.monotonic() + timeout_s
+    idle_since: float | None = None
+    while time.monotonic() < deadline:
+        counts = store.count_turns()
+        judging = counts.get(TurnState.JUDGEABLE, 0) + counts.get(TurnState.JUDGING, 0) + pipeline.busy
+        training = trainer is not None and (trainer.training or store.ready_count() >= batch)
+        if judging == 0 and not training:
+            # Idle twice in a row, a poll apart: a sample written just now has had time to wake the trainer.
+            if idle_since is not None and time.monotonic() - idle_since >= poll_s:
+                return True
+            idle_since = idle_since or time.monotonic()
+        else:
+            idle_since = None
+        time.sleep(poll_s)
+    return False
+
+
+def default_run_dir(persona: str, seed: int) -> Path:
+    return Path("runs") / f"demo-{persona}-s{seed}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def print_result(summary: dict[str, Any], out: Callable[[str], None] = print) -> None:
+    b, a = summary["before"], summary["after"]
+    t = summary["timings_s"]
+    out("")
+    out(f"persona '{summary['persona']}' ({summary['preference']}), seed {summary['seed']}, "
+        f"{summary['heldout_n']} held-out questions, greedy:")
+    out(f"  before: preference score {b['score']:.2f} | guard pass rate {b['guard_pass_rate']:.2f} | "
+        f"policy v{b['policy_version']}")
+    out(f"  after:  preference score {a['score']:.2f} | guard pass rate {a['guard_pass_rate']:.2f} | "
+        f"policy v{a['policy_version']} after {summary['steps']} steps and {summary['interactions']} interactions")
+    out(f"  judge: {summary['judge']['backend']}; time {t.get('total_s', 0):.0f}s "
+        f"(model {t.get('model_ready_s', 0):.0f}s, start {t.get('start_s', 0):.0f}s, "
+        f"simulation {t.get('simulation_s', 0):.0f}s, evaluations "
+        f"{t.get('eval_before_s', 0) + t.get('eval_during_s', 0) + t.get('eval_after_s', 0):.0f}s, "
+        f"catch-up {t.get('catch_up_s', 0):.0f}s)")

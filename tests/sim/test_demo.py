@@ -1,0 +1,100 @@
+"""``clawloop demo`` end to end on the tiny model (real server, rule judge, teacher, trainer, HTTP), the demo's
+settings precedence, and ``clawloop eval``'s table and resumable cells."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clawloop.cli import main
+from clawloop.sim import compare
+from clawloop.sim.demo import DEMO_PRESET, demo_config
+
+
+def test_demo_runs_trains_and_writes_its_report(tmp_path, tiny_model_path, capsys):
+    run_dir = tmp_path / "demo"
+    rc = main(["demo", "--model", "tiny", "--interactions", "6", "--eval-every", "3", "--rollout-batch-size", "2",
+               "--heldout-n", "3", "--run-dir", str(run_dir), "--num-threads", "2", "--max-batch-size", "4",
+               "--seed", "1"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "judge: rule judge" in printed  # says which judge and why
+    assert "[session   1] turns 3" in printed and "[session   2] turns 3" in printed
+    assert "before: preference score" in printed and "after:  preference score" in printed
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["persona"] == "brief" and summary["seed"] == 1 and summary["interactions"] == 6
+    for phase in ("before", "after"):
+        assert 0.0 <= summary[phase]["score"] <= 1.0 and 0.0 <= summary[phase]["guard_pass_rate"] <= 1.0
+    assert [p["phase"] for p in summary["curve"]] == ["before", "during", "after"]
+    assert [p["interactions"] for p in summary["curve"]] == [0, 3, 6]
+    # Every answer got thanks or a correction, so every one became a sample; 6 samples in batches of 2.
+    assert summary["steps"] == 3 and summary["caught_up"]
+    assert summary["before"]["policy_version"] == 0 and summary["after"]["policy_version"] == 3
+    assert summary["judge"]["backend"] == "rules"
+    assert summary["settings"]["lora"] is True and summary["settings"]["rollout_batch_size"] == 2  # flag wins
+    assert summary["settings"]["kl_coef"] == DEMO_PRESET["kl_coef"]  # preset fills the rest
+    assert set(summary["timings_s"]) >= {"model_ready_s", "start_s", "simulation_s", "catch_up_s", "total_s"}
+    png = (run_dir / "learning_curve.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert json.loads((run_dir / "eval_after.json").read_text())["n"] == 3
+
+    # A second demo into the same folder would mix two runs: refused.
+    assert main(["demo", "--model", "tiny", "--run-dir", str(run_dir)]) == 2
+
+
+def test_demo_config_precedence(tmp_path):
+    assert demo_config({}, env={}).judge_backend == "rules"
+    config = demo_config({"lr": 3e-4}, env={"CLAWLOOP_KL_COEF": "0.2"})
+    assert config.lr == 3e-4 and config.kl_coef == 0.2 and config.lora is DEMO_PRESET["lora"]
+    # A judge URL alone means: use that judge.
+    config = demo_config({"judge_url": "http://127.0.0.1:9/v1"}, env={})
+    assert config.judge_backend == "http"
+    file = tmp_path / "run.toml"
+    file.write_text("rollout_batch_size = 8\n")
+    assert demo_config({}, file=str(file), env={}).rollout_batch_size == 8
+
+
+def _fake_summary(method, persona, seed, scores):
+    curve = [{"interactions": 12 * i, "score": s, "guard_pass_rate": 1.0} for i, s in enumerate(scores)]
+    return {"method": method, "persona": persona, "seed": seed, "curve": curve,
+            "before": {"score": scores[0], "guard_pass_rate": 1.0}, "after": {"score": scores[-1],
+                                                                             "guard_pass_rate": 0.9},
+            "steps": 6, "timings_s": {"total_s": 120.0}}
+
+
+def test_eval_cells_are_cached_and_resumed(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run_loop(config, options, out=print):
+        calls.append((config.method, options.persona, options.seed))
+        scores = {"rl": [0.0, 0.2, 0.4], "hybrid": [0.0, 0.6, 0.8]}[config.method]
+        return _fake_summary(config.method, options.persona, options.seed, scores)
+
+    monkeypatch.setattr(compare, "run_loop", fake_run_loop)
+    out = tmp_path / "eval"
+    base = ["eval", "--model", "tiny", "--personas", "brief", "--seeds", "0,1", "--out", str(out), "--target", "0.5"]
+    assert main(base + ["--methods", "rl", "--max-cells", "1"]) == 0
+    assert calls == [("rl", "brief", 0)]
+    assert main(base + ["--methods", "rl,hybrid"]) == 0  # rl/seed 0 is cached; the three others run
+    assert sorted(calls[1:]) == [("hybrid", "brief", 0), ("hybrid", "brief", 1), ("rl", "brief", 1)]
+
+    table = json.loads((out / "table.json").read_text())
+    rows = {r["method"]: r for r in table["rows"]}
+    assert rows["hybrid"]["interactions_to_target_mean"] == 12 and rows["hybrid"]["reached_target"] == 2
+    assert rows["rl"]["interactions_to_target_mean"] is None and rows["rl"]["final_score_mean"] == pytest.approx(0.4)
+    md = (out / "table.md").read_text()
+    assert "| brief | hybrid | 0,1 | 0.00 | 0.80 ± 0.00 (0.80–0.80) | 12 (2/2) |" in md
+    assert "not reached (0/2)" in md and (out / "comparison.png").exists()
+
+    # Different shared settings in the same folder would mix incomparable cells: refused.
+    assert main(base + ["--methods", "rl", "--lr", "0.5"]) == 2
+    assert len(calls) == 4
+
+
+def test_interactions_to_target():
+    curve = [{"interactions": 0, "score": 0.0}, {"interactions": 16, "score": 0.5}, {"interactions": 32,
+                                                                                     "score": 0.4}]
+    assert compare.interactions_to_target(curve, 0.5) == 16
+    assert compare.interactions_to_target(curve, 0.6) is None
