@@ -18,20 +18,7 @@ from pathlib import Path
 
 from clawloop.config import ConfigError, add_cli_arguments, config_from_args
 
-STORE_FILENAME = "store.sqlite"
-
-
-def _run_store_path(run_dir: Path) -> Path:
-    """RUN_DIR/store.sqlite, or the only *.sqlite / *.db file in RUN_DIR."""
-    default = run_dir / STORE_FILENAME
-    if default.exists():
-        return default
-    found = sorted(p for pattern in ("*.sqlite", "*.db") for p in run_dir.glob(pattern))
-    if len(found) == 1:
-        return found[0]
-    if not found:
-        raise FileNotFoundError(f"{run_dir} holds no store ({STORE_FILENAME})")
-    raise FileNotFoundError(f"{run_dir} holds several stores ({', '.join(p.name for p in found)})")
+from clawloop.store import STORE_FILENAME, find_store
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -59,7 +46,7 @@ def cmd_records_export(args: argparse.Namespace) -> int:
         print(f"clawloop: {run_dir} is not a folder", file=sys.stderr)
         return 2
     try:
-        path = _run_store_path(run_dir)
+        path = find_store(run_dir)
     except FileNotFoundError as exc:
         print(f"clawloop: {exc}", file=sys.stderr)
         return 2

@@ -33,11 +33,9 @@ from clawloop.api.metrics import ServingMetrics
 from clawloop.api.trainer_routes import mount_trainer_routes
 from clawloop.api.sessions import JudgeableHook, SessionManager
 from clawloop.config import Config
-from clawloop.store import Store
+from clawloop.store import STORE_FILENAME, Store
 
 log = logging.getLogger("clawloop.serve")
-
-STORE_FILENAME = "store.sqlite"
 
 
 class Component(Protocol):

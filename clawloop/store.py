@@ -200,6 +200,24 @@ CREATE TABLE IF NOT EXISTS steps (
 """
 
 
+STORE_FILENAME = "store.sqlite"
+
+
+def find_store(run_dir: str | Path) -> Path:
+    """The run's SQLite store: ``RUN_DIR/store.sqlite``, or the only ``*.sqlite``/``*.db`` file there."""
+    run_dir = Path(run_dir)
+    default = run_dir / STORE_FILENAME
+    if default.exists():
+        return default
+    found = sorted(p for pattern in ("*.sqlite", "*.db") for p in run_dir.glob(pattern))
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise FileNotFoundError(f"{run_dir} holds no store ({STORE_FILENAME})")
+    raise FileNotFoundError(f"{run_dir} holds several stores ({', '.join(p.name for p in found)}); "
+                            f"which one is the run's is ambiguous")
+
+
 class Store:
     """Thread-safe access to the run's SQLite file. Every public method is one short transaction."""
 

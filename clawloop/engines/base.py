@@ -43,6 +43,18 @@ class SamplingParams:
     """How many alternatives (id, log-prob) to report per generated token; 0 = none."""
 
 
+def check_sampling(params: SamplingParams) -> None:
+    """Reject sampling settings no backend can honour (raised as EngineError, which the API turns into a 400)."""
+    if params.max_tokens < 1:
+        raise EngineError("max_tokens must be >= 1")
+    if params.temperature < 0:
+        raise EngineError("temperature must be >= 0")
+    if not 0 < params.top_p <= 1:
+        raise EngineError("top_p must be in (0, 1]")
+    if params.top_logprobs < 0:
+        raise EngineError("top_logprobs must be >= 0")
+
+
 @dataclass
 class Generation:
     """One finished completion, exactly as sampled."""

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from clawloop.engines import model_files
 from clawloop.engines.base import (
     EngineError,
+    check_sampling,
     Generation,
     PromptTooLongError,
     SamplingParams,
@@ -424,14 +425,7 @@ class HFEngine:
         if not prompt_ids:
             raise EngineError("the prompt is empty")
         self._check_ids(prompt_ids, "the prompt")
-        if params.max_tokens < 1:
-            raise EngineError("max_tokens must be >= 1")
-        if params.temperature < 0:
-            raise EngineError("temperature must be >= 0")
-        if not 0 < params.top_p <= 1:
-            raise EngineError("top_p must be in (0, 1]")
-        if params.top_logprobs < 0:
-            raise EngineError("top_logprobs must be >= 0")
+        check_sampling(params)
         if len(prompt_ids) + params.max_tokens > self._max_context:
             raise PromptTooLongError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "

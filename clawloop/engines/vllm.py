@@ -76,6 +76,7 @@ import torch
 
 from clawloop.engines.base import (
     EngineError,
+    check_sampling,
     Generation,
     PromptTooLongError,
     SamplingParams,
@@ -461,14 +462,7 @@ class VLLMEngine:
         if not ids:
             raise EngineError("the prompt is empty")
         self._check_ids(ids, "the prompt")
-        if params.max_tokens < 1:
-            raise EngineError("max_tokens must be >= 1")
-        if params.temperature < 0:
-            raise EngineError("temperature must be >= 0")
-        if not 0 < params.top_p <= 1:
-            raise EngineError("top_p must be in (0, 1]")
-        if params.top_logprobs < 0:
-            raise EngineError("top_logprobs must be >= 0")
+        check_sampling(params)
         if params.top_logprobs > self.max_logprobs:
             raise EngineError(
                 f"top_logprobs={params.top_logprobs} exceeds the server's max_logprobs={self.max_logprobs}"

@@ -16,30 +16,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from clawloop.config import Config
-from clawloop.store import Store
+from clawloop.store import Store, find_store
 from clawloop.trainer.core import Trainer, make_refresh
 from clawloop.trainer.model import TrainModels
 from clawloop.trainer.publish import LocalVersion
 
 log = logging.getLogger(__name__)
-
-STORE_FILENAME = "store.sqlite"
-
-
-def store_path(run_dir: str | Path) -> Path:
-    """The run's SQLite store: ``RUN_DIR/store.sqlite``, or the only ``*.sqlite``/``*.db`` file there."""
-    run_dir = Path(run_dir)
-    default = run_dir / STORE_FILENAME
-    if default.exists():
-        return default
-    found = sorted(p for pattern in ("*.sqlite", "*.db") for p in run_dir.glob(pattern))
-    if len(found) == 1:
-        return found[0]
-    if not found:
-        raise FileNotFoundError(f"{run_dir} holds no store ({STORE_FILENAME})")
-    raise FileNotFoundError(f"{run_dir} holds several stores ({', '.join(p.name for p in found)}); "
-                            f"which one is the run's is ambiguous")
-
 
 def train_offline(config: Config, run_dir: str | Path | None = None, max_steps: int | None = None, *,
                   store: Store | None = None, teacher: Any = None, models: TrainModels | None = None,
@@ -49,7 +31,7 @@ def train_offline(config: Config, run_dir: str | Path | None = None, max_steps: 
     run_dir = Path(run_dir if run_dir is not None else config.run_dir)
     own_store = store is None
     if store is None:
-        store = Store(store_path(run_dir))
+        store = Store(find_store(run_dir))
     store.recover()
     trainer = Trainer(config, store, LocalVersion(), run_dir=run_dir, refresh=make_refresh(teacher),
                       models=models, console=console)
