@@ -31,12 +31,12 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from clawloop.sim.demo import DEMO_EVAL_EVERY, DEMO_PRESET, LoopOptions, demo_config, run_loop
+from clawloop.sim.demo import DEMO_EVAL_EVERY, DEMO_INTERACTIONS, DEMO_PRESET, LoopOptions, demo_config, run_loop
 
 DEFAULT_METHODS = ("rl", "opd", "hybrid")
 DEFAULT_PERSONAS = ("brief", "inshort")
 DEFAULT_SEEDS = (0, 1, 2)
-DEFAULT_INTERACTIONS = 48
+DEFAULT_INTERACTIONS = DEMO_INTERACTIONS
 DEFAULT_TARGET = 0.5
 # Settings that differ between cells by design, or that do not change what a cell measures.
 _PER_CELL = {"method", "seed", "run_dir", "port", "num_threads", "host", "w_rl", "w_opd"}
