@@ -35,6 +35,9 @@ OPD_ON_UNHINTED = ("skip", "anchor")
 JUDGE_CONTEXTS = ("none", "last_user", "full")
 TEACHERS = ("base", "policy")
 JUDGE_BACKENDS = ("auto", "engine", "http", "rules")
+ENGINES = ("embedded", "vllm")
+TRAINERS = ("embedded", "remote")
+VLLM_ROLES = ("vllm_policy", "vllm_teacher", "vllm_judge")
 STALENESS_MODES = ("tis", "drop", "ignore")
 
 # (w_rl, w_opd) each preset implies.
@@ -66,6 +69,32 @@ class Config:
     max_batch_size: int = _f(16, "Most sequences the embedded engine decodes together.")
     seed: int = _f(0, "Seed for everything that is random in clawloop itself.")
 
+    # ---- engines and roles (scale-out: see "Deployment" in the README) -------------------------------------
+    engine: str = _f("embedded", "Policy engine: embedded (transformers in the API process) or vllm (a vLLM "
+                     "OpenAI-compatible server: policy_url, or one clawloop starts from vllm_policy).")
+    policy_url: str = _f("", "engine=vllm: base URL of a running vLLM server for the policy (started with "
+                         "--logprobs-mode processed_logprobs; --enable-lora when lora). Empty = clawloop starts one "
+                         "from vllm_policy and restarts it if it dies.")
+    policy_model: str = _f("", "engine=vllm: the model name the policy server serves (empty = the name clawloop "
+                           "gives a server it starts, 'base').")
+    teacher_url: str = _f("", "engine=vllm: base URL of a running vLLM server with the frozen base model, for "
+                          "teacher scoring (prompt_logprobs; no --enable-lora on CPU) and for the judge when "
+                          "judge_url is empty. Empty = clawloop starts one from vllm_teacher when needed.")
+    teacher_model: str = _f("", "engine=vllm: the model name the teacher server serves (empty = 'base').")
+    vllm_policy: dict[str, Any] = _f({}, "Settings of the policy vLLM server clawloop starts: keys of "
+                                     "VLLMServerSettings (port, dtype, max_model_len, max_num_seqs, "
+                                     "gpu_memory_utilization, extra_args such as ['--tensor-parallel-size', '2'], "
+                                     "env such as {CUDA_VISIBLE_DEVICES = '4,5'}, ...). model defaults to 'model', "
+                                     "LoRA serving to 'lora'.")
+    vllm_teacher: dict[str, Any] = _f({}, "Settings of the teacher vLLM server clawloop starts (as vllm_policy).")
+    vllm_judge: dict[str, Any] = _f({}, "When not empty and judge_url is, clawloop starts a separate vLLM judge "
+                                    "server with these settings ('model' = the judge's model folder, default the "
+                                    "policy's base model) and judges over HTTP; empty = the judge shares the "
+                                    "teacher server.")
+    trainer: str = _f("embedded", "Where training runs: embedded (in the API process) or remote (trainer "
+                      "processes, e.g. 'torchrun -m clawloop.trainer.distributed', lease batches from the API's "
+                      "/v1/trainer routes; needs admin_key).")
+
     # ---- serving --------------------------------------------------------------------------------------
     host: str = _f("127.0.0.1", "Address the API binds to (loopback unless told otherwise).")
     port: int = _f(30000, "Port of the OpenAI-compatible API.")
@@ -96,6 +125,9 @@ class Config:
     judge_context: str = _f("last_user", "What of the request the judge sees: none (answer + next state only, as "
                             "the original), last_user, or full conversation.")
     judge_concurrency: int = _f(4, "Judge calls in flight at once.")
+    judge_extra_body: dict[str, Any] = _f({}, "Extra fields merged into every request to judge_url, e.g. vLLM's "
+                                          "structured outputs that hold a small judge to the vote format: "
+                                          "{structured_outputs = {regex = '...'}} (see the README).")
 
     # ---- hints and teacher ----------------------------------------------------------------------------
     max_candidates: int = _f(3, "Most hint candidates per turn (shortest first).")
@@ -190,6 +222,9 @@ class Config:
         if self.judge_backend == "http" and not self.judge_url:
             raise ConfigError("judge_backend='http' needs judge_url (the judge's OpenAI-compatible base URL)")
         choice("staleness_mode", STALENESS_MODES)
+        choice("engine", ENGINES)
+        choice("trainer", TRAINERS)
+        self._validate_vllm()
         choice("default_turn_type", ("main", "side"))
         choice("dtype", ("float32", "bfloat16", "float16"))
         for name in ("topk", "max_candidates", "prm_m", "rollout_batch_size", "max_batch_size",
@@ -233,6 +268,43 @@ class Config:
             if backend not in ("jsonl", "tensorboard", "wandb"):
                 raise ConfigError(f"metrics_backends has {backend!r}; allowed: jsonl, tensorboard, wandb")
         return self
+
+    def _validate_vllm(self) -> None:
+        from clawloop.engines.vllm_server import VLLMServerSettings
+
+        for name in VLLM_ROLES:
+            section = getattr(self, name)
+            try:
+                VLLMServerSettings.check_overrides(section)
+            except ValueError as exc:
+                raise ConfigError(f"{name}: {exc}") from None
+        for name in ("policy_url", "teacher_url", "judge_url"):
+            url = getattr(self, name)
+            if url and not url.startswith(("http://", "https://")):
+                raise ConfigError(f"{name}={url!r} must be an http:// or https:// URL")
+        if self.engine == "embedded":
+            given = [n for n in ("policy_url", "teacher_url", "policy_model", "teacher_model", "vllm_policy",
+                                 "vllm_teacher") if getattr(self, n)]
+            if given:
+                raise ConfigError(f"{', '.join(given)} only apply with engine='vllm' (engine is 'embedded')")
+        if self.policy_url and self.vllm_policy:
+            raise ConfigError("policy_url (attach to a running server) and vllm_policy (start one) exclude each other")
+        if self.teacher_url and self.vllm_teacher:
+            raise ConfigError("teacher_url (attach to a running server) and vllm_teacher (start one) exclude each "
+                              "other")
+        if self.judge_url and self.vllm_judge:
+            raise ConfigError("judge_url (an endpoint) and vllm_judge (start a judge server) exclude each other")
+        if self.judge_extra_body and self.judge_backend in ("rules", "engine"):
+            raise ConfigError(f"judge_extra_body goes into requests to an HTTP judge; judge_backend="
+                              f"{self.judge_backend!r} sends none")
+        if self.vllm_judge and self.judge_backend not in ("auto", "http"):
+            raise ConfigError(f"vllm_judge starts a judge server, but judge_backend={self.judge_backend!r} would not "
+                              f"use it (use auto or http)")
+        if self.vllm_policy.get("enable_lora") is False and self.lora:
+            raise ConfigError("lora=True publishes adapters, but vllm_policy sets enable_lora=false")
+        if self.trainer == "remote" and self.train and not self.admin_key:
+            raise ConfigError("trainer='remote' lets trainer processes lease batches and change the served "
+                              "weights over HTTP; set admin_key so only they can")
 
     # ---- loading ----------------------------------------------------------------------------------------
     @classmethod
@@ -320,10 +392,13 @@ def read_config_file(path: Path) -> dict[str, Any]:
         data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"config file {path} is not valid {path.suffix.lstrip('.') or 'TOML'}: {exc}") from exc
-    # Allow [sections] in a file for readability: their keys are flattened.
+    # Allow [sections] in a file for readability: their keys are flattened, except for the settings that are
+    # tables themselves ([vllm_policy] ...).
     flat: dict[str, Any] = {}
+    dict_settings = {f.name for f in dataclasses.fields(Config) if _base_type(typing.get_type_hints(Config)[f.name])
+                     is dict}
     for key, value in data.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and key not in dict_settings:
             flat.update(value)
         else:
             flat[key] = value
@@ -367,6 +442,11 @@ def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
             if isinstance(value, bool):
                 raise ValueError(value)
             return float(value)
+        if base is dict:
+            parsed = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(parsed, dict):
+                raise ValueError(value)
+            return dict(parsed)
         if base is list:
             (item_tp,) = typing.get_args(typing.get_args(tp)[0] if optional else tp) or (str,)
             items = value if isinstance(value, (list, tuple)) else [v for v in str(value).split(",") if v.strip()]
@@ -375,7 +455,7 @@ def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
             if not isinstance(value, str):
                 raise ValueError(value)
             return value.strip()
-    except (TypeError, ValueError):
+    except (TypeError, ValueError):  # json.JSONDecodeError is a ValueError
         raise ConfigError(f"{name}={value!r} is not a valid {getattr(base, '__name__', base)}") from None
     return value
 

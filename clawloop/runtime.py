@@ -1,7 +1,8 @@
 """The whole loop in one process: what ``clawloop serve`` runs when training is on.
 
-``Server`` (API, policy engine, store, sessions) + the judge/teacher ``Pipeline`` (woken when a turn becomes
-judgeable) + the ``OnlineTrainer`` (woken when a sample is written); pipeline and trainer run as server components
+``Server`` (API, policy engine, store, sessions, and the vLLM servers the config names) + the judge/teacher
+``Pipeline`` (woken when a turn becomes judgeable) + the ``OnlineTrainer`` (woken when a sample is written; with
+``trainer = "remote"`` trainer processes lease the samples over HTTP instead); pipeline and trainer run as server components
 on the server's event loop, so they start after the sessions are restored and stop before the engine closes.
 """
 
@@ -43,10 +44,17 @@ def build_runtime(config: Config, *, resume: bool = False, log_level: str = "war
     """Assemble server + pipeline (+ trainer when ``config.train``); nothing runs until ``start()``/``run()``."""
     server = Server(config, log_level=log_level, **server_kwargs)
     server.build()
-    pipeline = build_pipeline(config, server.store, policy_engine=server.engine, tokenizer=server.engine.tokenizer,
-                              poll_interval_s=pipeline_poll_s)
+    config = server.config  # with the URLs of the vLLM servers it started
+    tokenizer = server.engine.tokenizer
+    base_engine = None
+    if server.fleet is not None and server.fleet.teacher is not None:
+        base_engine = server.fleet.teacher_engine(config, tokenizer)
+    pipeline = build_pipeline(config, server.store, policy_engine=server.engine, tokenizer=tokenizer,
+                              base_engine=base_engine, poll_interval_s=pipeline_poll_s)
+    if base_engine is not None:
+        pipeline.owned_engines.append(base_engine)
     trainer = None
-    if config.train:
+    if config.train and config.trainer == "embedded":
         trainer = OnlineTrainer(config, server.store, server.engine, teacher=pipeline.teacher, resume=resume,
                                 poll_interval_s=trainer_poll_s, console=console)
         pipeline.on_sample = lambda sample: trainer.wake()

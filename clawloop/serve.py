@@ -12,10 +12,11 @@ Extension points for the rest of the run (left empty by serving itself):
   engine closes. Each may read ``server.engine``, ``server.store`` and ``server.sessions``.
 
 Start-up order: open the store (``RUN_DIR/store.sqlite``) and run ``store.recover()`` (both only when no store
-is given), build the engine (unless one is given), rebuild the live sessions from the turns still awaiting
+is given), start or attach to the vLLM servers the config names (``clawloop.engines.fleet``; ``server.config``
+then holds their URLs) and build the engine (unless one is given), connect to a remote engine, rebuild the live sessions from the turns still awaiting
 their next state (so a restart loses no pairing), start the idle sweeper and the components, then accept
-requests. Shutdown leaves awaiting turns as they are for the next start. The engine and store are closed at
-shutdown only when the server created them.
+requests. Shutdown leaves awaiting turns as they are for the next start. The engine and store are closed, and the vLLM
+servers it started stopped, at shutdown only when the server created them.
 """
 
 from __future__ import annotations
@@ -48,8 +49,15 @@ def store_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / STORE_FILENAME
 
 
-def build_engine(config: Config) -> Any:
-    """The embedded HF engine for ``config.model`` (imported lazily: loading torch models is slow)."""
+def build_engine(config: Config, fleet: Any = None) -> Any:
+    """The policy engine: a ``VLLMEngine`` on the fleet's policy server (``engine = "vllm"``), else the embedded
+    HF engine for ``config.model`` (imported lazily: loading torch models is slow)."""
+    if config.engine == "vllm":
+        from clawloop.engines.model_files import load_tokenizer, resolve_model
+
+        if fleet is None or fleet.policy is None:
+            raise ValueError("engine='vllm' needs the run's vLLM fleet (clawloop.engines.fleet.Fleet)")
+        return fleet.policy_engine(config, load_tokenizer(resolve_model(config.model)))
     from clawloop.engines.hf import HFEngine
 
     return HFEngine(config.model, device=config.device, dtype=config.dtype, max_batch_size=config.max_batch_size,
@@ -84,6 +92,8 @@ class Server:
         self._thread: threading.Thread | None = None
         self._startup_error: BaseException | None = None
         self.port: int = config.port
+        self.fleet: Any = None
+        """The vLLM servers of this run (``clawloop.engines.fleet.Fleet``), started by ``build``."""
 
     # ---- assembly -------------------------------------------------------------------------------------
     def build(self) -> Any:
@@ -97,7 +107,8 @@ class Server:
             if any(recovered.values()):
                 log.warning("recovered interrupted work: %s", recovered)
         if self.engine is None:
-            self.engine = build_engine(self.config)
+            self._start_fleet()
+            self.engine = build_engine(self.config, self.fleet)
         self.sessions = SessionManager(self.store, max_sessions=self.config.max_sessions,
                                        idle_timeout_s=self.config.session_idle_timeout_s,
                                        on_judgeable=self._judgeable)
@@ -106,6 +117,22 @@ class Server:
         self.app = create_app(self.service, lifespan=self._lifespan)
         mount_trainer_routes(self.app, self.store, self.engine, self.config)  # remote trainers (issue 7)
         return self.app
+
+    def _start_fleet(self) -> None:
+        """Start (or attach to) the vLLM servers the config names; ``self.config`` then holds their URLs."""
+        from clawloop.engines.fleet import Fleet, FleetSupervisor
+
+        fleet = Fleet.plan(self.config)
+        if not fleet.servers:
+            return
+        self.fleet = fleet.start()
+        self.config = fleet.resolve(self.config)
+        self.components.insert(0, FleetSupervisor(fleet))
+
+    def stop_fleet(self) -> None:
+        if self.fleet is not None:
+            self.fleet.stop()
+            self.fleet = None
 
     def _judgeable(self, turn_id: int) -> Any:
         # Looked up on every call so the hook can be attached after the server was built.
@@ -116,6 +143,9 @@ class Server:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Any) -> AsyncIterator[None]:
         assert self.sessions is not None
+        connect = getattr(self.engine, "connect", None)
+        if connect is not None:  # a remote engine: check it serves the model, learn its context length
+            await connect()
         restored = await self.sessions.restore()
         if restored:
             log.warning("rebuilt %d live sessions from turns awaiting their next state", restored)
@@ -185,6 +215,7 @@ class Server:
         if self._own_store and self.store is not None:
             self.store.close()
             self.store = None
+        self.stop_fleet()
 
     def __enter__(self) -> "Server":
         return self.start()
@@ -204,6 +235,7 @@ class Server:
             if self._own_store and self.store is not None:
                 self.store.close()
                 self.store = None
+            self.stop_fleet()
 
 
 def run(config: Config, **kwargs: Any) -> None:

@@ -97,3 +97,51 @@ def test_secrets_are_redacted_in_dumps():
     c = Config.load(env={}, api_key="s3cret", judge_api_key="k")
     dumped = json.dumps(c.to_dict(redact=True))
     assert "s3cret" not in dumped and c.to_dict()["api_key"] == "s3cret"
+
+
+# ---- vLLM roles --------------------------------------------------------------------------------------------
+
+
+def test_vllm_server_tables_stay_tables_in_toml(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('engine = "vllm"\nlora = true\n[trainer_settings]\nrollout_batch_size = 8\n'
+                    '[vllm_policy]\nport = 8001\nextra_args = ["--tensor-parallel-size", "2"]\n'
+                    '[vllm_policy.env]\nCUDA_VISIBLE_DEVICES = "4,5"\n')
+    config = Config.load(file=path, env={})
+    assert config.rollout_batch_size == 8  # an ordinary section is flattened
+    assert config.vllm_policy == {"port": 8001, "extra_args": ["--tensor-parallel-size", "2"],
+                                  "env": {"CUDA_VISIBLE_DEVICES": "4,5"}}
+
+
+def test_vllm_server_table_from_env_is_json():
+    config = Config.load(env={"CLAWLOOP_ENGINE": "vllm", "CLAWLOOP_VLLM_TEACHER": '{"port": 8002}'})
+    assert config.vllm_teacher == {"port": 8002}
+    with pytest.raises(ConfigError, match="vllm_teacher"):
+        Config.load(env={"CLAWLOOP_ENGINE": "vllm", "CLAWLOOP_VLLM_TEACHER": "port=8002"})
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"engine": "sglang"}, "engine"),
+    ({"engine": "vllm", "vllm_policy": {"prot": 8001}}, "prot"),
+    ({"engine": "vllm", "vllm_policy": {"port": "8001"}}, "port"),
+    ({"engine": "vllm", "vllm_policy": {"enable_lora": "yes"}}, "enable_lora"),
+    ({"engine": "vllm", "vllm_policy": {"extra_args": [2]}}, "extra_args"),
+    ({"policy_url": "http://gpu1:8001"}, "engine='vllm'"),
+    ({"vllm_teacher": {"port": 1}}, "engine='vllm'"),
+    ({"engine": "vllm", "policy_url": "gpu1:8001"}, "http"),
+    ({"engine": "vllm", "policy_url": "http://gpu1:8001", "vllm_policy": {"port": 1}}, "exclude"),
+    ({"judge_url": "http://j/v1", "vllm_judge": {"port": 1}}, "exclude"),
+    ({"judge_backend": "rules", "vllm_judge": {"port": 1}}, "judge_backend"),
+    ({"engine": "vllm", "lora": True, "vllm_policy": {"enable_lora": False}}, "enable_lora"),
+    ({"trainer": "remote"}, "admin_key"),
+    ({"trainer": "elsewhere"}, "trainer"),
+])
+def test_inconsistent_vllm_and_role_settings_fail(overrides, words):
+    with pytest.raises(ConfigError, match=words):
+        Config.load(env={}, **overrides)
+
+
+def test_remote_trainer_with_admin_key_is_valid():
+    config = Config.load(env={}, trainer="remote", admin_key="k")
+    assert config.trainer == "remote"
+    assert Config.load(env={}, trainer="remote", train=False).train is False  # nothing leases: no key needed

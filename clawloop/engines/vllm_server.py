@@ -117,15 +117,36 @@ class VLLMServerSettings:
     max_restarts: int = 3
 
     @classmethod
+    def check_overrides(cls, values: Mapping[str, Any]) -> None:
+        """Fail on keys that are not settings and on values of the wrong type (a config section, before use)."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"expected a table of vLLM server settings, got {values!r}")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"unknown vLLM server setting(s) {unknown}; known: {sorted(known)}")
+        for name, value in values.items():
+            expected = _SETTING_TYPES.get(name)
+            if expected is not None and value is not None and (
+                    not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected)):
+                raise ValueError(f"vLLM server setting {name}={value!r} is not a {expected[0].__name__}")
+        if "extra_args" in values and not all(isinstance(a, str) for a in values["extra_args"]):
+            raise ValueError(f"extra_args must be a list of strings, got {values['extra_args']!r}")
+        if "env" in values and not all(isinstance(v, str) for v in dict(values["env"]).values()):
+            raise ValueError(f"env values must be strings, got {values['env']!r}")
+        port = values.get("port", 0)
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port={port!r} must be in [0, 65535]")
+
+    @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> VLLMServerSettings:
         """Build from a config section (unknown keys are an error, so typos do not pass silently)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown vLLM server settings {unknown}; known: {sorted(known)}")
+        cls.check_overrides(values)
         values = dict(values)
         if "extra_args" in values:
             values["extra_args"] = tuple(values["extra_args"])
+        if "env" in values:
+            values["env"] = dict(values["env"])
         return cls(**values)
 
     @property
@@ -184,6 +205,16 @@ class VLLMServerSettings:
             return None
         value = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
         return int(value) if value else None
+
+
+_SETTING_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (str,), "served_model_name": (str,), "python": (str,), "host": (str,), "port": (int,),
+    "dtype": (str,), "max_model_len": (int,), "max_num_seqs": (int,), "max_logprobs": (int,),
+    "logprobs_mode": (str,), "enable_lora": (bool,), "max_lora_rank": (int,), "max_loras": (int,),
+    "dev_mode": (bool,), "enforce_eager": (bool,), "block_size": (int,), "cpu_kv_cache_gb": (int,),
+    "gpu_memory_utilization": (float, int), "api_key": (str,), "extra_args": (list, tuple), "env": (Mapping,),
+    "log_file": (str,), "startup_timeout_s": (float, int), "stop_timeout_s": (float, int), "max_restarts": (int,),
+}
 
 
 class VLLMServer:

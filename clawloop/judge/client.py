@@ -76,9 +76,11 @@ class HTTPJudgeClient:
 
     def __init__(self, base_url: str, model: str = "", api_key: str = "", *, timeout_s: float = 120.0,
                  retries: int = 2, backoff_s: float = 0.5, concurrency: int = 4,
-                 transport: httpx.AsyncBaseTransport | None = None):
+                 extra_body: dict[str, Any] | None = None, transport: httpx.AsyncBaseTransport | None = None):
         self.chat_url, self.models_url = _chat_url(base_url)
         self.model = model
+        self.extra_body = dict(extra_body or {})
+        """Merged into every request body (provider-specific fields such as vLLM's ``structured_outputs``)."""
         self.timeout_s = float(timeout_s)
         self.retries = int(retries)
         self.backoff_s = float(backoff_s)
@@ -123,7 +125,7 @@ class HTTPJudgeClient:
 
     async def _once(self, messages: Sequence[dict[str, Any]], temperature: float, max_tokens: int,
                     seed: int | None) -> str:
-        body: dict[str, Any] = {"model": await self._resolve_model(), "messages": list(messages),
+        body: dict[str, Any] = {**self.extra_body, "model": await self._resolve_model(), "messages": list(messages),
                                 "temperature": temperature, "max_tokens": max_tokens, "stream": False}
         if seed is not None:
             body["seed"] = seed

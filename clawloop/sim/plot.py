@@ -55,9 +55,10 @@ def learning_curve(summary: dict[str, Any], path: str | Path) -> Path:
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
     s = summary.get("settings", {})
+    judge = summary.get("judge", {}).get("backend")
     ax.set_title(f"clawloop learning '{summary.get('persona')}' ({summary.get('preference', '')})\n"
                  f"method {s.get('method')}, {'LoRA' if s.get('lora') else 'full'}, lr {s.get('lr')}, "
-                 f"kl {s.get('kl_coef')}, batch {s.get('rollout_batch_size')}, judge {summary.get('judge', {}).get('backend')}, "
+                 f"kl {s.get('kl_coef')}, batch {s.get('rollout_batch_size')}, judge {judge}, "
                  f"seed {summary.get('seed')}", fontsize=9)
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()

@@ -73,6 +73,22 @@ def test_success_discovers_model_and_sends_key(server):
     assert body["model"] == "scripted-judge" and body["max_tokens"] == 32 and body["temperature"] == 0.6
 
 
+def test_extra_body_fields_reach_the_endpoint_without_overriding_the_vote_settings(server):
+    regex = "[\\s\\S]*\\\\boxed\\{(1|-1|0)\\}"
+    extra = {"structured_outputs": {"regex": regex}, "max_tokens": 1}
+
+    async def go():
+        client = client_for(server, extra_body=extra)
+        out = await client.complete(_messages("ok"), temperature=0.6, max_tokens=32)
+        await client.close()
+        return out
+
+    assert run(go()).error == ""
+    body = server.requests[-1]
+    assert body["structured_outputs"] == {"regex": regex}
+    assert body["max_tokens"] == 32  # the judge's own settings win over extra fields
+
+
 def test_wrong_key_is_an_error_not_an_exception(server):
     async def go():
         client = client_for(server, api_key="wrong", model="m")

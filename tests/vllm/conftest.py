@@ -2,11 +2,14 @@
 
 * ``vllm_python`` (session): the vLLM interpreter (``$CLAWLOOP_VLLM_PYTHON`` or ``.venv-vllm/bin/python``);
   every ``vllm`` test is skipped with the reason when there is none.
-* ``vllm_servers`` (session): two servers on SmolLM2-135M-Instruct, float32, eager mode (no torch.compile: a
-  start of 2-5 minutes on a small shared CPU instead of 5-10), launched together and stopped at the end:
-  ``"policy"`` with LoRA hot-loading (generation, publication) and ``"scorer"`` without LoRA (prompt log-prob
-  scoring, which crashes vLLM 0.32's CPU engine when LoRA is enabled). Both run in dev mode for checkpoint
-  reloads. Their logs are in the session's temporary folder; a failed start shows the log's tail.
+* ``vllm_fleet`` (session): two servers on SmolLM2-135M-Instruct started from a ``Config`` (``engine = "vllm"``,
+  ``lora``, ``[vllm_policy]`` / ``[vllm_teacher]``) by ``clawloop.engines.fleet.Fleet``, as ``clawloop serve``
+  starts them: float32, eager mode (no torch.compile: a start of 2-5 minutes on a small shared CPU instead of
+  5-10), launched together and stopped at the end; yields the fleet and the config with their URLs.
+* ``vllm_servers`` (session): the same servers by name: ``"policy"`` with LoRA hot-loading (generation,
+  publication) and ``"scorer"`` (the teacher) without LoRA (prompt log-prob scoring, which crashes vLLM 0.32's
+  CPU engine when LoRA is enabled). Both run in dev mode for checkpoint reloads. Their logs are in the run
+  folder's ``logs/``; a failed start shows the log's tail.
 * ``hf_engine`` (session): the embedded engine on the same model, the reference for every number.
 * ``smol_tokenizer`` / ``smol_prompt(text)``: the model's tokenizer and a ChatML prompt for one user message.
 """
@@ -15,8 +18,10 @@ from __future__ import annotations
 
 import pytest
 
+from clawloop.config import Config
 from clawloop.engines import model_files
-from clawloop.engines.vllm_server import VLLMServer, VLLMServerSettings, find_vllm_python
+from clawloop.engines.fleet import Fleet
+from clawloop.engines.vllm_server import find_vllm_python
 
 STARTUP_TIMEOUT_S = 900.0
 
@@ -59,25 +64,27 @@ def smol_prompt(smol_tokenizer):
 
 
 @pytest.fixture(scope="session")
-def vllm_servers(vllm_python, smol_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("vllm-logs")
-    common = dict(model=str(smol_dir), python=str(vllm_python), dtype="float32", max_model_len=2048,
-                  max_num_seqs=8, max_logprobs=64, enforce_eager=True, dev_mode=True, block_size=32,
-                  startup_timeout_s=STARTUP_TIMEOUT_S)
-    servers = {
-        "policy": VLLMServer(VLLMServerSettings(**common, enable_lora=True, max_lora_rank=8, max_loras=2,
-                                                log_file=str(logs / "policy.log"))),
-        "scorer": VLLMServer(VLLMServerSettings(**common, log_file=str(logs / "scorer.log"))),
-    }
+def vllm_fleet(vllm_python, smol_dir, tmp_path_factory):
+    """The servers, started the way ``clawloop serve`` starts them: ``Fleet.plan(config).start()``."""
+    run_dir = tmp_path_factory.mktemp("vllm-run")
+    common = dict(python=str(vllm_python), max_model_len=2048, max_num_seqs=8, max_logprobs=64, enforce_eager=True,
+                  dev_mode=True, block_size=32, startup_timeout_s=STARTUP_TIMEOUT_S)
+    config = Config.load(env={}, model=str(smol_dir), run_dir=str(run_dir), engine="vllm", lora=True, lora_rank=8,
+                         method="hybrid", vllm_policy={**common, "max_loras": 2}, vllm_teacher=common)
+    fleet = Fleet.plan(config)
+    assert set(fleet.servers) == {"policy", "teacher"}
+    fleet.start()
     try:
-        for server in servers.values():
-            server.launch()
-        for server in servers.values():
-            server.wait_ready()
-        yield servers
+        yield fleet, fleet.resolve(config)
     finally:
-        for server in servers.values():
-            server.stop()
+        fleet.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(vllm_fleet):
+    """``"policy"``: LoRA hot-loading (generation, publication); ``"scorer"``: the frozen teacher, no LoRA."""
+    fleet, _ = vllm_fleet
+    return {"policy": fleet.policy, "scorer": fleet.teacher}
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,274 @@
+"""The vLLM servers a run uses, from its ``Config``: started and supervised here, or attached to.
+
+Roles (SPEC §7), each its own server:
+
+* **policy** (``engine = "vllm"``): serves the API's requests. ``policy_url`` attaches to a running server;
+  otherwise one is started from ``vllm_policy`` with LoRA serving when ``lora`` (new adapters are hot-loaded by
+  ``LoRAPublisher``) and dev mode when not (full weights are published by ``CheckpointPublisher`` through
+  ``/pause`` + ``/collective_rpc`` reload).
+* **teacher** (frozen base model): teacher scoring (``prompt_logprobs``), and the judge when neither ``judge_url``
+  nor ``vllm_judge`` names another one (the original system's judge is the frozen base model too; with
+  ``judge_backend = "auto"`` it is asked over HTTP, chat completions, so ``judge_extra_body`` applies). It is needed
+  when ``engine = "vllm"`` and the method distils from the base model, or the judge falls to it. It never has
+  LoRA enabled: prompt log-probs on a LoRA-enabled vLLM 0.32 CPU server crash its engine.
+* **judge** (``vllm_judge``): a separate judge server, any model folder; judged over HTTP (chat completions).
+
+Starting: every managed server is launched first and then waited for, so their (minutes-long) start-ups
+overlap. Logs go to ``RUN_DIR/logs/vllm-<role>.log``, the process id to ``vllm-<role>.pid`` beside it: a server
+left running by a run that was killed with -9 (nothing could stop it) is stopped when the folder's next run
+starts, instead of holding its memory and port forever. Supervision: ``FleetSupervisor`` (a server component)
+checks the servers every ``interval_s``, restarts a dead managed one (``VLLMServer.ensure_running``, at most
+``max_restarts`` times) and, for the policy server, loads the current weights again (``publisher.restore()``),
+since a restarted vLLM comes back with the base model only; an attached policy server that stops answering and
+comes back (restarted by whoever runs it) gets its weights restored the same way. Stopping stops the managed servers and leaves
+attached ones alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clawloop.engines.vllm_server import VLLMServer, VLLMServerSettings
+
+log = logging.getLogger("clawloop.fleet")
+
+DEFAULT_SERVED_NAME = "base"
+
+
+def needs_teacher_server(config: Any) -> bool:
+    """Whether a run on vLLM needs the frozen base-model server (teacher scoring, or the judge falls to it)."""
+    if config.engine != "vllm":
+        return False
+    distils_from_base = config.needs_hints and config.teacher == "base"
+    judge_on_base = config.judge_backend in ("auto", "engine") and not config.judge_url and not config.vllm_judge
+    return distils_from_base or judge_on_base
+
+
+def server_settings(config: Any, role: str, model_dir: Path) -> VLLMServerSettings:
+    """The settings of the ``role`` server clawloop starts: the config's section over role defaults."""
+    section = dict(getattr(config, f"vllm_{role}"))
+    defaults: dict[str, Any] = {
+        "model": str(model_dir),
+        "served_model_name": DEFAULT_SERVED_NAME,
+        "dtype": config.dtype,
+        "log_file": str(Path(config.run_dir) / "logs" / f"vllm-{role}.log"),
+    }
+    if role == "policy":
+        defaults.update(enable_lora=bool(config.lora), max_lora_rank=max(16, config.lora_rank),
+                        dev_mode=not config.lora)
+    if config.num_threads and role != "judge":
+        defaults["env"] = {"OMP_NUM_THREADS": str(config.num_threads)}
+    return VLLMServerSettings.from_mapping({**defaults, **section})
+
+
+@dataclass
+class Fleet:
+    """The policy / teacher / judge servers of one run (``None`` = that role is not on vLLM)."""
+
+    policy: VLLMServer | None = None
+    teacher: VLLMServer | None = None
+    judge: VLLMServer | None = None
+    publisher: Any = None
+    """The policy engine's publisher (``LoRAPublisher`` / ``CheckpointPublisher``), restored after a restart."""
+    _started: list[VLLMServer] = field(default_factory=list)
+
+    @classmethod
+    def plan(cls, config: Any) -> Fleet:
+        """Decide which servers the run needs; nothing is started (model folders are resolved lazily)."""
+        fleet = cls()
+        if config.engine == "vllm":
+            fleet.policy = _server(config, "policy", config.policy_url, config.policy_model)
+            if needs_teacher_server(config):
+                fleet.teacher = _server(config, "teacher", config.teacher_url, config.teacher_model)
+        if config.vllm_judge:
+            fleet.judge = _server(config, "judge", "", "")
+        return fleet
+
+    @property
+    def servers(self) -> dict[str, VLLMServer]:
+        return {role: s for role, s in (("policy", self.policy), ("teacher", self.teacher), ("judge", self.judge))
+                if s is not None}
+
+    def start(self) -> Fleet:
+        """Launch every managed server, then wait for all of them (start-ups overlap)."""
+        try:
+            for role, server in self.servers.items():
+                if server.managed:
+                    pid_file = _pid_file(server)
+                    stop_leftover(pid_file)
+                    log.warning("starting the vLLM %s server (log %s)", role, server.settings.log_file)
+                    server.launch()
+                    pid_file.write_text(str(server.process.pid))
+                else:
+                    server.launch()
+                self._started.append(server)
+            for server in self.servers.values():
+                server.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for server in reversed(self._started):
+            server.stop()
+            if server.managed:
+                _pid_file(server).unlink(missing_ok=True)
+        self._started.clear()
+
+    def resolve(self, config: Any) -> Any:
+        """``config`` with the URLs and model names of the started servers filled in."""
+        changes: dict[str, Any] = {}
+        if self.policy is not None:
+            changes.update(policy_url=self.policy.url, policy_model=self.policy.served_model_name, vllm_policy={})
+        if self.teacher is not None:
+            changes.update(teacher_url=self.teacher.url, teacher_model=self.teacher.served_model_name,
+                           vllm_teacher={})
+            if config.judge_backend == "auto" and not config.judge_url and not config.vllm_judge:
+                # The judge falls to the frozen model: over HTTP (chat completions), like any judge endpoint.
+                changes.update(judge_url=self.teacher.url + "/v1", judge_model=self.teacher.served_model_name)
+        if self.judge is not None:
+            changes.update(judge_url=self.judge.url + "/v1", judge_model=self.judge.served_model_name, vllm_judge={})
+        return config.replace(**changes) if changes else config
+
+    # ---- engines ------------------------------------------------------------------------------------------
+    def policy_engine(self, config: Any, tokenizer: Any) -> Any:
+        """The ``VLLMEngine`` serving the policy, with the publisher new weights go through."""
+        from clawloop.engines.vllm_publish import CheckpointPublisher, LoRAPublisher
+        from clawloop.engines.model_files import resolve_model
+
+        assert self.policy is not None
+        engine = _engine(self.policy, config, tokenizer, lora=config.lora)
+        run_dir = Path(config.run_dir)
+        if config.lora:
+            self.publisher = LoRAPublisher(engine, run_dir / "published" / "adapters",
+                                           name_prefix=config.served_model_name)
+        else:
+            self.publisher = CheckpointPublisher(engine, run_dir / "published" / "checkpoints",
+                                                 resolve_model(config.model), name_prefix=config.served_model_name)
+        engine.publisher = self.publisher
+        return engine
+
+    def teacher_engine(self, config: Any, tokenizer: Any) -> Any:
+        assert self.teacher is not None
+        return _engine(self.teacher, config, tokenizer, lora=False)
+
+
+def _pid_file(server: VLLMServer) -> Path:
+    assert server.settings is not None
+    return Path(server.settings.log_file).with_suffix(".pid")
+
+
+def stop_leftover(pid_file: Path) -> bool:
+    """Stop the vLLM server an earlier run of this folder started and could not stop (it was killed with -9):
+    it holds memory and its port. Only a process that is still a vLLM server is touched. True if one was."""
+    try:
+        pid = int(pid_file.read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except (OSError, ValueError):
+        return False
+    if "vllm.entrypoints" not in cmdline:
+        return False
+    log.warning("stopping vLLM server %d left running by an earlier run (%s)", pid, pid_file)
+    try:
+        os.killpg(pid, signal.SIGTERM)  # the server leads its own process group
+        for _ in range(100):
+            if not _running(pid):
+                return True
+            time.sleep(0.1)
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child nobody has reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _server(config: Any, role: str, url: str, model: str) -> VLLMServer:
+    if url:
+        return VLLMServer.attach(url, served_model_name=model or DEFAULT_SERVED_NAME)
+    from clawloop.engines.model_files import resolve_model
+
+    model_dir = Path(getattr(config, f"vllm_{role}").get("model") or resolve_model(config.model))
+    return VLLMServer(server_settings(config, role, model_dir))
+
+
+def _engine(server: VLLMServer, config: Any, tokenizer: Any, *, lora: bool) -> Any:
+    overrides: dict[str, Any] = {"tokenizer": tokenizer}
+    if not server.managed:
+        # Nothing is known about an attached server but what the config says: the model folder sizes the id
+        # checks, and a LoRA server is scored by probing, never with prompt log-probs (see VLLMServer.engine).
+        from clawloop.engines.model_files import resolve_model
+
+        vocab = VLLMServerSettings(model=str(resolve_model(config.model))).model_vocab_size()
+        overrides.update(vocab_size=vocab, prompt_logprobs=not lora)
+    return server.engine(**overrides)
+
+
+class FleetSupervisor:
+    """Server component: restart dead managed servers and restore the published weights on the policy one."""
+
+    def __init__(self, fleet: Fleet, interval_s: float = 10.0):
+        self.fleet = fleet
+        self.interval_s = interval_s
+        self.restarted: list[str] = []
+        self._down: set[str] = set()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._watch(), name="clawloop-fleet-supervisor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+
+    async def check_once(self) -> list[str]:
+        """Restart what died; returns the roles restarted (or, attached, seen coming back)."""
+        restarted = []
+        for role, server in self.fleet.servers.items():
+            if server.managed:
+                back = await asyncio.to_thread(server.ensure_running)
+            else:
+                # Restarted by someone else: it comes back with the base weights, so watch for down -> up.
+                alive = await asyncio.to_thread(server.is_alive)
+                back = alive and role in self._down
+                if alive:
+                    self._down.discard(role)
+                else:
+                    if role not in self._down:
+                        log.warning("the vLLM %s server at %s does not answer", role, server.url)
+                    self._down.add(role)
+            if back:
+                restarted.append(role)
+                log.warning("the vLLM %s server was restarted", role)
+                if role == "policy" and self.fleet.publisher is not None:
+                    await self.fleet.publisher.restore()
+        self.restarted.extend(restarted)
+        return restarted
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.check_once()
+            except Exception:  # noqa: BLE001 - a server beyond its restarts: say so every interval, keep serving
+                log.exception("vLLM server supervision failed")

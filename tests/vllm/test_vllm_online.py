@@ -1,0 +1,99 @@
+"""A full online step with every model role on real vLLM servers: the policy served by vLLM (LoRA), the judge
+and the teacher on the frozen vLLM server, the trainer in the API process publishing its adapter to vLLM.
+
+The judge is SmolLM2-135M itself, which rarely writes a vote in the expected format on its own; vLLM's
+structured outputs (``judge_extra_body``) hold it to the format, so every vote parses and the loop runs through.
+What the votes say is not the point here (benchmarks/judge_accuracy.py measures that), only that they come
+from the vLLM judge and flow into a trained, published policy.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import torch
+
+from clawloop.runtime import build_runtime
+from clawloop.store import Store
+
+pytestmark = [pytest.mark.vllm, pytest.mark.real_model, pytest.mark.timeout(1800)]
+
+# A vote: the boxed score, then (for hint votes) the hint between its markers; max_tokens bounds its length.
+# No counted repeats ({m,n}): vLLM compiles the pattern under a 5 s limit, and they blow it up on a busy CPU.
+JUDGE_REGEX = r"\\boxed\{(1|-1)\}( \[HINT_START\][A-Za-z ,.']+\[HINT_END\])?"
+QUESTIONS = ["What is the capital of France?", "Name a prime number.", "What colour is the sky?",
+             "What is two plus two?"]
+
+
+def wait_for(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.5)
+
+
+def chat(http: httpx.Client, session: str, messages: list[dict]) -> dict:
+    response = http.post("/v1/chat/completions", headers={"X-Session-Id": session},
+                         json={"model": "clawloop", "messages": messages, "temperature": 1.0, "max_tokens": 16})
+    response.raise_for_status()
+    return response.json()
+
+
+def test_one_online_step_with_policy_judge_and_teacher_on_vllm(vllm_fleet, tmp_path):
+    torch.set_num_threads(2)
+    _, fleet_config = vllm_fleet
+    config = fleet_config.replace(
+        run_dir=str(tmp_path / "run"), port=0, method="hybrid", rollout_batch_size=2, lr=1e-3, prm_m=1,
+        judge_max_tokens=96, judge_retries=1, judge_timeout_s=300.0,
+        judge_extra_body={"structured_outputs": {"regex": JUDGE_REGEX}}, checkpoint_every=1000, num_threads=2,
+        device="cpu")
+    assert config.judge_url == fleet_config.teacher_url + "/v1"  # the judge falls to the frozen vLLM server
+    runtime = build_runtime(config, pipeline_poll_s=0.2, trainer_poll_s=0.2, console=None)
+    engine = runtime.server.engine
+    assert type(engine).__name__ == "VLLMEngine" and engine.base_url == config.policy_url
+    with runtime:
+        with httpx.Client(base_url=runtime.server.base_url, timeout=600) as http:
+            for i, question in enumerate(QUESTIONS):
+                messages = [{"role": "user", "content": question}]
+                first = chat(http, f"s{i}", messages)
+                answer = first["choices"][0]["message"]["content"] or ""
+                assert first["clawloop"]["policy_version"] == 0
+                reply = "Thanks, that is right." if i % 2 else "That is too long. Answer in one short sentence."
+                chat(http, f"s{i}", messages + [{"role": "assistant", "content": answer},
+                                                {"role": "user", "content": reply}])
+                http.post(f"/v1/sessions/s{i}/end").raise_for_status()
+
+            trainer = runtime.trainer
+            wait_for(lambda: trainer.step >= 1, 1200, "one optimizer step")
+            assert engine.policy_version >= 1
+            adapters = [m["id"] for m in http.get(f"{config.policy_url}/v1/models").json()["data"]]
+            assert f"clawloop-v{engine.policy_version}" in adapters  # the adapter was hot-loaded by vLLM
+
+            after = chat(http, "after", [{"role": "user", "content": "Name a colour."}])
+            version = after["clawloop"]["policy_version"]
+            assert version == engine.policy_version
+            turn = runtime.server.store.get_turn(after["clawloop"]["turn_id"])
+            # vLLM served the trained adapter: its log-probs are the trainer's (LoRA on the same base).
+            with torch.no_grad():
+                model = trainer.core.models.policy
+                ids = torch.tensor([turn.prompt_ids + turn.response_ids])
+                logits = model(input_ids=ids).logits[0, len(turn.prompt_ids) - 1:-1].float()
+                ours = torch.log_softmax(logits, -1).gather(1, torch.tensor(turn.response_ids)[:, None])[:, 0]
+            assert (ours - torch.tensor(turn.logprobs)).abs().max().item() < 5e-3
+
+    store = Store(tmp_path / "run" / "store.sqlite")
+    try:
+        step = store.steps()[0]
+        assert step["step"] == 1 and step["policy_version"] == 1
+        trained = store.samples("consumed")
+        assert trained, "no sample was trained"
+        for sample in trained:
+            votes = store.votes(sample.turn_id)
+            assert votes and all("\\boxed{" in v.raw_text and "rule" not in v.raw_text for v in votes)
+            if sample.hints:  # distilled: the teacher's top-k came from the vLLM teacher's prompt log-probs
+                assert sample.targets is not None
+    finally:
+        store.close()
