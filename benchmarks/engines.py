@@ -39,22 +39,7 @@ from clawloop.engines.base import SamplingParams, ScoreRequest  # noqa: E402
 from clawloop.engines.hf import HFEngine  # noqa: E402
 from clawloop.engines.vllm import VLLMEngine  # noqa: E402
 from clawloop.engines.vllm_server import VLLMServer, VLLMServerSettings  # noqa: E402
-
-QUESTIONS = [
-    "Write a long story about a lighthouse keeper.",
-    "Explain how bread is made, step by step, in detail.",
-    "Describe the water cycle to a ten-year-old.",
-    "List twenty animals and say one fact about each.",
-    "Write a detailed travel guide to Lisbon.",
-    "Explain the rules of chess thoroughly.",
-    "Tell me the history of the bicycle.",
-    "Write a long letter to a friend about your garden.",
-]
-
-
-def chat_prompt(tokenizer, question: str) -> list[int]:
-    messages = [{"role": "user", "content": question}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+from benchmarks.prompts import QUESTIONS, chat_prompt  # noqa: E402
 
 
 async def generation_rate(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:

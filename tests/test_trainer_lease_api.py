@@ -185,3 +185,40 @@ def test_reported_lora_adapter_is_merged_into_the_embedded_engine(server, tiny_m
     with pytest.raises(httpx.HTTPStatusError):
         trainer.report_weights(str(tmp_path / "missing"), version=6)
     assert server.engine.policy_version == 5
+
+
+def test_remote_trainer_mode_trains_real_conversations_in_another_process(tiny_model_path, tmp_path):
+    """trainer = "remote": the API process serves and judges; a trainer process leases, trains and reports."""
+    from clawloop.runtime import build_runtime
+    from tests.e2e_support import QUESTIONS, conversation
+
+    torch.set_num_threads(2)
+    config = Config.load(env={}, model=str(tiny_model_path), device="cpu", run_dir=str(tmp_path / "api"),
+                         admin_key=ADMIN_KEY, port=0, trainer="remote", judge_backend="rules", prm_m=1,
+                         rollout_batch_size=2, micro_batch_size=2, default_max_tokens=8, num_threads=1)
+    runtime = build_runtime(config, pipeline_poll_s=0.2, console=None)
+    assert runtime.trainer is None  # nothing trains in the API process
+    with runtime:
+        url = runtime.server.base_url
+        with httpx.Client(base_url=url, timeout=120) as http:
+            for i in range(2):
+                conversation(http, f"c{i}", QUESTIONS[i], corrected=i == 0)
+        store = runtime.server.store
+        deadline = time.time() + 120
+        while store.ready_count() < 2:
+            assert time.time() < deadline, f"samples not judged in time: {store.count_turns()}"
+            time.sleep(0.2)
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CLAWLOOP_ADMIN_KEY=ADMIN_KEY)
+        trainer = subprocess.run(
+            [sys.executable, "-m", "clawloop.trainer.distributed", "--api", url, "--max-steps", "1",
+             "--poll-s", "0.2", "--set", f"model={tiny_model_path}", "--set", "device=cpu",
+             "--set", f"run_dir={tmp_path / 'trainer'}", "--set", "rollout_batch_size=2",
+             "--set", "micro_batch_size=2", "--set", "num_threads=1", "--set", "trainer=remote"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert trainer.returncode == 0, trainer.stderr[-4000:]
+        assert store.count_samples() == {"consumed": 2}
+        assert runtime.server.engine.policy_version == 1 == store.steps()[0]["policy_version"]
+        with httpx.Client(base_url=url, timeout=120) as http:
+            out = http.post("/v1/chat/completions", json={"model": "clawloop", "max_tokens": 4,
+                                                          "messages": [{"role": "user", "content": "Hi"}]}).json()
+        assert out["clawloop"]["policy_version"] == 1

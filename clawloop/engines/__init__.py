@@ -1,6 +1,7 @@
 """Engines: token ids in, token ids / log-probs out (see ``clawloop.engines.base``).
 
-``HFEngine`` (embedded, HF transformers) is imported lazily so that importing the interface stays cheap.
+``HFEngine`` (embedded, HF transformers) and ``VLLMEngine`` (a vLLM OpenAI-compatible server) are imported
+lazily so that importing the interface stays cheap.
 """
 
 from clawloop.engines.base import (
@@ -26,6 +27,7 @@ __all__ = [
     "ScoreRequest",
     "ScoreResult",
     "TokenEvent",
+    "VLLMEngine",
 ]
 
 
@@ -34,4 +36,8 @@ def __getattr__(name: str):
         from clawloop.engines.hf import HFEngine
 
         return HFEngine
+    if name == "VLLMEngine":
+        from clawloop.engines.vllm import VLLMEngine
+
+        return VLLMEngine
     raise AttributeError(f"module 'clawloop.engines' has no attribute {name!r}")

@@ -44,7 +44,7 @@ DEFAULT_SERVED_NAME = "base"
 
 def needs_teacher_server(config: Any) -> bool:
     """Whether a run on vLLM needs the frozen base-model server (teacher scoring, or the judge falls to it)."""
-    if config.engine != "vllm":
+    if config.engine != "vllm" or not config.train:  # serving only: nothing is judged or distilled
         return False
     distils_from_base = config.needs_hints and config.teacher == "base"
     judge_on_base = config.judge_backend in ("auto", "engine") and not config.judge_url and not config.vllm_judge
@@ -87,7 +87,7 @@ class Fleet:
             fleet.policy = _server(config, "policy", config.policy_url, config.policy_model)
             if needs_teacher_server(config):
                 fleet.teacher = _server(config, "teacher", config.teacher_url, config.teacher_model)
-        if config.vllm_judge:
+        if config.vllm_judge and config.train:
             fleet.judge = _server(config, "judge", "", "")
         return fleet
 

@@ -58,6 +58,7 @@ def test_full_fine_tuning_policy_runs_in_dev_mode_for_checkpoint_reloads(model_d
     ({"method": "rl", "judge_url": "https://api.example.com/v1"}, False),
     ({"method": "opd", "judge_url": "https://api.example.com/v1"}, True),  # the teacher distils
     ({"method": "opd", "judge_url": "https://api.example.com/v1", "teacher": "policy"}, False),
+    ({"method": "hybrid", "train": False}, False),  # serving only: nothing is judged or distilled
 ])
 def test_teacher_server_only_when_something_needs_the_frozen_model(model_dir, tmp_path, values, teacher):
     config = config_for(model_dir, tmp_path, engine="vllm", **values)

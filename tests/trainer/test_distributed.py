@@ -1,9 +1,12 @@
 """The distributed trainer (FSDP2 on gloo, 2 processes under torchrun) trains a batch exactly like the
-single-process trainer: the same loss, and after one update the same parameters."""
+single-process trainer: the same loss, and after the update(s) the same parameters — full fine-tuning, LoRA with
+the KL reference and several PPO epochs — and a trainer restarted from its checkpoint continues exactly where the
+previous one stopped (weights, AdamW state, step and version counters)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +18,7 @@ from safetensors.torch import load_file
 from clawloop.serve import free_port
 from clawloop.store import Store, TurnState
 from clawloop.trainer.batch import prepare_items
+from clawloop.trainer.checkpoint import load_latest
 from clawloop.trainer.model import load_train_models
 from clawloop.trainer.publish import merged_state_dict
 from clawloop.trainer.step import make_optimizer, train_step
@@ -91,3 +95,179 @@ def test_two_gloo_ranks_match_single_process(make_config, base_model, tiny_token
     # The update really happened (the comparison is not between two untouched copies).
     before = load_train_models(config).causal_lm.state_dict()
     assert any(not torch.allclose(before[k], weights[k]) for k in expected_weights)
+
+
+def _torchrun(nproc: int) -> list[str]:
+    return [str(TORCHRUN), "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+
+
+def _run_trainer(launcher: list[str], store_file: Path, run_dir: Path, model_path: Path, settings: dict,
+                 max_steps: int) -> subprocess.CompletedProcess:
+    """One trainer process group on a local store file (``launcher`` = torchrun with N ranks, or plain python)."""
+    args = launcher + ["-m", "clawloop.trainer.distributed", "--store", str(store_file), "--max-steps",
+                       str(max_steps), "--poll-s", "0.1"]
+    for key, value in dict(model=str(model_path), device="cpu", run_dir=str(run_dir), num_threads=1,
+                           **settings).items():
+        args += ["--set", f"{key}={value}"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    # Own session: on a timeout the whole group goes (torchrun's workers too, not only torchrun).
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=160)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"trainer timed out: {err[-4000:]}")
+    assert proc.returncode == 0, err[-4000:]
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def _assert_same_update(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], lr: float) -> None:
+    """Parameters after the same update(s), up to float-order noise: every coordinate within a tenth of a step,
+    and all but a handful within 1e-5 (see the full fine-tuning test above)."""
+    assert set(want) <= set(got)
+    off = total = 0
+    for name, value in want.items():
+        diff = (got[name].float() - value.float()).abs()
+        assert float(diff.max()) < 0.1 * lr, name
+        off += int((diff > 1e-5).sum())
+        total += diff.numel()
+    assert off <= 1e-4 * total, f"{off} of {total} parameters differ"
+
+
+@pytest.mark.timeout(170)
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft, loading the adapter
+def test_two_gloo_ranks_lora_with_kl_and_ppo_epochs_match_single_process(make_config, base_model, tiny_tokenizer,
+                                                                          tiny_model_path, tmp_path):
+    from clawloop.api.trainer_routes import load_weights_folder
+    from clawloop.trainer.model import trainable_state_dict
+
+    run_dir = tmp_path / "run"
+    store_file = run_dir / "store.sqlite"
+    store = Store(store_file)
+    _fill(store, base_model, tiny_tokenizer)
+    settings = dict(rollout_batch_size=5, micro_batch_size=2, lr=1e-2, grad_clip=1.0, lora=True, lora_rank=4,
+                    lora_alpha=8.0, kl_coef=0.5, steps_per_batch=2)
+    config = make_config(**settings)
+
+    samples = store.samples(TurnState.READY)
+    models = load_train_models(config)
+    optimizer = make_optimizer(models, config)
+    items, drops, _ = prepare_items(store, samples, config, 0, None, None)
+    assert not drops
+    expected = train_step(models, optimizer, items, config)
+    expected_adapter = trainable_state_dict(models)
+    expected_merged = merged_state_dict(models)
+    store.close()
+
+    _run_trainer(_torchrun(2), store_file, run_dir, tiny_model_path, settings, max_steps=1)
+
+    store = Store(store_file)
+    steps = store.steps()
+    assert [s["step"] for s in steps] == [1] and steps[0]["policy_version"] == 1
+    assert store.count_samples() == {"consumed": 5}
+    got = steps[0]["metrics"]
+    assert got["world_size"] == 2.0 and got["samples"] == 5.0
+    # Loss, KL term and gradient norm are the single-process step's (means over both PPO epochs).
+    assert expected["ref_kl"] > 0  # the second epoch moved away from the reference
+    for key in ("loss", "ref_kl", "grad_norm"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+    store.close()
+
+    # Published as a PEFT adapter folder (what /v1/trainer/weights takes with kind="lora")...
+    folder = run_dir / "weights" / "v1"
+    assert (folder / "adapter_config.json").is_file()
+    adapter = load_file(str(folder / "adapter_model.safetensors"))
+    assert set(adapter) == set(expected_adapter)
+    _assert_same_update(adapter, expected_adapter, settings["lr"])
+    assert any(float(v.abs().max()) > 0 for k, v in adapter.items() if "lora_B" in k)  # B moved off zero
+    # ... which the API merges into exactly the weights the in-process trainer serves.
+    served = load_weights_folder(folder, "lora", tiny_model_path)
+    _assert_same_update(served, expected_merged, settings["lr"])
+    # The clean exit wrote a checkpoint in the in-process trainer's format: the adapter and AdamW state.
+    found = load_latest(run_dir)
+    assert found.step == 1 and found.policy_version == 1 and found.state["lora"] is True
+    _assert_same_update(found.weights, expected_adapter, settings["lr"])
+    # Its AdamW state is keyed as the in-process optimizer keys it (parameter index), with the same moments.
+    own = optimizer.state_dict()
+    assert [g["params"] for g in found.optimizer["param_groups"]] == [g["params"] for g in own["param_groups"]]
+    assert set(found.optimizer["state"]) == set(own["state"])
+    for index, state in own["state"].items():
+        saved = found.optimizer["state"][index]
+        assert float(saved["step"]) == float(state["step"]) == 2.0
+        torch.testing.assert_close(saved["exp_avg"], state["exp_avg"], rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_resumed_trainer_continues_weights_optimizer_and_counters(make_config, base_model, tiny_tokenizer,
+                                                                  tiny_model_path, tmp_path):
+    """One step on 2 ranks (checkpoint every step), then a new 1-rank trainer process trains the next batch:
+    the result is the uninterrupted 2-step run's (weights, AdamW moments, KL reference all carried over), and
+    step and version continue at 2. Then the store-ahead-of-checkpoint case (a crash between commit and
+    checkpoint) resumes to the same result."""
+    run_dir = tmp_path / "run"
+    store_file = run_dir / "store.sqlite"
+    store = Store(store_file)
+    for i in range(6):
+        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i % 2 else -1.0,
+                   hints=["Answer in one word."] if i in (0, 4) else ())
+    settings = dict(rollout_batch_size=3, micro_batch_size=2, lr=1e-2, grad_clip=1.0, kl_coef=0.5,
+                    checkpoint_every=1)
+    config = make_config(**settings)
+
+    # The uninterrupted run, in process: batches are leased oldest first, 3 at a time.
+    samples = store.samples(TurnState.READY)
+    models = load_train_models(config)
+    optimizer = make_optimizer(models, config)
+    first, _, _ = prepare_items(store, samples[:3], config, 0, None, None)
+    train_step(models, optimizer, first, config)
+    after_first = {k: v.clone() for k, v in merged_state_dict(models).items()}
+    second, _, _ = prepare_items(store, samples[3:], config, 1, None, None)
+    expected = train_step(models, optimizer, second, config)
+    expected_weights = merged_state_dict(models)
+    # What a trainer that lost its AdamW state would give (fresh optimizer on the step-1 weights).
+    fresh = load_train_models(config)
+    fresh.causal_lm.load_state_dict(after_first)
+    second_again, _, _ = prepare_items(store, samples[3:], config, 1, None, None)
+    train_step(fresh, make_optimizer(fresh, config), second_again, config)
+    without_optimizer = merged_state_dict(fresh)
+    store.close()
+
+    _run_trainer(_torchrun(2), store_file, run_dir, tiny_model_path, settings, max_steps=1)
+    found = load_latest(run_dir)
+    assert (found.step, found.policy_version) == (1, 1) and found.optimizer is not None
+    _run_trainer([sys.executable], store_file, run_dir, tiny_model_path, settings, max_steps=1)
+
+    store = Store(store_file)
+    steps = store.steps()
+    assert [(s["step"], s["policy_version"]) for s in steps] == [(1, 1), (2, 2)]
+    assert sorted(steps[1]["turn_ids"]) == sorted(s.turn_id for s in samples[3:])
+    assert store.count_samples() == {"consumed": 6}
+    assert steps[1]["metrics"]["world_size"] == 1.0
+    assert steps[1]["metrics"]["loss"] == pytest.approx(expected["loss"], rel=1e-4, abs=1e-6)
+    store.close()
+    weights = load_file(str(run_dir / "weights" / "v2" / "model.safetensors"))
+    lr = settings["lr"]
+    _assert_same_update(weights, expected_weights, lr)
+    # The comparison can tell: without the restored AdamW state the second update lands elsewhere.
+    assert max(float((without_optimizer[k] - expected_weights[k]).abs().max()) for k in expected_weights) > lr
+    found = load_latest(run_dir)
+    assert (found.step, found.policy_version) == (2, 2)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")) == \
+        ["step_1", "step_2"]
+
+    # A crash after step 2 was committed but before its checkpoint: the newest checkpoint is step 1's, the store
+    # is ahead. The local store gives step 2's samples back, so they train into the resumed weights once, and
+    # step 2 is trained again to the same weights under the same numbers.
+    (run_dir / "checkpoints" / "latest").write_text("step_1\n")
+    _run_trainer([sys.executable], store_file, run_dir, tiny_model_path, settings, max_steps=1)
+    store = Store(store_file)
+    steps = store.steps()
+    assert [(s["step"], s["policy_version"]) for s in steps] == [(1, 1), (2, 2)]
+    assert sorted(steps[1]["turn_ids"]) == sorted(s.turn_id for s in samples[3:])
+    assert store.count_samples() == {"consumed": 6}
+    store.close()
+    weights = load_file(str(run_dir / "weights" / "v2" / "model.safetensors"))
+    _assert_same_update(weights, expected_weights, lr)
+    assert load_latest(run_dir).step == 2
