@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import threading
 import time
 from collections import Counter
@@ -159,6 +160,9 @@ class Pipeline:
             if free > 0:
                 try:
                     turns = self.store.claim_judgeable(limit=free)
+                except sqlite3.ProgrammingError:  # the store was closed under us: the server is going away
+                    log.warning("clawloop pipeline: the store is closed; stopping")
+                    return
                 except Exception:  # noqa: BLE001 - a store hiccup must not end the loop; polling retries it
                     log.exception("clawloop pipeline: claiming turns failed")
                     turns = []
