@@ -213,7 +213,7 @@ def test_server_command_line_carries_the_settings_clawloop_relies_on(tmp_path):
     env = settings.environment({"PATH": "/bin", "VIRTUAL_ENV": "/work/.venv"})
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["HF_HUB_OFFLINE"] == "1" and "VIRTUAL_ENV" not in env
-    with pytest.raises(ValueError, match="unknown vLLM server settings"):
+    with pytest.raises(ValueError, match=r"unknown vLLM server setting\(s\) \[.max_modle_len.\]"):
         VLLMServerSettings.from_mapping({"model": "x", "max_modle_len": 10})
 
 
