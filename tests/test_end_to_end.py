@@ -7,12 +7,14 @@ teacher, store, API and trainer are the real ones.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import httpx
@@ -86,6 +88,34 @@ def test_conversations_train_the_served_policy(tmp_path, tiny_model_path):
         assert {v.kind for v in store.votes(tid)} == {"eval", "hint"}
     assert [m["step"] for m in read_metrics(config.run_dir)] == [1, 2]
     assert ckpt.load_latest(config.run_dir).step == 2
+
+
+def test_a_stopped_server_lets_go_of_its_weights(tmp_path):
+    """``clawloop eval`` builds one server per cell in one process: a stopped server must not keep its models,
+    their double-buffered copies or the optimizer alive (web frameworks keep route handlers, and through them the
+    services, after the app is gone), or every cell adds gigabytes until the machine runs out of memory."""
+    torch.set_num_threads(2)
+    with ScriptedJudgeServer(judge) as judge_server:
+        config = e2e_config(str(tmp_path / "run"), judge_server.url, kl_coef=0.1)
+        server, pipeline, trainer = build_server(config)
+        server.start()
+        try:
+            with httpx.Client(base_url=server.base_url, timeout=120) as http:
+                for i in range(2):
+                    conversation(http, f"c{i}", QUESTIONS[i], corrected=True)
+                wait_for(lambda: trainer.step >= 1 and server.engine.policy_version >= 1, what="one published step")
+            heavy = [server.engine.model, trainer.core.models.policy, trainer.core.models.causal_lm,
+                     trainer.core.optimizer, *(e.model for e in pipeline.owned_engines)]
+            if trainer.core.models.reference is not None:
+                heavy.append(trainer.core.models.reference)
+            refs = [weakref.ref(obj) for obj in heavy]
+            del heavy
+        finally:
+            server.stop()
+    del server, pipeline, trainer
+    gc.collect()
+    alive = [type(r()).__name__ for r in refs if r() is not None]
+    assert not alive, f"still alive after the server stopped: {alive}"
 
 
 def test_kill_9_during_training_then_resume_trains_every_sample_once(tmp_path):

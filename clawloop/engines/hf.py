@@ -72,6 +72,7 @@ from clawloop.engines.base import (
 )
 from clawloop.engines.detok import IncrementalDetokenizer, StopStrings
 from clawloop.engines.sampling import choose_tokens, sampling_logprobs, top_alternatives
+from clawloop.memory import trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -383,11 +384,24 @@ class HFEngine:
         await asyncio.to_thread(self.close_sync)
 
     def close_sync(self, timeout_s: float = 30.0) -> None:
-        if self._closed:
+        if self._closed and not self._thread.is_alive():
+            self._release()
             return
         self._closed = True
         self._inbox.put(_Stop())
         self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self._release()
+
+    def _release(self) -> None:
+        """Drop the weights once the worker is gone. Objects that outlive the engine may still point at it (web
+        frameworks cache route handlers, which close over the services), so a closed engine must not keep a model
+        or two double-buffered copies alive: a process that builds several servers would grow by gigabytes."""
+        self._model = self._latest_model = self._current = None  # type: ignore[assignment]
+        self._batches = []
+        self._waiting.clear()
+        self._score_jobs.clear()
+        trim_heap()
 
     # ------------------------------------------------------------------------------------- validation
 

@@ -195,7 +195,9 @@ class Trainer:
         return metrics
 
     def close(self) -> None:
+        """Close the metrics and let go of the weights and optimizer state (see ``HFEngine._release``)."""
         self.metrics.close()
+        self.models = self.optimizer = None  # type: ignore[assignment]
 
 
 def _jsonable(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from clawloop.config import Config
+from clawloop.memory import trim_heap
 from clawloop.store import Store
 from clawloop.trainer.core import Trainer, make_refresh
 from clawloop.trainer.model import TrainModels
@@ -131,12 +132,20 @@ class OnlineTrainer:
         if self.core is not None:
             await asyncio.to_thread(self._shutdown)
 
+    def _train_batch(self, lease_id: str, samples: list[Any]) -> None:
+        assert self.core is not None
+        try:
+            self.core.run_batch(lease_id, samples, lambda: self._stopping)
+        finally:
+            trim_heap()  # a step's freed activations and gradients go back to the OS (clawloop.memory)
+
     def _shutdown(self) -> None:
         assert self.core is not None
         try:
             self.core.checkpoint_if_due(force=True)
         finally:
             self.core.close()
+            self._models = None
 
     # ---- the loop -----------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -162,7 +171,7 @@ class OnlineTrainer:
                 quarantine -= 1
             self._busy = True
             try:
-                await asyncio.to_thread(self.core.run_batch, lease_id, samples, lambda: self._stopping)
+                await asyncio.to_thread(self._train_batch, lease_id, samples)
                 consecutive = 0
                 for s in samples:
                     self._sample_failures.pop(s.turn_id, None)
