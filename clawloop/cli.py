@@ -70,7 +70,8 @@ def _config_cli_values(args: argparse.Namespace) -> dict:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from clawloop.sim.demo import LoopOptions, default_run_dir, demo_config, print_result, run_loop
+    from clawloop.sim.demo import (LoopOptions, check_user_arguments, default_run_dir, demo_config, print_result,
+                                   run_loop)
 
     cli = _config_cli_values(args)
     seed = int(cli.get("seed", 0))
@@ -78,11 +79,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if (run_dir / STORE_FILENAME).exists():
         print(f"clawloop demo: {run_dir} already holds a run; pick a fresh --run-dir", file=sys.stderr)
         return 2
+    problem = check_user_arguments(args)
+    if problem:
+        print(f"clawloop demo: {problem}", file=sys.stderr)
+        return 2
     cli.update(run_dir=str(run_dir), seed=seed)
     cli.setdefault("port", 0)
     config = demo_config(cli, file=args.config)
     options = LoopOptions(persona=args.persona, interactions=args.interactions, seed=seed,
-                          eval_every=args.eval_every, heldout_n=args.heldout_n)
+                          eval_every=args.eval_every, heldout_n=args.heldout_n, user_url=args.user_url,
+                          user_model=args.user_model, user_api_key_env=args.user_api_key_env)
     summary = run_loop(config, options)
     print_result(summary)
     print(f"  wrote {run_dir / 'summary.json'} and {run_dir / 'learning_curve.png'}")
@@ -91,7 +97,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from clawloop.sim.compare import main_from_args
+    from clawloop.sim.demo import check_user_arguments
 
+    problem = check_user_arguments(args)
+    if problem:
+        print(f"clawloop eval: {problem}", file=sys.stderr)
+        return 2
     return main_from_args(args, _config_cli_values(args))
 
 
@@ -144,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--eval-every", type=int, default=demo_defaults.DEMO_EVAL_EVERY,
                       help="Score the held-out questions every N interactions (0 = before and after only).")
     demo.add_argument("--heldout-n", type=int, default=0, help="Held-out questions to score (0 = all).")
+    demo_defaults.add_user_arguments(demo)
     demo.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                       help="Log level of the server and pipeline.")
     demo.set_defaults(func=cmd_demo)
@@ -155,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     from clawloop.sim.compare import add_arguments as add_compare_arguments
 
     add_compare_arguments(evaluation)
+    demo_defaults.add_user_arguments(evaluation)
     evaluation.add_argument("--log-level", default="warning",
                             choices=["critical", "error", "warning", "info", "debug"],
                             help="Log level of the server and pipeline.")

@@ -182,6 +182,8 @@ def main_from_args(args: argparse.Namespace, cli: dict[str, Any], out: Callable[
         shared = shared_settings(probe.to_dict(redact=True))
         shared["interactions"], shared["eval_every"], shared["heldout_n"] = (args.interactions, args.eval_every,
                                                                               args.heldout_n)
+        if args.user_url:  # only when given, so folders made before these flags existed still match
+            shared["user_url"], shared["user_model"] = args.user_url, args.user_model
         settings_path = out_dir / "settings.json"
         if settings_path.exists():
             before = json.loads(settings_path.read_text())
@@ -192,7 +194,9 @@ def main_from_args(args: argparse.Namespace, cli: dict[str, Any], out: Callable[
                 return 2
         else:
             settings_path.write_text(json.dumps(shared, indent=1, default=str))
-        options = LoopOptions(interactions=args.interactions, eval_every=args.eval_every, heldout_n=args.heldout_n)
+        options = LoopOptions(interactions=args.interactions, eval_every=args.eval_every, heldout_n=args.heldout_n,
+                              user_url=args.user_url, user_model=args.user_model,
+                              user_api_key_env=args.user_api_key_env)
         ran = 0
         for persona in _split(args.personas):
             for seed in [int(s) for s in _split(args.seeds)]:

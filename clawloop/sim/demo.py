@@ -137,6 +137,46 @@ class LoopOptions:
     sim_max_tokens: int = 64
     catch_up_timeout_s: float = 900.0
     label: str = ""
+    user_url: str = ""
+    """Base URL (ending in ``/v1``) of an OpenAI-compatible model that writes the simulated user's messages
+    (``LLMUser``); empty = the persona's own phrasings."""
+    user_model: str = ""
+    """The model name to ask at ``user_url``."""
+    user_api_key_env: str = "OPENAI_API_KEY"
+    """The environment variable holding the API key for ``user_url`` (the key itself is never stored)."""
+
+
+def add_user_arguments(parser: Any) -> None:
+    """``--user-url`` / ``--user-model``: drive the persona with an LLM instead of its scripted phrasings."""
+    parser.add_argument("--user-url", default="", help="OpenAI-compatible base URL (ending in /v1) of a model that "
+                        "writes the simulated user's messages; default: the persona's scripted phrasings. The "
+                        "persona's checker still decides every score.")
+    parser.add_argument("--user-model", default="", help="Model name for --user-url (required with it).")
+    parser.add_argument("--user-api-key-env", default="OPENAI_API_KEY", metavar="NAME",
+                        help="Environment variable holding the API key for --user-url (default OPENAI_API_KEY).")
+
+
+def check_user_arguments(args: Any) -> str | None:
+    """An error message for inconsistent user flags, else None."""
+    if args.user_model and not args.user_url:
+        return "--user-model needs --user-url"
+    if args.user_url and not args.user_model:
+        return "--user-url needs --user-model (the model to ask for the simulated user's messages)"
+    if args.user_url and not str(args.user_url).startswith(("http://", "https://")):
+        return f"--user-url must be an http(s) URL, got {args.user_url!r}"
+    return None
+
+
+def simulated_user(persona: Persona, options: LoopOptions) -> Any:
+    """The LLM user the options name, or None for the persona's scripted one."""
+    import os
+
+    from clawloop.sim.user import LLMUser
+
+    if not options.user_url:
+        return None
+    return LLMUser(persona, options.user_url, options.user_model, os.environ.get(options.user_api_key_env) or None,
+                   seed=options.seed)
 
 
 @dataclass
@@ -188,6 +228,8 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
     backend, judge_why = judge_choice(config)
     out(f"clawloop demo: persona '{persona.name}' wants: {persona.preference}")
     out(f"judge: {judge_why}")
+    out("user: " + (f"messages written by {options.user_model} at {options.user_url}; the checker scores"
+                     if options.user_url else "the persona's scripted phrasings (--user-url for an LLM user)"))
     s = config
     out(f"settings: method {s.method}, {'LoRA r' + str(s.lora_rank) if s.lora else 'full fine-tuning'}, "
         f"lr {s.learning_rate:g}, kl_coef {s.kl_coef:g}, batch {s.rollout_batch_size}, "
@@ -211,6 +253,7 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
         f"{state.timings['start_s']:.0f}s")
     http = httpx.Client(timeout=60.0)
     eval_results: dict[str, EvalResult] = {}
+    user = None
 
     def trainer_step() -> tuple[int, int]:
         trainer = runtime.trainer
@@ -241,8 +284,10 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
         before = score("before")
         state.timings["eval_before_s"] = time.monotonic() - t0
 
+        user = simulated_user(persona, options)
         sim = Simulation(base_url, persona, seed=options.seed, max_tokens=options.sim_max_tokens,
-                         model=config.served_model_name, session_prefix=f"demo-{persona.name}-s{options.seed}")
+                         model=config.served_model_name, session_prefix=f"demo-{persona.name}-s{options.seed}",
+                         user=user)
         t_sim = time.monotonic()
         eval_time = 0.0
         next_eval = options.eval_every if options.eval_every > 0 else None
@@ -288,6 +333,8 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
         steps = store.steps()
     finally:
         http.close()
+        if user is not None:
+            user.client.close()
         runtime.stop()
     state.timings["total_s"] = time.monotonic() - t_start
 
@@ -314,6 +361,8 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
         "samples_by_state": sample_states,
         "drop_reasons": drops,
         "judge": {"backend": backend, "why": judge_why},
+        "user": ({"kind": "llm", "url": options.user_url, "model": options.user_model,
+                  "fallback_replies": getattr(user, "fallbacks", 0)} if options.user_url else {"kind": "scripted"}),
         "settings": {**config.to_dict(redact=True), "lr": config.learning_rate},
         "preset": DEMO_PRESET,
         "options": asdict(options),

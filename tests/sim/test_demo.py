@@ -4,12 +4,14 @@ settings precedence, and ``clawloop eval``'s table and resumable cells."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from clawloop.cli import main
 from clawloop.sim import compare
 from clawloop.sim.demo import DEMO_PRESET, demo_config
+from clawloop.store import Store
 
 
 def test_demo_runs_trains_and_writes_its_report(tmp_path, tiny_model_path, capsys):
@@ -98,3 +100,50 @@ def test_interactions_to_target():
                                                                                      "score": 0.4}]
     assert compare.interactions_to_target(curve, 0.5) == 16
     assert compare.interactions_to_target(curve, 0.6) is None
+
+
+def brief_simulator(body, headers):
+    """A stand-in simulator model for the 'brief' persona: corrects or thanks as the verdict note says."""
+    prompt = body["messages"][-1]["content"]
+    if "does NOT follow" in prompt:
+        return "Too long again. One short sentence, please."
+    match = re.search(r"Your next question: (.*)", prompt)
+    return f"Thanks, that was short. {match.group(1)}" if match else "Thanks, bye."
+
+
+def test_demo_with_an_llm_driven_user(tmp_path, tiny_model_path, fake_openai, capsys, monkeypatch):
+    fake_openai.responder = brief_simulator
+    monkeypatch.setenv("SIM_USER_KEY", "sk-user")
+    run_dir = tmp_path / "demo"
+    rc = main(["demo", "--model", "tiny", "--interactions", "3", "--eval-every", "0", "--rollout-batch-size", "2",
+               "--heldout-n", "2", "--run-dir", str(run_dir), "--num-threads", "2", "--max-batch-size", "4",
+               "--user-url", fake_openai.base_url + "/v1", "--user-model", "sim-model", "--user-api-key-env",
+               "SIM_USER_KEY"])
+    assert rc == 0
+    assert "user: messages written by sim-model" in capsys.readouterr().out
+    requests = fake_openai.chat_requests()
+    assert len(requests) == 3  # one message per interaction, each written by the simulator model
+    assert all(r["body"]["model"] == "sim-model" and r["headers"]["authorization"] == "Bearer sk-user"
+               for r in requests)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["user"] == {"kind": "llm", "url": fake_openai.base_url + "/v1", "model": "sim-model",
+                               "fallback_replies": 0}
+    assert "sk-user" not in (run_dir / "summary.json").read_text()
+    # The policy saw the simulator's words as the user's replies.
+    store = Store(run_dir / "store.sqlite")
+    try:
+        contents = [m.get("content") for t in store.turns() for m in t.messages]
+    finally:
+        store.close()
+    assert any(c and c.startswith(("Too long again.", "Thanks, that was short.")) for c in contents)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--user-url", "http://127.0.0.1:9/v1"], "--user-url needs --user-model"),
+    (["--user-model", "m"], "--user-model needs --user-url"),
+    (["--user-url", "127.0.0.1:9/v1", "--user-model", "m"], "must be an http(s) URL"),
+])
+def test_user_flags_are_checked(tmp_path, flags, message, capsys):
+    for command in ("demo", "eval"):
+        assert main([command, "--model", "tiny", "--run-dir", str(tmp_path / command), *flags]) == 2
+        assert message in capsys.readouterr().err
