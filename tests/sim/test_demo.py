@@ -4,7 +4,6 @@ settings precedence, and ``clawloop eval``'s table and resumable cells."""
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -12,6 +11,8 @@ from clawloop.cli import main
 from clawloop.sim import compare
 from clawloop.sim.demo import DEMO_PRESET, demo_config
 from clawloop.store import Store
+
+from sim_support import verdict_simulator
 
 
 def test_demo_runs_trains_and_writes_its_report(tmp_path, tiny_model_path, capsys):
@@ -102,13 +103,9 @@ def test_interactions_to_target():
     assert compare.interactions_to_target(curve, 0.6) is None
 
 
-def brief_simulator(body, headers):
-    """A stand-in simulator model for the 'brief' persona: corrects or thanks as the verdict note says."""
-    prompt = body["messages"][-1]["content"]
-    if "does NOT follow" in prompt:
-        return "Too long again. One short sentence, please."
-    match = re.search(r"Your next question: (.*)", prompt)
-    return f"Thanks, that was short. {match.group(1)}" if match else "Thanks, bye."
+# A stand-in simulator model for the 'brief' persona: corrects or thanks as the verdict note says.
+brief_simulator = verdict_simulator("Too long again. One short sentence, please.", "Thanks, that was short.",
+                                    "Thanks, bye.")
 
 
 def test_demo_with_an_llm_driven_user(tmp_path, tiny_model_path, fake_openai, capsys, monkeypatch):

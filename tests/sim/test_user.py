@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import re
 
 from clawloop.sim.personas import get_persona
 from clawloop.sim.user import LLMUser, RuleBasedUser, system_prompt
+
+from sim_support import verdict_simulator
 
 ENGLISH = "Bread is made from flour, water and salt."
 FRENCH = "Le pain est fait avec de la farine, de l'eau et du sel."
 
 
-def fake_simulator(body, headers):
-    """A deterministic stand-in for a capable simulator model: follows the verdict note it is given."""
-    prompt = body["messages"][-1]["content"]
-    if "does NOT follow" in prompt:
-        return "<think>They wrote English again.</think> Écrivez en français, please: I want French answers."
-    match = re.search(r"Your next question: (.*)", prompt)
-    return f"Merci beaucoup ! {match.group(1)}" if match else "Merci, au revoir !"
+# A deterministic stand-in for a capable simulator model (the think block must be stripped).
+fake_simulator = verdict_simulator(
+    "<think>They wrote English again.</think> Écrivez en français, please: I want French answers.",
+    "Merci beaucoup !", "Merci, au revoir !")
 
 
 def test_rule_based_user_is_reproducible():
