@@ -384,11 +384,9 @@ class HFEngine:
         await asyncio.to_thread(self.close_sync)
 
     def close_sync(self, timeout_s: float = 30.0) -> None:
-        if self._closed and not self._thread.is_alive():
-            self._release()
-            return
-        self._closed = True
-        self._inbox.put(_Stop())
+        if not self._closed:  # (a worker that died on an error has closed the engine itself)
+            self._closed = True
+            self._inbox.put(_Stop())
         self._thread.join(timeout_s)
         if not self._thread.is_alive():
             self._release()
