@@ -35,6 +35,17 @@ def wait_for(predicate, timeout_s, what):
         time.sleep(0.5)
 
 
+def settled(store, engine, batch_size: int) -> bool:
+    """No turn left to judge, no batch left to train, and the last step's weights published to vLLM."""
+    turns, samples = store.count_turns(), store.count_samples()
+    if any(turns.get(state, 0) for state in ("awaiting_next", "judgeable", "judging")):
+        return False
+    if samples.get("leased", 0) or samples.get("ready", 0) >= batch_size:
+        return False
+    last = store.steps()[-1:]
+    return bool(last) and engine.policy_version == last[0]["policy_version"]
+
+
 def chat(http: httpx.Client, session: str, messages: list[dict]) -> dict:
     response = http.post("/v1/chat/completions", headers={"X-Session-Id": session},
                          json={"model": "clawloop", "messages": messages, "temperature": 1.0, "max_tokens": 16})
@@ -67,7 +78,11 @@ def test_one_online_step_with_policy_judge_and_teacher_on_vllm(vllm_fleet, tmp_p
                 http.post(f"/v1/sessions/s{i}/end").raise_for_status()
 
             trainer = runtime.trainer
+            store = runtime.server.store
             wait_for(lambda: trainer.step >= 1, 1200, "one optimizer step")
+            # The sessions may yield more than one batch: let every step they make land and be published, so
+            # the weights compared below are the ones vLLM serves.
+            wait_for(lambda: settled(store, engine, config.rollout_batch_size), 1200, "the last step's publication")
             assert engine.policy_version >= 1
             adapters = [m["id"] for m in http.get(f"{config.policy_url}/v1/models").json()["data"]]
             assert f"clawloop-v{engine.policy_version}" in adapters  # the adapter was hot-loaded by vLLM
