@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from clawloop.runtime import build_runtime
+from clawloop.sim.demo import wait_for_training
 from clawloop.store import Store
 
 pytestmark = [pytest.mark.vllm, pytest.mark.real_model, pytest.mark.timeout(1800)]
@@ -33,17 +34,6 @@ def wait_for(predicate, timeout_s, what):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.5)
-
-
-def settled(store, engine, batch_size: int) -> bool:
-    """No turn left to judge, no batch left to train, and the last step's weights published to vLLM."""
-    turns, samples = store.count_turns(), store.count_samples()
-    if any(turns.get(state, 0) for state in ("awaiting_next", "judgeable", "judging")):
-        return False
-    if samples.get("leased", 0) or samples.get("ready", 0) >= batch_size:
-        return False
-    last = store.steps()[-1:]
-    return bool(last) and engine.policy_version == last[0]["policy_version"]
 
 
 def chat(http: httpx.Client, session: str, messages: list[dict]) -> dict:
@@ -78,11 +68,10 @@ def test_one_online_step_with_policy_judge_and_teacher_on_vllm(vllm_fleet, tmp_p
                 http.post(f"/v1/sessions/s{i}/end").raise_for_status()
 
             trainer = runtime.trainer
-            store = runtime.server.store
             wait_for(lambda: trainer.step >= 1, 1200, "one optimizer step")
             # The sessions may yield more than one batch: let every step they make land and be published, so
             # the weights compared below are the ones vLLM serves.
-            wait_for(lambda: settled(store, engine, config.rollout_batch_size), 1200, "the last step's publication")
+            assert wait_for_training(runtime, 1200), "the trainer never caught up with the sessions"
             assert engine.policy_version >= 1
             adapters = [m["id"] for m in http.get(f"{config.policy_url}/v1/models").json()["data"]]
             assert f"clawloop-v{engine.policy_version}" in adapters  # the adapter was hot-loaded by vLLM
