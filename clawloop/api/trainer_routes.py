@@ -152,16 +152,21 @@ def load_weights_folder(path: Path, kind: str, base_model: str | Path | None) ->
     return {k: v.detach() for k, v in merged.state_dict().items()}
 
 
+def authorise_admin(request: Request, config: Any) -> None:
+    """The admin check of every route that hands out the run's data or changes the served weights."""
+    if config.admin_key:
+        require_key(request, config.admin_key, "admin key")
+    elif not _is_loopback(str(config.host)):
+        raise APIError(403, "Trainer routes need an admin key when the server is not bound to loopback.",
+                       "permission_error", None, "admin_key_required")
+
+
 def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -> None:
     """Add the ``/v1/trainer/*`` routes for ``store`` and ``engine`` to ``app``."""
     publish_lock = asyncio.Lock()
 
     def authorise(request: Request) -> None:
-        if config.admin_key:
-            require_key(request, config.admin_key, "admin key")
-        elif not _is_loopback(str(config.host)):
-            raise APIError(403, "Trainer routes need an admin key when the server is not bound to loopback.",
-                           "permission_error", None, "admin_key_required")
+        authorise_admin(request, config)
 
     async def lease(request: Request) -> Any:
         authorise(request)

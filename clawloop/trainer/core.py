@@ -289,6 +289,8 @@ class Trainer:
         steps = list(self.unchecked_steps)
         if result.accepted:
             published = self._accept(step, evidence)
+            log.info("trainer: step %d accepted by the publication gate as version %d (%s)", step,
+                     self.accepted.version, result.summary())
             self._gate_event("gate_accepted", step, self.accepted.version, {"steps": steps, **evidence})
             return published, metrics
         self.gate_rejections += 1
