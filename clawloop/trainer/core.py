@@ -121,7 +121,7 @@ class Trainer:
         self.max_context = self._max_context()
         self.vocab_size = int(self.models.causal_lm.get_output_embeddings().weight.shape[0])
         self.on_gate = on_gate
-        """Called with every gate decision (``gate_event`` below), e.g. to print it."""
+        """Called with every gate decision (see ``_gate_event``), e.g. to print it."""
         self.gate = self._make_gate() if config.gate else None
         self.steps_since_check = 0
         self.unchecked_steps: list[int] = []
