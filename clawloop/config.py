@@ -182,8 +182,9 @@ class Config:
                                     "candidate must answer soundly too (degeneracy guard).")
     gate_max_kl: float = _f(4.0, "Largest mean KL(candidate || reference), nats per token, over the candidate's "
                             "greedy probe answers.")
-    gate_probe_tokens: int = _f(48, "Tokens each greedy probe answer may have.")
-    gate_recent_prompts: int = _f(4, "The run's most recent prompts added to the shipped probes at each check.")
+    gate_probe_tokens: int = _f(32, "Tokens each greedy probe answer may have (enough for the guard to see a "
+                                 "loop).")
+    gate_recent_prompts: int = _f(2, "The run's most recent prompts added to the shipped probes at each check.")
     keep_full_versions: int = _f(3, "Full fine-tuning: weights of this many newest accepted versions are kept in "
                                  "RUN_DIR/versions (LoRA adapters are always all kept).")
 

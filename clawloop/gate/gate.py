@@ -84,7 +84,7 @@ class _Probe:
 class PublicationGate:
     """Checks candidates of one run (see the module docstring). Not thread-safe: the training thread owns it."""
 
-    def __init__(self, tokenizer: Any, *, min_guard_pass: float = 0.9, max_kl: float = 4.0, probe_tokens: int = 48,
+    def __init__(self, tokenizer: Any, *, min_guard_pass: float = 0.9, max_kl: float = 4.0, probe_tokens: int = 32,
                  recent_prompts: Callable[[], Sequence[tuple[int, list[int]]]] | None = None,
                  probes: Sequence[str] = PROBES):
         self.tokenizer = tokenizer
