@@ -19,9 +19,12 @@ def test_demo_runs_trains_and_writes_its_report(tmp_path, tiny_model_path, capsy
     run_dir = tmp_path / "demo"
     rc = main(["demo", "--model", "tiny", "--interactions", "6", "--eval-every", "3", "--rollout-batch-size", "2",
                "--heldout-n", "3", "--run-dir", str(run_dir), "--num-threads", "2", "--max-batch-size", "4",
-               "--seed", "1"])
+               "--seed", "1", "--gate-every", "1", "--gate-probe-tokens", "8"])
     assert rc == 0
     printed = capsys.readouterr().out
+    # The publication gate's decisions are shown as they happen, and summarised.
+    assert "publication gate: on, checking every 1 step(s)" in printed
+    assert printed.count("[gate] step ") == 3 and "[gate] step 1: accepted, serving v1" in printed
     assert "judge: rule judge" in printed  # says which judge and why
     assert "[session   1] turns 3" in printed and "[session   2] turns 3" in printed
     assert "before: preference score" in printed and "after:  preference score" in printed
@@ -36,6 +39,8 @@ def test_demo_runs_trains_and_writes_its_report(tmp_path, tiny_model_path, capsy
     assert summary["steps"] == 3 and summary["caught_up"]
     assert summary["before"]["policy_version"] == 0 and summary["after"]["policy_version"] == 3
     assert summary["judge"]["backend"] == "rules"
+    assert summary["gate"]["checks"] == 3 and summary["gate"]["rejections"] == 0
+    assert [d["version"] for d in summary["gate"]["decisions"]] == [1, 2, 3]
     assert summary["settings"]["lora"] is True and summary["settings"]["rollout_batch_size"] == 2  # flag wins
     assert summary["settings"]["kl_coef"] == DEMO_PRESET["kl_coef"]  # preset fills the rest
     assert set(summary["timings_s"]) >= {"model_ready_s", "start_s", "simulation_s", "catch_up_s", "total_s"}
