@@ -9,10 +9,11 @@ A check:
    prompts (``recent_prompts`` from the store; prompts longer than ``MAX_PROMPT_TOKENS`` are left out to bound
    the cost);
 2. generates the candidate's greedy answer to each probe (``probe_tokens`` at most);
-3. runs the degeneracy guard on every answer (text rules only: the gate asks "is this still language?", not
-   "is it on topic", since a learned style may legitimately answer in three words). A probe counts against the
-   candidate only when the reference answers it soundly: the shipped probes' reference verdicts are computed once,
-   a recent prompt's when it first appears. ``guard_pass`` = candidate-sound / reference-sound; the candidate
+3. runs the degeneracy guard on every answer: the text rules everywhere (empty, symbol soup, loops, low
+   diversity) and, on the shipped probes, whose question is known, the question rules too (the answer must
+   mention the question's topic and must not merely echo it: "A tree is a tree is a tree." is an early sign of
+   collapse that the text rules miss). A probe counts against the candidate only when the reference answers it
+   soundly: the shipped probes' reference verdicts are computed once, a recent prompt's when it first appears. ``guard_pass`` = candidate-sound / reference-sound; the candidate
    fails when it is below ``min_guard_pass``;
 4. measures KL(candidate || reference) at every position of the candidate's answers (full vocabulary, nats per
    token, mean over all answer tokens); the candidate fails when it is above ``max_kl``. The reference is the
@@ -79,6 +80,8 @@ class _Probe:
     source: str
     prompt: str
     ids: list[int]
+    question: str | None = None
+    """The shipped prompt, for the guard's question rules; None for a recent prompt (its text is the chat's)."""
 
 
 class PublicationGate:
@@ -92,7 +95,7 @@ class PublicationGate:
         self.max_kl = float(max_kl)
         self.probe_tokens = int(probe_tokens)
         self.recent_prompts = recent_prompts
-        self.shipped = [_Probe("shipped", p, self._render(p)) for p in probes]
+        self.shipped = [_Probe("shipped", p, self._render(p), question=p) for p in probes]
         self._reference_ok: dict[str, bool] = {}
         """Reference verdict per probe key (shipped prompt text or recent turn id); computed once each."""
 
@@ -127,7 +130,7 @@ class PublicationGate:
             if missing:
                 ref_answers, _ = greedy_answers(ref, [p.ids for p in missing], self.probe_tokens, self._eos_ids())
                 for p, ans in zip(missing, ref_answers):
-                    self._reference_ok[_key(p)] = guard_check(self._text(ans)).ok
+                    self._reference_ok[_key(p)] = guard_check(self._text(ans), question=p.question).ok
             ref_lp = answer_logprobs(ref, prompts, answers)
         outcomes: list[ProbeOutcome] = []
         kl_sum, kl_tokens = 0.0, 0
@@ -135,7 +138,7 @@ class PublicationGate:
             kl_T = (c_T_V.exp() * (c_T_V - r_T_V)).sum(-1) if len(ans) else torch.zeros(0)
             kl_sum += float(kl_T.sum())
             kl_tokens += len(ans)
-            verdict = guard_check(self._text(ans))
+            verdict = guard_check(self._text(ans), question=p.question)
             outcomes.append(ProbeOutcome(source=p.source, prompt=p.prompt, answer=self._text(ans), ok=verdict.ok,
                                          reasons=list(verdict.reasons), reference_ok=self._reference_ok[_key(p)],
                                          kl=float(kl_T.mean()) if len(ans) else 0.0, tokens=len(ans)))
