@@ -4,12 +4,12 @@ One process loads SmolLM2-135M-Instruct for training the way the demo does (LoRA
 ``--steps × --samples`` served turns with real chat-template prompts and ``--tokens`` answer tokens into a
 temporary store, and runs ``--steps`` steps through ``clawloop.trainer.core.Trainer`` with the gate checking every
 step (the default). Each line shows the optimizer step's time and the gate check's time (greedy answers to the 12
-shipped probes plus the run's 4 recent prompts, ``gate_probe_tokens`` each, then the KL forward passes), and
+shipped probes plus the run's 2 recent prompts, ``gate_probe_tokens`` each, then the KL forward pass), and
 their ratio. The first check also answers every probe with the reference once (its verdicts are cached), so it
 is slower than the steady state.
 
     .venv/bin/python benchmarks/gate.py                    # 3 steps of 4 samples x 64 tokens, 1 thread
-    .venv/bin/python benchmarks/gate.py --threads 2 --probe-tokens 32
+    .venv/bin/python benchmarks/gate.py --threads 2 --probe-tokens 16
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--probe-tokens", type=int, default=48)
+    parser.add_argument("--probe-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--full", action="store_true", help="Full fine-tuning instead of LoRA.")
     args = parser.parse_args()
