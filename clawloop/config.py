@@ -172,6 +172,18 @@ class Config:
     staleness_mode: str = _f("tis", "tis (truncated importance weights), drop, or ignore.")
     tis_cap: float = _f(2.0, "Upper cap of truncated importance weights.")
     max_response_tokens: int = _f(2048, "Longest response trained on (longer ones are dropped with a reason).")
+    max_train_tokens: int = _f(8192, "Longest sample (prompt + response tokens) trained on; longer ones are "
+                               "dropped with reason too_long. Training memory grows linearly with it: 8192 "
+                               "keeps a full-weight step of the default model near 3 GB "
+                               "(docs/training-memory.md).")
+    micro_batch_tokens: int = _f(8192, "Most padded tokens (samples x longest sample) in one forward/backward: "
+                                 "a micro-batch holds up to micro_batch_size samples within this budget; a "
+                                 "longer sample goes alone.")
+    gradient_checkpointing: str = _f("auto", "Recompute each decoder layer's activations during the backward "
+                                     "instead of keeping them (less memory, ~30% more decoder time): on, off, or "
+                                     "auto (on for micro-batches of more than 2048 padded tokens).")
+    attn_implementation: str = _f("sdpa", "Attention kernel of the training model: sdpa (memory linear in "
+                                  "length) or eager (keeps an L x L matrix per head and layer; for comparison).")
     checkpoint_every: int = _f(10, "Save a checkpoint every N optimizer steps (and at shutdown).")
     metrics_backends: list[str] = _f(["jsonl"], "Where step metrics go: jsonl, tensorboard, wandb.")
 
@@ -227,10 +239,12 @@ class Config:
         self._validate_vllm()
         choice("default_turn_type", ("main", "side"))
         choice("dtype", ("float32", "bfloat16", "float16"))
+        choice("gradient_checkpointing", ("auto", "on", "off"))
+        choice("attn_implementation", ("sdpa", "eager"))
         for name in ("topk", "max_candidates", "prm_m", "rollout_batch_size", "max_batch_size",
                      "default_max_tokens", "judge_max_tokens", "judge_concurrency", "lora_rank",
                      "steps_per_batch", "micro_batch_size", "checkpoint_every", "max_sessions",
-                     "max_response_tokens", "max_body_bytes"):
+                     "max_response_tokens", "max_body_bytes", "max_train_tokens", "micro_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
         for name in ("kl_coef", "entropy_coef", "weight_decay", "hint_min_chars", "max_staleness",
