@@ -32,6 +32,7 @@ METHODS = ("hybrid", "rl", "opd", "combine", "topk_kl")
 HINT_SELECTIONS = ("sequence_optimal", "token_optimal", "shortest")
 SUBSET_MODES = ("student", "teacher", "overlap")
 OPD_ON_UNHINTED = ("skip", "anchor")
+ADVANTAGE_MODES = ("raw", "baseline", "hinted_opd", "balanced")
 JUDGE_CONTEXTS = ("none", "last_user", "full")
 TEACHERS = ("base", "policy")
 JUDGE_BACKENDS = ("auto", "engine", "http", "rules")
@@ -150,6 +151,10 @@ class Config:
     kl_coef: float = _f(0.0, "Weight of the k3 KL to the reference (base) model.")
     entropy_coef: float = _f(0.0, "Weight of the entropy bonus.")
     group_norm: bool = _f(False, "Normalise rewards within a group when it has more than one sample.")
+    advantage_mode: str = _f("balanced", "GRPO advantages from a batch's votes: balanced (negatives scaled so "
+                             "the batch never pushes down more than it pushes up; an all -1 batch trains no "
+                             "GRPO term), baseline (r - batch mean), hinted_opd (a -1 turn with a hint gets only "
+                             "the distillation term), raw (A = r, the original). See docs/collapse-fix.md.")
     train_temperature: float = _f(0.0, "Temperature dividing logits in every train-side log-prob (student, old, "
                                   "teacher, reference). 0 = each turn's own sampling temperature (1.0 for greedy).")
 
@@ -228,6 +233,7 @@ class Config:
         choice("hint_selection", HINT_SELECTIONS)
         choice("subset_mode", SUBSET_MODES)
         choice("opd_on_unhinted", OPD_ON_UNHINTED)
+        choice("advantage_mode", ADVANTAGE_MODES)
         choice("judge_context", JUDGE_CONTEXTS)
         choice("teacher", TEACHERS)
         choice("judge_backend", JUDGE_BACKENDS)

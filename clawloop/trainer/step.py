@@ -35,7 +35,7 @@ import torch
 
 from clawloop.config import Config
 from clawloop.losses import MetricsAccumulator, ObjectiveSample, ObjectiveSettings, group_normalized_rewards, \
-    sample_objective
+    sample_objective, shape_advantages
 from clawloop.trainer.batch import TrainItem, collate, micro_batches
 from clawloop.trainer.model import TrainModels
 from clawloop.trainer.old_policy import RefreshFn, fill_old_side, fill_reference, old_side_from_logits
@@ -52,6 +52,16 @@ def make_optimizer(models: TrainModels, config: Config) -> torch.optim.Optimizer
 
 
 def rewards_for(items: list[TrainItem], config: Config) -> list[float]:
+    """Each sample's GRPO advantage: its reward (with ``group_norm``, normalised within groups of samples sharing a
+    prompt), then shaped across the batch by ``advantage_mode`` (docs/collapse-fix.md)."""
+    rewards = group_rewards(items, config)
+    _, w_opd = config.weights
+    hinted_B = torch.tensor([w_opd != 0.0 and bool(it.sample.hints) and it.teacher_tensors is not None
+                             for it in items], dtype=torch.bool)
+    return shape_advantages(torch.tensor(rewards, dtype=torch.float64), hinted_B, config.advantage_mode).tolist()
+
+
+def group_rewards(items: list[TrainItem], config: Config) -> list[float]:
     """Each sample's reward; with ``group_norm``, normalised within groups of samples sharing a prompt."""
     rewards = [float(it.sample.reward) for it in items]
     if not config.group_norm:
@@ -191,6 +201,8 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
     metrics["tokens"] = float(sum(it.response_len for it in items))
     metrics["step_time_s"] = time.perf_counter() - t_start
     metrics.update(_item_metrics(items))
+    metrics["advantage_mean"] = sum(rewards) / n
+    metrics["advantage_negative_mean"] = sum(min(a, 0.0) for a in rewards) / n
     return metrics
 
 
