@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from clawloop.judge.hints import imperative_hint
 from clawloop.judge.parse import select_candidates
 from clawloop.judge.prompts import content_text
 from clawloop.judge.votes import Judgement, JudgeSettings
@@ -217,7 +218,12 @@ def decide_user(texts: Sequence[str], max_sentences: int = 3, hint_min_chars: in
             if i not in chosen and not v.approval:
                 chosen.append(i)
         parts = [p for p in (as_instruction(verdicts[i].text) for i in sorted(chosen)) if p]
-        hint = " ".join(parts)
+        # The teacher follows an imperative far better than a narrated complaint (docs/judge.md), so the
+        # correction's instructions are the hint; the user's own words only when it holds none.
+        cleaned = [p for p in (as_instruction(v.text) for v in verdicts if not v.approval) if p]
+        hint = imperative_hint(cleaned, max_sentences=max_sentences)
+        if len(hint.strip()) <= hint_min_chars:
+            hint = " ".join(parts)
         if len(hint.strip()) <= hint_min_chars:
             hint = ""
         why = "; ".join(dict.fromkeys(v.correction for v, c in zip(verdicts, is_correction) if c))
