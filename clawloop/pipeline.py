@@ -57,6 +57,12 @@ def default_turn_deadline_s(config: Any, backoff_s: float = 0.5) -> float:
     return float(config.judge_timeout_s) * (retries + 1) + backoff_total + 60.0
 
 
+def configured_turn_deadline_s(config: Any) -> float:
+    """``judge_turn_deadline_s`` when set, else ``default_turn_deadline_s``."""
+    configured = float(getattr(config, "judge_turn_deadline_s", 0.0) or 0.0)
+    return configured if configured > 0 else default_turn_deadline_s(config)
+
+
 class Pipeline:
     def __init__(self, store: Store, config: Any, *, judge: Judge, teacher: Teacher | None = None,
                  concurrency: int = 2, poll_interval_s: float = 2.0, turn_deadline_s: float | None = None,
@@ -67,7 +73,7 @@ class Pipeline:
         self.teacher = teacher
         self.concurrency = max(1, int(concurrency))
         self.poll_interval_s = float(poll_interval_s)
-        self.turn_deadline_s = float(turn_deadline_s) if turn_deadline_s else default_turn_deadline_s(config)
+        self.turn_deadline_s = float(turn_deadline_s) if turn_deadline_s else configured_turn_deadline_s(config)
         self.max_attempts = int(max_attempts)
         self.on_sample = on_sample
         self.want_eval = bool(config.needs_eval_votes)
@@ -299,10 +305,11 @@ def load_base_engine(config: Any) -> Any:
 
 def judge_backend(config: Any) -> str:
     """Who judges: ``rules``, ``http`` (``judge_url``) or ``engine`` (the frozen base model); ``auto`` picks http
-    when ``judge_url`` is set, else engine."""
+    when ``judge_url`` is set, else rules: the embedded 135M model cannot judge (docs/judge.md has its numbers),
+    while the rules reliably read explicit thanks and corrections."""
     backend = getattr(config, "judge_backend", "auto") or "auto"
     if backend == "auto":
-        return "http" if config.judge_url else "engine"
+        return "http" if config.judge_url else "rules"
     return backend
 
 

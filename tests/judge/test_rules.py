@@ -16,7 +16,7 @@ from clawloop.sim.data.questions import POOLS
 from clawloop.sim.personas import PERSONAS
 from clawloop.store import TurnRecord
 
-CASES = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "judge_cases.jsonl"
+CASES = Path(__file__).resolve().parents[2] / "clawloop" / "judge" / "data" / "judge_cases.jsonl"
 
 
 def user(text):
