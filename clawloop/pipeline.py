@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from clawloop.judge.describe import judge_backend, startup_message
 from clawloop.judge.votes import Judge, Judgement
 from clawloop.store import SampleRecord, Store, TurnRecord, TurnState, VoteRecord
 from clawloop.teacher import Teacher
@@ -95,6 +96,7 @@ class Pipeline:
         """Recover interrupted work, then start claiming turns. Returns what recovery moved."""
         if self._runner is not None:
             raise RuntimeError("pipeline already started")
+        log.warning("%s", startup_message(self.config))
         recovered = self.store.recover()
         if any(recovered.values()):
             log.warning("clawloop pipeline: recovered %s", recovered)
@@ -301,16 +303,6 @@ def load_base_engine(config: Any) -> Any:
 
     return HFEngine(config.model, device=config.device, dtype=config.dtype, max_batch_size=config.max_batch_size,
                     num_threads=config.num_threads, model_name=f"{config.served_model_name}-base")
-
-
-def judge_backend(config: Any) -> str:
-    """Who judges: ``rules``, ``http`` (``judge_url``) or ``engine`` (the frozen base model); ``auto`` picks http
-    when ``judge_url`` is set, else rules: the embedded 135M model cannot judge (docs/judge.md has its numbers),
-    while the rules reliably read explicit thanks and corrections."""
-    backend = getattr(config, "judge_backend", "auto") or "auto"
-    if backend == "auto":
-        return "http" if config.judge_url else "rules"
-    return backend
 
 
 def build_judge(config: Any, *, base_engine: Any = None, render: Callable[..., list[int]] | None = None,
