@@ -128,6 +128,9 @@ class Config:
     judge_context: str = _f("last_user", "What of the request the judge sees: none (answer + next state only, as "
                             "the original), last_user, or full conversation.")
     judge_concurrency: int = _f(4, "Judge calls in flight at once.")
+    judge_structured_output: str = _f("auto", "Hold an HTTP judge's votes to a valid form: auto (send a JSON "
+                                      "schema as response_format; if the endpoint rejects it, go on without and "
+                                      "remember), json_schema, regex (vLLM structured_outputs), or off.")
     judge_extra_body: dict[str, Any] = _f({}, "Extra fields merged into every request to judge_url, e.g. vLLM's "
                                           "structured outputs that hold a small judge to the vote format: "
                                           "{structured_outputs = {regex = '...'}} (see the README).")
@@ -222,6 +225,7 @@ class Config:
         choice("judge_context", JUDGE_CONTEXTS)
         choice("teacher", TEACHERS)
         choice("judge_backend", JUDGE_BACKENDS)
+        choice("judge_structured_output", ("auto", "json_schema", "regex", "off"))
         if self.judge_backend == "http" and not self.judge_url:
             raise ConfigError("judge_backend='http' needs judge_url (the judge's OpenAI-compatible base URL)")
         choice("staleness_mode", STALENESS_MODES)

@@ -321,7 +321,8 @@ def build_judge(config: Any, *, base_engine: Any = None, render: Callable[..., l
         client: Any = HTTPJudgeClient(config.judge_url, config.judge_model, config.judge_api_key,
                                       timeout_s=config.judge_timeout_s, retries=config.judge_retries,
                                       backoff_s=backoff_s, concurrency=config.judge_concurrency,
-                                      extra_body=getattr(config, "judge_extra_body", None))
+                                      extra_body=getattr(config, "judge_extra_body", None),
+                                      structured=getattr(config, "judge_structured_output", "auto"))
     else:
         if base_engine is None or render is None:
             raise ValueError("the embedded judge needs the frozen base engine and the chat renderer")
