@@ -111,11 +111,11 @@ class Config:
     run_dir: str = _f("runs/default", "Folder of this run: SQLite store, metrics, checkpoints, exports.")
 
     # ---- judge (process reward model) -----------------------------------------------------------------
-    judge_backend: str = _f("auto", "Who judges: auto (judge_url when set, else the embedded engine with the "
-                            "frozen base model), engine, http (judge_url), or rules (a zero-cost keyword judge that "
-                            "reads explicit thanks/corrections in the next state; for CPU demos and tests).")
-    judge_url: str = _f("", "OpenAI-compatible base URL of the judge (…/v1). Empty = the embedded engine with "
-                        "the frozen base model.")
+    judge_backend: str = _f("auto", "Who judges: auto (judge_url when set, else the rule judge), rules (a "
+                            "zero-cost keyword judge that reads explicit thanks/corrections in the next state), "
+                            "http (judge_url), or engine (the frozen base model in-process; too weak at 135M: "
+                            "check it with `clawloop judge check --backend engine`).")
+    judge_url: str = _f("", "OpenAI-compatible base URL of an LLM judge (…/v1). Empty = the rule judge.")
     judge_model: str = _f("", "Model name sent to the judge endpoint (empty = the endpoint's first model).")
     judge_api_key: str = _f("", "Bearer key for the judge endpoint.", secret=True)
     judge_temperature: float = _f(0.6, "Judge sampling temperature.")
@@ -123,9 +123,15 @@ class Config:
     prm_m: int = _f(3, "Votes of each kind (evaluative, hint) per turn.")
     judge_timeout_s: float = _f(120.0, "Time limit of one judge call.")
     judge_retries: int = _f(2, "Retries of a failed judge call (with backoff) before the vote counts as invalid.")
+    judge_turn_deadline_s: float = _f(0.0, "Time limit of judging one turn (its votes, their retries, then the "
+                                      "teacher). A vote that timed out is tried again only while this leaves "
+                                      "time. 0 = room for every retry: judge_timeout_s × (judge_retries + 1) + 60.")
     judge_context: str = _f("last_user", "What of the request the judge sees: none (answer + next state only, as "
                             "the original), last_user, or full conversation.")
     judge_concurrency: int = _f(4, "Judge calls in flight at once.")
+    judge_structured_output: str = _f("auto", "Hold an HTTP judge's votes to a valid form: auto (send a JSON "
+                                      "schema as response_format; if the endpoint rejects it, go on without and "
+                                      "remember), json_schema, regex (vLLM structured_outputs), or off.")
     judge_extra_body: dict[str, Any] = _f({}, "Extra fields merged into every request to judge_url, e.g. vLLM's "
                                           "structured outputs that hold a small judge to the vote format: "
                                           "{structured_outputs = {regex = '...'}} (see the README).")
@@ -237,6 +243,7 @@ class Config:
         choice("judge_context", JUDGE_CONTEXTS)
         choice("teacher", TEACHERS)
         choice("judge_backend", JUDGE_BACKENDS)
+        choice("judge_structured_output", ("auto", "json_schema", "regex", "off"))
         if self.judge_backend == "http" and not self.judge_url:
             raise ConfigError("judge_backend='http' needs judge_url (the judge's OpenAI-compatible base URL)")
         choice("staleness_mode", STALENESS_MODES)
@@ -257,6 +264,8 @@ class Config:
                      "judge_retries", "num_threads", "default_temperature", "judge_temperature",
                      "train_temperature"):
             positive(name, 0.0, strict=False)
+        if self.judge_turn_deadline_s < 0:
+            raise ConfigError(f"judge_turn_deadline_s must be >= 0 (0 = automatic), got {self.judge_turn_deadline_s}")
         for name in ("judge_timeout_s", "session_idle_timeout_s", "lora_alpha", "tis_cap"):
             positive(name)
         if self.lr is not None:

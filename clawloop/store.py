@@ -381,6 +381,17 @@ class Store:
                                     (TurnState.DROPPED,)).fetchall()
         return {r["reason"]: r["n"] for r in rows}
 
+    def vote_stats(self, top_errors: int = 3) -> dict[str, Any]:
+        """Judge votes recorded: how many, how many were invalid (no score), and the commonest errors."""
+        with self._lock:
+            row = self._db.execute("SELECT COUNT(*) AS n, SUM(score IS NULL) AS bad FROM votes").fetchone()
+            errors = self._db.execute(
+                "SELECT substr(error, 1, 120) AS e, COUNT(*) AS n FROM votes WHERE score IS NULL AND error != '' "
+                "GROUP BY e ORDER BY n DESC LIMIT ?", (int(top_errors),)).fetchall()
+        total, invalid = int(row["n"] or 0), int(row["bad"] or 0)
+        return {"votes": total, "invalid": invalid, "invalid_rate": round(invalid / total, 4) if total else None,
+                "top_errors": {r["e"]: r["n"] for r in errors}}
+
     def recover(self) -> dict[str, int]:
         """At start-up: put interrupted work back where it can be picked up again.
 

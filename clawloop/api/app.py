@@ -58,6 +58,7 @@ from clawloop.api.sessions import SessionManager, TurnContext
 from clawloop.api.streaming import DONE, ChunkMaker, GuardedStreamingResponse, sse
 from clawloop.config import Config
 from clawloop.engines.base import Engine, EngineError, Generation, PromptTooLongError, SamplingParams, TokenEvent
+from clawloop.judge.describe import describe as describe_judge
 from clawloop.store import Store, TurnRecord
 
 log = logging.getLogger("clawloop.api")
@@ -372,9 +373,10 @@ class ChatService:
                 "owned_by": "clawloop"}
 
     async def status(self) -> dict[str, Any]:
-        turns, reasons, samples, last = await asyncio.gather(
+        turns, reasons, samples, last, votes = await asyncio.gather(
             asyncio.to_thread(self.store.count_turns), asyncio.to_thread(self.store.drop_reasons),
-            asyncio.to_thread(self.store.count_samples), asyncio.to_thread(self.store.last_step))
+            asyncio.to_thread(self.store.count_samples), asyncio.to_thread(self.store.last_step),
+            asyncio.to_thread(self.store.vote_stats))
         return {
             "object": "clawloop.status",
             "model": self.config.served_model_name,
@@ -383,6 +385,7 @@ class ChatService:
             "samples_by_state": samples,
             "turns_by_state": turns,
             "drop_reasons": reasons,
+            "judge": {**describe_judge(self.config), "judging": bool(self.config.train), **votes},
             "live_sessions": len(self.sessions),
             "last_step": None if last is None else {"step": last[0], "metrics": last[1]},
             "uptime_s": round(time.time() - self.started_at, 3),
