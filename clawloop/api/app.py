@@ -282,8 +282,9 @@ class ChatService:
             await asyncio.wait({generation, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
-            if not generation.done():
+            if not generation.done():  # the client left (or this request was cancelled): stop generating
                 generation.cancel()
+                await asyncio.gather(generation, return_exceptions=True)
         if generation.cancelled():
             self.extra_stats["requests_abandoned"] += 1
             raise APIError(499, "The client closed the request before the answer was ready; nothing was stored.",
