@@ -149,7 +149,9 @@ def test_loopback_pages_and_configured_origins_and_hosts_are_served(make_server)
     srv = make_server(allowed_origins=["https://app.example"], allowed_hosts=["clawloop.internal"])
     body = {**GEN, "messages": [{"role": "user", "content": "hi"}]}
     with RawConnection(srv.port) as conn:
-        for headers in ({"Origin": "http://localhost:3000"}, {"Origin": "https://app.example"},
+        node_client = {"User-Agent": "OpenAI/JS 7.15.0", "Accept": "application/json", "Accept-Language": "*",
+                       "Sec-Fetch-Mode": "cors", "X-Stainless-Runtime": "node"}  # what OpenClaw's client sends
+        for headers in (node_client, {"Origin": "http://localhost:3000"}, {"Origin": "https://app.example"},
                         {"Host": "clawloop.internal"}, {"Host": f"localhost:{srv.port}"}):
             status, _, raw = conn.request("POST", "/v1/chat/completions", body, headers)
             assert status == 200, (headers, raw)
