@@ -100,7 +100,19 @@ class Config:
     host: str = _f("127.0.0.1", "Address the API binds to (loopback unless told otherwise).")
     port: int = _f(30000, "Port of the OpenAI-compatible API.")
     api_key: str = _f("", "If set, clients must send 'Authorization: Bearer <api_key>'.", secret=True)
-    admin_key: str = _f("", "If set, admin operations (records, checkpoints) need this key.", secret=True)
+    admin_key: str = _f("", "Key of the admin routes (/v1/trainer/*, rollback). Empty: they refuse when any user key "
+                        "is set (see admin_uses_api_key) and answer only loopback, same-origin calls when none "
+                        "is (docs/security.md).", secret=True)
+    api_keys: list[str] = _f([], "Per-user keys (comma-separated): each one is a client of its own, whose "
+                             "sessions only that key can continue, read or end. api_key, when set, is one more.",
+                             secret=True)
+    api_keys_file: str = _f("", "File of per-user keys, one per line ('#' comments); adds to api_keys.")
+    admin_uses_api_key: bool = _f(False, "With no admin_key, let any user key open the admin routes (off: they "
+                                  "refuse while user keys are set).")
+    allowed_hosts: list[str] = _f([], "Host header names the API answers besides loopback ones (DNS-rebinding "
+                                  "guard); '*' answers any. Only enforced while bound to loopback, unless set.")
+    allowed_origins: list[str] = _f([], "Browser Origins (scheme://host[:port]) allowed besides loopback pages; "
+                                    "'*' allows any.")
     max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (bytes).")
     default_max_tokens: int = _f(512, "max_tokens when the client sends none.")
     default_temperature: float = _f(0.6, "Sampling temperature when the client sends none.")
