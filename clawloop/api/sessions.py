@@ -34,6 +34,11 @@ Ending. ``X-Session-Done`` / ``session_done`` (after the request is served), ``P
 the idle timeout (a background sweeper) and LRU eviction beyond ``max_sessions`` all end a session: its
 pending turn is dropped with reason ``no_next_state`` (recorded, never silent) and its state is forgotten.
 
+Ephemeral messages. Matching and pairing see a request's messages without the ones
+``client_traffic.conversation_messages`` removes (a client's per-request context block that its next request
+drops from the history), so such a block neither breaks the prefix match nor becomes part of a next state. The
+stored turn keeps the messages exactly as the model saw them.
+
 Restart. ``restore()`` rebuilds live sessions from the store's ``awaiting_next`` turns (latest per session;
 older ones of the same session are dropped as ``no_next_state``), including their prefix keys, so a restart
 loses no pairing. Their idle clock starts again at restore time. Shutdown leaves pending turns awaiting.
@@ -53,6 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from clawloop.api.client_traffic import conversation_messages
 from clawloop.store import Store, TurnRecord, TurnState
 
 log = logging.getLogger("clawloop.sessions")
@@ -315,13 +321,14 @@ class SessionManager:
                 s.last_seen = self.clock()
             sid = explicit_id
         else:
-            hit = self.match_prefix(messages)
+            hit = self.match_prefix(conversation_messages(messages))
             sid = hit[0] if hit else new_session_id()
         self.stats["side_turns"] += 1
         return sid
 
     async def begin_main(self, explicit_id: str | None, messages: list[dict[str, Any]]) -> TurnContext:
         """Find (or open) the session of a main request, lock it, and pair its pending turn."""
+        messages = conversation_messages(messages)
         while True:
             if explicit_id is not None:
                 session, how, consumed, matched_turn = self._touch(explicit_id), "explicit", None, None
@@ -360,7 +367,7 @@ class SessionManager:
             rest = messages[consumed:]
             pairing = Pairing(rest, "prefix") if rest else Pairing(None, "empty", EMPTY_NEXT_STATE)
         else:
-            pairing = find_next_state(pending.messages, pending.answer, messages)
+            pairing = find_next_state(conversation_messages(pending.messages), pending.answer, messages)
         self.stats[f"pairing_{pairing.how}"] += 1
         self._clear_pending(s)
         if pairing.next_state is None:
@@ -393,7 +400,7 @@ class SessionManager:
         self._clear_pending(s)
         s.pending = pending
         self._drop_keys(s)
-        s.prefix_keys = prefix_keys(pending.messages + [pending.answer])
+        s.prefix_keys = prefix_keys(conversation_messages(pending.messages) + [pending.answer])
         for key in s.prefix_keys:
             self._prefix[key] = (s.id, pending.turn_id)
 
