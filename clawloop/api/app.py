@@ -383,8 +383,9 @@ class ChatService:
         return {"object": "list", "data": [self.model_card()]}
 
     def model_card(self) -> dict[str, Any]:
+        # max_model_len (as vLLM reports it): the real context, read by `clawloop openclaw-config`.
         return {"id": self.config.served_model_name, "object": "model", "created": self.started_at,
-                "owned_by": "clawloop"}
+                "owned_by": "clawloop", "max_model_len": int(self.engine.max_context)}
 
     async def status(self) -> dict[str, Any]:
         turns, reasons, samples, last = await asyncio.gather(

@@ -8,6 +8,10 @@ Two questions, both answered from the request's messages alone (see docs/opencla
   removes such messages, so session matching compares what the conversation really holds and the stored next
   state never contains them (they are not user feedback). OpenClaw escapes these markers inside real user
   text, so a message that is nothing but one such block is always OpenClaw's own.
+* **Was the history compacted?** When OpenClaw compacts a long conversation, the next request replaces the older
+  history with one user message holding a summary (``COMPACTED_HISTORY_PREFIX``) and keeps the recent turns, so
+  the earlier request is no longer a prefix of it; its last answer is still there. ``is_compacted_history`` says
+  when a request has this shape, so the session can be found by that answer instead.
 * **Is the request housekeeping?** OpenClaw asks the model for a pre-compaction memory flush, for compaction
   summaries of older history and for session titles. Those answers are not the conversation with the user:
   ``housekeeping_kind`` names the kind (served as a side turn: never stored, never trained, no session state)
@@ -33,6 +37,7 @@ _FLUSH_USER_RE = re.compile(r"^Pre-compaction memory flush\.\s.*\bNO_REPLY\b", r
 _FLUSH_SYSTEM = "Pre-compaction memory flush turn."  # in OpenClaw's system prompt during a flush
 _SUMMARY_SYSTEM = "You are a context summarization assistant."
 _TITLE_SYSTEM = "Generate a concise session title"
+COMPACTED_HISTORY_PREFIX = "The conversation history before this point was compacted into the following summary:"
 _TRANSCRIPT_RE = re.compile(r"<conversation>.*</conversation>", re.DOTALL)
 
 
@@ -58,6 +63,12 @@ def conversation_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]
     if not any(is_ephemeral(m) for m in messages):
         return messages
     return [m for m in messages if not is_ephemeral(m)]
+
+
+def is_compacted_history(messages: list[dict[str, Any]]) -> bool:
+    """True when a user message before the last one is OpenClaw's summary of compacted history."""
+    return any(m.get("role") == "user" and _text(m).lstrip().startswith(COMPACTED_HISTORY_PREFIX)
+               for m in messages[:-1])
 
 
 def housekeeping_kind(messages: list[dict[str, Any]]) -> str:

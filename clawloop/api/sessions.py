@@ -37,7 +37,9 @@ pending turn is dropped with reason ``no_next_state`` (recorded, never silent) a
 Ephemeral messages. Matching and pairing see a request's messages without the ones
 ``client_traffic.conversation_messages`` removes (a client's per-request context block that its next request
 drops from the history), so such a block neither breaks the prefix match nor becomes part of a next state. The
-stored turn keeps the messages exactly as the model saw them.
+stored turn keeps the messages exactly as the model saw them. A request whose older history the client compacted
+into a summary (``client_traffic.is_compacted_history``) matches no prefix; it continues the session whose pending
+answer is its last assistant message (each session is also indexed by its pending answer alone).
 
 Restart. ``restore()`` rebuilds live sessions from the store's ``awaiting_next`` turns (latest per session;
 older ones of the same session are dropped as ``no_next_state``), including their prefix keys, so a restart
@@ -58,7 +60,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from clawloop.api.client_traffic import conversation_messages
+from clawloop.api.client_traffic import conversation_messages, is_compacted_history
 from clawloop.store import Store, TurnRecord, TurnState
 
 log = logging.getLogger("clawloop.sessions")
@@ -106,6 +108,11 @@ def prefix_hashes(messages: list[dict[str, Any]], skip_system: bool = False) -> 
 def prefix_keys(messages: list[dict[str, Any]]) -> tuple[str, str]:
     """(exact key, key ignoring system messages) of a whole message list."""
     return prefix_hashes(messages)[-1], "nosys:" + prefix_hashes(messages, skip_system=True)[-1]
+
+
+def answer_key(answer: dict[str, Any]) -> str:
+    """Index key of an answer alone (compacted histories keep only the answer of the previous turn)."""
+    return "answer:" + prefix_hashes([answer])[-1]
 
 
 def same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -313,6 +320,16 @@ class SessionManager:
                     return hit[0], hit[1], k
         return None
 
+    def match_answer(self, messages: list[dict[str, Any]]) -> tuple[str, int, int] | None:
+        """Like ``match_prefix``, by the last assistant message alone (for compacted histories)."""
+        k = len(messages)
+        while k > 0 and messages[k - 1].get("role") != "assistant":
+            k -= 1
+        hit = self._prefix.get(answer_key(messages[k - 1])) if k else None
+        if hit is not None and hit[0] in self._sessions:
+            return hit[0], hit[1], k
+        return None
+
     def resolve_side(self, explicit_id: str | None, messages: list[dict[str, Any]]) -> str:
         """Session id reported for a side request; creates no state."""
         if explicit_id is not None:
@@ -334,6 +351,8 @@ class SessionManager:
                 session, how, consumed, matched_turn = self._touch(explicit_id), "explicit", None, None
             else:
                 hit = self.match_prefix(messages)
+                if hit is None and is_compacted_history(messages):
+                    hit = self.match_answer(messages)
                 if hit is None:
                     session, how, consumed, matched_turn = self._touch(new_session_id()), "new", None, None
                 else:
@@ -400,7 +419,8 @@ class SessionManager:
         self._clear_pending(s)
         s.pending = pending
         self._drop_keys(s)
-        s.prefix_keys = prefix_keys(conversation_messages(pending.messages) + [pending.answer])
+        s.prefix_keys = prefix_keys(conversation_messages(pending.messages) + [pending.answer]) + (
+            answer_key(pending.answer),)
         for key in s.prefix_keys:
             self._prefix[key] = (s.id, pending.turn_id)
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clawloop.api.client_traffic import (COMPACTION_SUMMARY, INTERNAL_CONTEXT_BEGIN, MEMORY_FLUSH, SESSION_TITLE,
-                                         conversation_messages, housekeeping_kind, is_ephemeral)
+from clawloop.api.client_traffic import (COMPACTED_HISTORY_PREFIX, COMPACTION_SUMMARY, INTERNAL_CONTEXT_BEGIN,
+                                         MEMORY_FLUSH, SESSION_TITLE, conversation_messages, housekeeping_kind,
+                                         is_compacted_history, is_ephemeral)
 from clawloop.api.schemas import parse_chat_request
 from clawloop.api.sessions import SessionManager
 from clawloop.store import Store, TurnRecord, TurnState
@@ -199,3 +200,23 @@ def test_replay_data_holds_no_secret(name):
     text = json.dumps(load(name))
     assert not re.search(r"\bsk-[A-Za-z0-9_-]{16,}", text) and "Bearer " not in text
     assert set(re.findall(r'"apiKey": "([^"]*)"', text)) <= {"${CLAWLOOP_API_KEY}"}
+
+
+def test_compacted_history_continues_the_session_by_its_last_answer(tmp_path):
+    """Real OpenClaw requests (default tools, compaction forced every turn): each request replaces the older
+    history with a summary, so only the previous answer links it to its session."""
+    data = load("compacted-default-tools")
+    reqs = [(r["messages"], r["answer"]) for r in data["requests"]]
+    assert [is_compacted_history(m) for m, _ in reqs] == [False, True, True]
+    assert all(is_ephemeral(m[-1]) for m, _ in reqs)
+    store = Store(tmp_path / "store.sqlite")
+    result = replay(store, reqs)
+    assert [t for t, _, _ in result] == ["main"] * 3 and len({s for _, s, _ in result}) == 1
+    t1, t2 = (store.get_turn(t) for _, _, t in result[:2])
+    assert [m["content"] for m in t1.next_state] == [reqs[1][0][-2]["content"]]
+    assert t1.next_state[0]["content"].endswith("Too long, answer in one sentence.")
+    assert t2.next_state[0]["content"].endswith("Thanks, that's all.")
+    # Without the summary message the same answer alone does not join a session.
+    other = Store(tmp_path / "other.sqlite")
+    plain = [reqs[0], ([m for m in reqs[1][0] if not m["content"].startswith(COMPACTED_HISTORY_PREFIX)], reqs[1][1])]
+    assert len({s for _, s, _ in replay(other, plain)}) == 2
