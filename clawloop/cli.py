@@ -7,6 +7,7 @@
     clawloop train ...
     clawloop judge check [--backend rules|engine | --judge-url URL --judge-model M --judge-api-key-env VAR]
     clawloop openclaw-config [--url http://127.0.0.1:30000] [--out ~/.openclaw/openclaw.json]
+    clawloop rollback RUN_DIR --to N [--url http://127.0.0.1:30000] [--admin-key KEY]
 """
 
 from __future__ import annotations
@@ -164,6 +165,12 @@ def cmd_openclaw_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rollback(args: argparse.Namespace) -> int:
+    from clawloop.trainer.rollback import rollback_command
+
+    return rollback_command(args.run_dir, args.to, url=args.url, admin_key=args.admin_key)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clawloop", description="Train an LLM agent online from its own "
                                      "conversations.")
@@ -267,6 +274,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                        help="Log level.")
     train.set_defaults(func=cmd_train)
+
+    rollback = sub.add_parser("rollback", help="Serve an earlier accepted version of a run again.",
+                              description="With --url, the running server of RUN_DIR serves version N at once "
+                              "(POST /v1/admin/rollback) and trains on from it. Without --url, the run's store is "
+                              "marked so the next start of RUN_DIR serves version N.")
+    rollback.add_argument("run_dir", metavar="RUN_DIR", help="The run folder (holding store.sqlite and versions/).")
+    rollback.add_argument("--to", type=int, required=True, metavar="N", help="The version to serve.")
+    rollback.add_argument("--url", default="", help="Base URL of the server running RUN_DIR (e.g. "
+                          "http://127.0.0.1:30000).")
+    rollback.add_argument("--admin-key", default=None, help="Admin key of that server (default: the "
+                          "CLAWLOOP_ADMIN_KEY environment variable).")
+    rollback.set_defaults(func=cmd_rollback)
     return parser
 
 

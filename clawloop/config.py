@@ -209,6 +209,18 @@ class Config:
                                   "length) or eager (keeps an L x L matrix per head and layer; for comparison).")
     checkpoint_every: int = _f(10, "Save a checkpoint every N optimizer steps (and at shutdown).")
     metrics_backends: list[str] = _f(["jsonl"], "Where step metrics go: jsonl, tensorboard, wandb.")
+    gate: bool = _f(True, "Publication gate: check every candidate version on the probe set (greedy answers to the "
+                    "shipped general prompts and the run's recent prompts) before it is served; a failing one is "
+                    "never served and training returns to the last accepted weights (docs/publication-gate.md).")
+    gate_every: int = _f(1, "Check (and publish) every N optimizer steps; the steps in between are not published.")
+    gate_min_guard_pass: float = _f(0.9, "Smallest share of the probes the reference answers soundly that the "
+                                    "candidate must answer soundly too (degeneracy guard).")
+    gate_max_kl: float = _f(4.0, "Largest mean KL(candidate || reference), nats per token, over the candidate's "
+                            "greedy probe answers.")
+    gate_probe_tokens: int = _f(48, "Tokens each greedy probe answer may have.")
+    gate_recent_prompts: int = _f(4, "The run's most recent prompts added to the shipped probes at each check.")
+    keep_full_versions: int = _f(3, "Full fine-tuning: weights of this many newest accepted versions are kept in "
+                                 "RUN_DIR/versions (LoRA adapters are always all kept).")
 
     # ------------------------------------------------------------------------------------------------------
     @property
@@ -269,7 +281,8 @@ class Config:
         for name in ("topk", "max_candidates", "prm_m", "rollout_batch_size", "max_batch_size",
                      "default_max_tokens", "judge_max_tokens", "judge_concurrency", "lora_rank",
                      "steps_per_batch", "micro_batch_size", "checkpoint_every", "max_sessions",
-                     "max_response_tokens", "max_body_bytes", "max_train_tokens", "micro_batch_tokens"):
+                     "max_response_tokens", "max_body_bytes", "max_train_tokens", "micro_batch_tokens",
+                     "gate_every", "gate_probe_tokens", "keep_full_versions"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
         for name in ("kl_coef", "entropy_coef", "weight_decay", "hint_min_chars", "max_staleness",
@@ -282,6 +295,10 @@ class Config:
             positive(name)
         if self.lr is not None:
             positive("lr")
+        if not 0.0 <= self.gate_min_guard_pass <= 1.0:
+            raise ConfigError(f"gate_min_guard_pass={self.gate_min_guard_pass!r} must be in [0, 1]")
+        positive("gate_max_kl")
+        positive("gate_recent_prompts", 0.0, strict=False)
         if not 0.0 < self.eps_clip < 1.0:
             raise ConfigError(f"eps_clip={self.eps_clip!r} must be in (0, 1)")
         if not 0.0 < self.eps_clip_high <= 10.0:
