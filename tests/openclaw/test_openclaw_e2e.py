@@ -110,14 +110,11 @@ def test_stock_openclaw_conversations_are_sessions_that_train(openclaw, served_t
 
 @pytest.mark.timeout(600)
 def test_openclaw_with_the_clawloop_plugin_names_its_sessions(openclaw, served_tiny, tmp_path):
-    """With integrations/openclaw/plugin loaded, every request carries OpenClaw's own session id."""
+    """With integrations/openclaw/plugin loaded, every request carries OpenClaw's own session id: the turns are
+    stored under it (stock OpenClaw's would get a generated sess_... id)."""
     path = tmp_path / "plugin.json"
     config = generate_config(served_tiny.url, path, "--plugin", str(ROOT / "integrations" / "openclaw" / "plugin"))
     assert config["plugins"]["entries"]["clawloop"]["enabled"] is True
-    inspect = openclaw.run(path, "plugins", "inspect", "clawloop", "--runtime", "--json")
-    assert inspect.returncode == 0, inspect.stdout + inspect.stderr
-    plugin = json.loads(inspect.stdout)["plugin"]
-    assert plugin["status"] == "loaded" and plugin["providerIds"] == ["clawloop"], plugin
     for text in LEAN_TURNS[:2]:
         openclaw.agent_turn(path, "ocl-plugin", text)
     turns = [t for t in stored_turns(served_tiny.run_dir) if t["session_id"] == "ocl-plugin"]
