@@ -145,14 +145,15 @@ def cmd_judge_check(args: argparse.Namespace) -> int:
 
 def cmd_openclaw_config(args: argparse.Namespace) -> int:
     from clawloop.openclaw_config import (OpenClawConfigError, build_config, limits_from_model, limits_from_server,
-                                          write_config)
+                                          plugin_dir, write_config)
 
     try:
         if args.url:
             limits = limits_from_server(args.url, args.api_key or "")
         else:
             limits = limits_from_model(args.model, args.host, args.port, args.served_model_name)
-        config = build_config(limits, max_tokens=args.max_tokens, lean=not args.full)
+        plugin = plugin_dir(args.plugin) if args.plugin else None
+        config = build_config(limits, max_tokens=args.max_tokens, lean=not args.full, plugin=plugin)
     except OpenClawConfigError as exc:
         print(f"clawloop openclaw-config: {exc}", file=sys.stderr)
         return 2
@@ -263,8 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "context).")
     oc.add_argument("--full", action="store_true", help="Keep OpenClaw's own prompt defaults (workspace files, "
                     "skills, all tools): only for models with a large context.")
+    oc.add_argument("--plugin", default="", metavar="DIR", help="Load clawloop's OpenClaw plugin from DIR "
+                    "(integrations/openclaw/plugin): session ids and compaction marked by OpenClaw itself.")
     oc.add_argument("--out", default="", help="Write here (e.g. ~/.openclaw/openclaw.json) instead of printing.")
-    oc.set_defaults(func=cmd_openclaw_config)
+    oc.set_defaults(func=cmd_openclaw_config, log_level="warning")
 
     train = sub.add_parser("train", help="Train offline on the ready samples of a stored run (resumes from its "
                            "latest checkpoint).")

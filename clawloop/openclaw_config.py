@@ -76,9 +76,19 @@ def max_tokens_for(context: int, wanted: int) -> int:
     return max(16, min(wanted, context // 4))
 
 
+def plugin_dir(path: str) -> Path:
+    """The clawloop OpenClaw plugin folder (``integrations/openclaw/plugin`` in the repository), absolute."""
+    folder = Path(path).expanduser().resolve()
+    if not (folder / "openclaw.plugin.json").is_file():
+        raise OpenClawConfigError(f"{folder} is not the clawloop OpenClaw plugin (no openclaw.plugin.json)")
+    return folder
+
+
 def build_config(limits: ServedLimits, max_tokens: int = 512, lean: bool = True,
-                 api_key_ref: str = "${CLAWLOOP_API_KEY}", timeout_s: int = 600) -> dict[str, Any]:
-    """The OpenClaw config (JSON; OpenClaw reads JSON5, so plain JSON works) for one clawloop server."""
+                 api_key_ref: str = "${CLAWLOOP_API_KEY}", timeout_s: int = 600,
+                 plugin: Path | None = None) -> dict[str, Any]:
+    """The OpenClaw config (JSON; OpenClaw reads JSON5, so plain JSON works) for one clawloop server. With
+    ``plugin`` OpenClaw loads clawloop's plugin from that folder (what ``openclaw plugins install --link`` writes)."""
     room = limits.context - max_tokens_for(limits.context, max_tokens)
     needed = LEAN_PROMPT_TOKENS if lean else STOCK_PROMPT_TOKENS
     if room < needed:
@@ -97,6 +107,8 @@ def build_config(limits: ServedLimits, max_tokens: int = 512, lean: bool = True,
     if lean:
         config["agents"]["defaults"].update({"contextInjection": "never", "skills": []})
         config["tools"] = {"profile": "minimal"}
+    if plugin is not None:
+        config["plugins"] = {"load": {"paths": [str(plugin)]}, "entries": {PROVIDER_ID: {"enabled": True}}}
     return config
 
 

@@ -23,10 +23,10 @@ LEAN_TURNS = ["What is the capital of France?", "Too long, answer in one sentenc
 TOOLS_TURNS = ["Name three primary colors.", "Wrong, answer in one word.", "Thanks, that's all."]
 
 
-def generate_config(url: str, out: Path) -> dict:
+def generate_config(url: str, out: Path, *extra: str) -> dict:
     proc = subprocess.run([sys.executable, "-m", "clawloop.cli", "openclaw-config", "--url", url,
-                           "--max-tokens", "32", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
+                           "--max-tokens", "32", "--out", str(out), *extra], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(out.read_text())
 
@@ -106,3 +106,17 @@ def test_stock_openclaw_conversations_are_sessions_that_train(openclaw, served_t
         status = served_tiny.get("/v1/status").json()
     assert sum(status["samples_by_state"].values()) >= 2, (status, context)
     assert status["last_step"] is not None and status["last_step"]["step"] >= 1, (status, context)
+
+
+@pytest.mark.timeout(600)
+def test_openclaw_with_the_clawloop_plugin_names_its_sessions(openclaw, served_tiny, tmp_path):
+    """With integrations/openclaw/plugin loaded, every request carries OpenClaw's own session id: the turns are
+    stored under it (stock OpenClaw's would get a generated sess_... id)."""
+    path = tmp_path / "plugin.json"
+    config = generate_config(served_tiny.url, path, "--plugin", str(ROOT / "integrations" / "openclaw" / "plugin"))
+    assert config["plugins"]["entries"]["clawloop"]["enabled"] is True
+    for text in LEAN_TURNS[:2]:
+        openclaw.agent_turn(path, "ocl-plugin", text)
+    turns = [t for t in stored_turns(served_tiny.run_dir) if t["session_id"] == "ocl-plugin"]
+    assert [t["turn_index"] for t in turns] == [0, 1], served_tiny.log_tail()
+    assert turns[0]["next_state"][-1]["content"].endswith(LEAN_TURNS[1])
