@@ -229,8 +229,9 @@ def run_command(config: Any, *, cases_path: Path | None = None, limit: int = 0, 
     if not as_json:
         print(f"{len(cases)} labelled cases; votes m={config.prm_m}, max_tokens={config.judge_max_tokens}, "
               f"temperature={config.judge_temperature}, judge_context={config.judge_context}", file=out, flush=True)
+    progress = sys.stderr if sys.stderr.isatty() and not as_json else None
     name, results, wall_s = asyncio.run(check_config(config, cases, case_concurrency=case_concurrency,
-                                                     progress=sys.stderr if sys.stderr.isatty() and not as_json else None))
+                                                     progress=progress))
     head = summary(results, wall_s)
     if details is not None:
         details.parent.mkdir(parents=True, exist_ok=True)
