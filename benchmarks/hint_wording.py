@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--questions", type=int, default=0, help="Held-out questions per persona (0 = all).")
     ap.add_argument("--threads", type=int, default=2, help="Torch threads.")
     ap.add_argument("--no-follow", action="store_true", help="Skip the greedy follow-rate table.")
+    ap.add_argument("--no-opening", action="store_true", help="Skip the \"In short,\" opening table.")
     ap.add_argument("--max-tokens", type=int, default=48, help="Greedy answer length for the follow rate.")
     ap.add_argument("--follow-questions", type=int, default=4, help="Held-out questions per persona for the "
                     "follow rate (0 = all; every one costs a greedy answer per distinct hint).")
@@ -101,9 +102,16 @@ def main(argv: list[str] | None = None) -> int:
         qs = list(persona.heldout_questions)
         return qs[: args.questions] if args.questions else qs
 
+    if not args.no_opening:
+        opening_table(model, render, tokenizer, questions(PERSONAS["inshort"]), k, args.model)
+    if not args.no_follow:
+        follow_table(model, render, tokenizer, args.follow_questions, args.max_tokens)
+    return 0
+
+
+def opening_table(model: Any, render: Any, tokenizer: Any, qs: list[str], k: int, model_name: str) -> None:
     inshort = PERSONAS["inshort"]
-    qs = questions(inshort)
-    print(f"Teacher pull toward the opening \"In short,\" ({args.model}, {len(qs)} held-out questions, top-k={k})")
+    print(f"Teacher pull toward the opening \"In short,\" ({model_name}, {len(qs)} held-out questions, top-k={k})")
     header = (f"{'correction (narrated hint -> imperative hint)':62} | {'P(In)':>13} | {'in top-k':>11} | "
               f"{'rank':>9} | {'P(In short,)':>15}")
     print(header)
@@ -128,15 +136,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{n['in_topk']:4.0%} -> {i['in_topk']:4.0%} | {n['rank']:3.0f} -> {i['rank']:3.0f} | "
           f"{n['p_opening']:6.2%} -> {i['p_opening']:6.2%}")
 
-    if args.no_follow:
-        return 0
+
+def follow_table(model: Any, render: Any, tokenizer: Any, n_questions: int, max_tokens: int) -> None:
     print()
-    print(f"Teacher's greedy answer follows the preference ({args.max_tokens} tokens; persona checker; "
-          f"every correction x held-out question)")
+    print(f"Teacher's greedy answer follows the preference ({max_tokens} tokens; persona checker; "
+          f"every correction x held-out question)", flush=True)
     print(f"{'persona':10} | {'narrated':>16} | {'imperative':>16}")
     for name, persona in PERSONAS.items():
         qs = list(persona.heldout_questions)
-        qs = qs[: args.follow_questions] if args.follow_questions else qs
+        qs = qs[:n_questions] if n_questions else qs
         counts = {"narrated": 0, "imperative": 0}
         total = 0
         followed: dict[tuple[str, str], bool] = {}  # greedy is deterministic: one answer per (question, hint)
@@ -146,12 +154,11 @@ def main(argv: list[str] | None = None) -> int:
                 total += 1
                 for key, hint in hints.items():
                     if (q, hint) not in followed:
-                        answer = greedy(model, render, tokenizer, q, hint, args.max_tokens)
+                        answer = greedy(model, render, tokenizer, q, hint, max_tokens)
                         followed[(q, hint)] = bool(persona.judge(answer, q).satisfied)
                     counts[key] += followed[(q, hint)]
         print(f"{name:10} | {counts['narrated'] / total:6.1%} ({counts['narrated']:3d}/{total:3d}) | "
               f"{counts['imperative'] / total:6.1%} ({counts['imperative']:3d}/{total:3d})", flush=True)
-    return 0
 
 
 if __name__ == "__main__":
