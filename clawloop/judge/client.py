@@ -214,9 +214,12 @@ class HTTPJudgeClient:
 def chat_template_ids(tokenizer: Any) -> Callable[[Sequence[dict[str, Any]]], list[int]]:
     """Render plain chat messages (no tools) with the tokenizer's chat template, generation prompt on."""
 
+    from clawloop.chat_tokens import SafeChatTokenizer
+
+    safe = SafeChatTokenizer(tokenizer)  # judged text is user text: it never yields special tokens
+
     def render(messages: Sequence[dict[str, Any]]) -> list[int]:
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return safe.render(list(messages))[1]
 
     return render
 
