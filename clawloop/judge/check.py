@@ -152,7 +152,8 @@ def metrics(results: list[dict[str, Any]], wall_s: float) -> dict[str, str]:
     row["transport errors"] = str(errors)
     head = summary(results, wall_s)
     for key, name in (("latency_p50_s", "vote latency p50"), ("latency_p95_s", "vote latency p95")):
-        row[name] = "n/a" if head[key] is None else f"{head[key]:.2f} s"
+        value = head[key]
+        row[name] = "n/a" if value is None else (f"{value * 1000:.2f} ms" if value < 1 else f"{value:.2f} s")
     row["wall time"] = f"{wall_s:.0f} s"
     return row
 
