@@ -121,7 +121,7 @@ def test_the_regexes_admit_exactly_parseable_votes():
     assert re.fullmatch(REGEXES["hint"], good_hint) and parse_hint(good_hint).hint == "Answer in French."
     assert re.fullmatch(REGEXES["hint"], "No. \\boxed{-1}")
     for bad in ("no vote", "\\boxed{2}", "\\boxed{1} [HINT_START]cut off"):
-        assert not re.fullmatch(REGEXES["eval"], bad) or bad == "\\boxed{2}" and False
+        assert not re.fullmatch(REGEXES["eval"], bad)
         assert not re.fullmatch(REGEXES["hint"], bad)
     assert "{0," not in REGEXES["eval"] + REGEXES["hint"]  # no counted repeats
 
