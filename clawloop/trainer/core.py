@@ -267,7 +267,14 @@ class Trainer:
         """Give the current weights a new version number, keep them, record them and publish them."""
         version = self.store.next_version(at_least=max(self.policy_version, self.accepted.version) + 1)
         self.accepted = self._snapshot(version)
-        self._save_version(version, step, evidence)
+        try:
+            self._save_version(version, step, evidence)
+        except Exception as exc:  # noqa: BLE001 - OSError, or safetensors' own error for the same disk full
+            # The version is still served and kept in memory for the gate; only a later rollback to it is lost.
+            # Disk full must not turn an accepted step into a failed one (its samples are consumed).
+            evidence = {**evidence, "kept_on_disk": False, "keep_error": f"{type(exc).__name__}: {exc}"}
+            log.error("trainer: keeping version %d in %s failed (%s); it is served but cannot be rolled back to",
+                      version, self.run_dir, evidence["keep_error"])
         self.store.record_version(version, step, "accepted", evidence)
         self.pending_version = version
         self.unchecked_steps = []

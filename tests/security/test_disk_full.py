@@ -106,7 +106,8 @@ def disk(tmp_path, monkeypatch):
     root = tmp_path / "disk"
     root.mkdir()
     if MODE == "tmpfs":
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160m", "tmpfs", str(root)], check=True)
+        # Room for the checkpoints and the kept versions of a few steps of the tiny model; fill() takes the rest.
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=320m", "tmpfs", str(root)], check=True)
     try:
         yield FullDisk(root, MODE, monkeypatch)
     finally:
