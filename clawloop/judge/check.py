@@ -152,7 +152,8 @@ def metrics(results: list[dict[str, Any]], wall_s: float) -> dict[str, str]:
     row["transport errors"] = str(errors)
     head = summary(results, wall_s)
     for key, name in (("latency_p50_s", "vote latency p50"), ("latency_p95_s", "vote latency p95")):
-        row[name] = "n/a" if head[key] is None else f"{head[key]:.2f} s"
+        value = head[key]
+        row[name] = "n/a" if value is None else (f"{value * 1000:.2f} ms" if value < 1 else f"{value:.2f} s")
     row["wall time"] = f"{wall_s:.0f} s"
     return row
 
@@ -229,8 +230,9 @@ def run_command(config: Any, *, cases_path: Path | None = None, limit: int = 0, 
     if not as_json:
         print(f"{len(cases)} labelled cases; votes m={config.prm_m}, max_tokens={config.judge_max_tokens}, "
               f"temperature={config.judge_temperature}, judge_context={config.judge_context}", file=out, flush=True)
+    progress = sys.stderr if sys.stderr.isatty() and not as_json else None
     name, results, wall_s = asyncio.run(check_config(config, cases, case_concurrency=case_concurrency,
-                                                     progress=sys.stderr if sys.stderr.isatty() and not as_json else None))
+                                                     progress=progress))
     head = summary(results, wall_s)
     if details is not None:
         details.parent.mkdir(parents=True, exist_ok=True)

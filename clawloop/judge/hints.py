@@ -40,9 +40,17 @@ _OPEN_RE = re.compile(r"\b(begin|start|open)(s|ing)?\b(?!\s+(over|again))")
 _CLOSE_RE = re.compile(r"\b(end|finish|close|sign off)(s|ing)?\b")
 _MISSING_RE = re.compile(r"\b(forgot|forgotten|forget|missing|left out|leave out|where is|where's|without)\b")
 _AT_START_RE = re.compile(r"\b(at the (start|beginning|top)|first|begin|start|open)\b")
-_SENTENCE_COUNT_RE = re.compile(
-    r"\b(one|a single|1|two|2|three|3)\s+(short\s+|brief\s+)?sentences?\b"
-    r"(\s+(of|with|in|under)\s+(at most|no more than|fewer than|less than|under|max(imum)?)\s+(\d+)\s+words)?")
+# A sentence count asked for ("in one short sentence", "one sentence is enough", "One sentence, please.") and
+# not merely mentioned ("Two sentences contradict each other.").
+_COUNT = r"(?P<n>one|a single|1|two|2|three|3)\s+(?P<short>short\s+|brief\s+)?sentences?\b"
+_LIMIT = (r"(\s+(of|with|in|under)\s+(at most|no more than|fewer than|less than|under|max(imum)?)\s+"
+          r"(?P<words>\d+)\s+words)?")
+_SENTENCE_COUNT_RES = [
+    re.compile(r"(?:\b(?:in|to|into|for|just|only|give me|with|use|write|keep it to|at most|max(?:imum)?"
+               r"|limit(?: it)? to)\s+|[:,;]\s*)" + _COUNT + _LIMIT),
+    re.compile(_COUNT + r"\s+(is|are|will be|would be)\s+(enough|plenty|fine|sufficient)"),
+    re.compile(r"^\s*(just\s+|only\s+)?" + _COUNT + _LIMIT + r"(,?\s*(only|max(imum)?|please))?\s*[.!]*\s*$"),
+]
 _WORD_LIMIT_RE = re.compile(r"\b(at most|no more than|fewer than|less than|under|max(imum)?)\s+(\d+)\s+words\b")
 _SHORTER_RE = re.compile(r"\b(too (long|wordy|verbose|many words|much text)|shorter|be (brief|concise)|briefer"
                          r"|more concise|keep it (short|brief)|that short)\b")
@@ -133,12 +141,13 @@ def rewrite(sentence: str, message_quotes: Sequence[str] = (), message_low: str 
             if lang != "english" or "english" not in re.sub(r"\bin english\b", "", message_low):
                 prefix = "Always answer" if _standing(low) else "Answer"
                 return Instruction(f"{prefix} in {lang.capitalize()}.", "language", 2)
-    count = _SENTENCE_COUNT_RE.search(low)
-    if count and not re.search(r"\bsentences? (is|are) too\b", low):
-        number = {"a single": "one", "1": "one", "2": "two", "3": "three"}.get(count.group(1), count.group(1))
-        short = "short " if (count.group(2) or "").strip() in ("short", "brief") else ""
+    count = next((m for m in (r.search(low) for r in _SENTENCE_COUNT_RES) if m), None)
+    if count:
+        number = {"a single": "one", "1": "one", "2": "two", "3": "three"}.get(count["n"], count["n"])
+        short = "short " if (count["short"] or "").strip() in ("short", "brief") else ""
         noun = "sentence" if number == "one" else "sentences"
-        limit = f" of at most {count.group(7)} words" if count.group(7) else ""
+        words = count.groupdict().get("words")
+        limit = f" of at most {words} words" if words else ""
         return Instruction(f"Answer in {number} {short}{noun}{limit}.", "length", 3)
     limit = _WORD_LIMIT_RE.search(low)
     if limit:

@@ -65,6 +65,9 @@ def test_approval_is_plus_one_without_hint(reply):
     ("Shorter, please. One sentence is enough for me.", "Answer in one sentence."),
     ("Please be brief: a single sentence of at most 25 words.", "Answer in one sentence of at most 25 words."),
     ("Way too long. Keep it under 50 words.", "Answer in at most 50 words."),
+    ("One short sentence, please.", "Answer in one short sentence."),
+    # A sentence count that is only mentioned is not a length request.
+    ("Two sentences contradict each other. Fix it.", "Two sentences contradict each other. Fix it."),
     ("In Spanish, please! No hablo inglés.", "Answer in Spanish."),
     ("Please use bullet points.", "Answer in bullet points."),
     ("You didn't answer what I asked: What is a volcano?", "Answer the question: What is a volcano?"),

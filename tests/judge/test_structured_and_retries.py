@@ -10,7 +10,8 @@ import pytest
 from clawloop.config import Config
 from clawloop.judge.client import HTTPJudgeClient
 from clawloop.judge.scripted import Hang, ScriptedJudgeServer, Status
-from clawloop.judge.structured import SCHEMAS, as_vote_text
+from clawloop.judge.parse import parse_eval, parse_hint
+from clawloop.judge.structured import REGEXES, SCHEMAS, as_vote_text
 from clawloop.judge.votes import Judge, JudgeSettings
 from clawloop.pipeline import build_judge
 from clawloop.store import TurnRecord
@@ -110,6 +111,19 @@ def test_forced_json_schema_on_a_rejecting_endpoint_is_an_invalid_vote_not_a_han
         judge = judge_for(server, structured="json_schema")
         [out] = judge_turns(judge, want_hints=False)
     assert all(v.score is None and "structured output" in v.error for v in out.eval_votes)
+
+
+def test_the_regexes_admit_exactly_parseable_votes():
+    import re
+
+    good_eval, good_hint = "The user thanks. \\boxed{1}", "Yes. \\boxed{1} [HINT_START]Answer in French.[HINT_END]"
+    assert re.fullmatch(REGEXES["eval"], good_eval) and parse_eval(good_eval).score == 1
+    assert re.fullmatch(REGEXES["hint"], good_hint) and parse_hint(good_hint).hint == "Answer in French."
+    assert re.fullmatch(REGEXES["hint"], "No. \\boxed{-1}")
+    for bad in ("no vote", "\\boxed{2}", "\\boxed{1} [HINT_START]cut off"):
+        assert not re.fullmatch(REGEXES["eval"], bad)
+        assert not re.fullmatch(REGEXES["hint"], bad)
+    assert "{0," not in REGEXES["eval"] + REGEXES["hint"]  # no counted repeats
 
 
 def test_as_vote_text_and_config():
