@@ -13,7 +13,10 @@ A sample is written in the same transaction that moves its turn to ``ready``; th
 acknowledges them with the optimizer step that used them. ``requeue_after_step(n)`` returns samples consumed by
 steps after the checkpoint a run resumes from, so no sample is trained twice or skipped.
 
-Nothing is ever deleted or truncated: the store is the record. ``export_jsonl`` appends to files.
+Nothing is ever deleted or truncated: the store is the record. ``export_jsonl`` appends to files. Steps whose
+weights were lost in a crash move whole to ``requeued_steps`` on resume; ``versions`` indexes the published
+versions (their weights are in ``RUN_DIR/versions``) and ``events`` records gate decisions, rollbacks and
+requeues with their evidence. Tables are only ever added, so an older store opens as it is.
 """
 
 from __future__ import annotations
@@ -198,6 +201,31 @@ CREATE TABLE IF NOT EXISTS steps (
     policy_version INTEGER NOT NULL,
     metrics TEXT NOT NULL,
     turn_ids TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS requeued_steps (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    step INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    policy_version INTEGER NOT NULL,
+    metrics TEXT NOT NULL,
+    turn_ids TEXT NOT NULL,
+    requeued_at REAL NOT NULL,
+    resumed_from_step INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS versions (
+    version INTEGER PRIMARY KEY,
+    step INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    status TEXT NOT NULL,
+    evidence TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    created_at REAL NOT NULL,
+    kind TEXT NOT NULL,
+    step INTEGER,
+    version INTEGER,
+    detail TEXT NOT NULL
 );
 """
 
@@ -409,6 +437,17 @@ class Store:
                                     (TurnState.DROPPED,)).fetchall()
         return {r["reason"]: r["n"] for r in rows}
 
+    def vote_stats(self, top_errors: int = 3) -> dict[str, Any]:
+        """Judge votes recorded: how many, how many were invalid (no score), and the commonest errors."""
+        with self._lock:
+            row = self._db.execute("SELECT COUNT(*) AS n, SUM(score IS NULL) AS bad FROM votes").fetchone()
+            errors = self._db.execute(
+                "SELECT substr(error, 1, 120) AS e, COUNT(*) AS n FROM votes WHERE score IS NULL AND error != '' "
+                "GROUP BY e ORDER BY n DESC LIMIT ?", (int(top_errors),)).fetchall()
+        total, invalid = int(row["n"] or 0), int(row["bad"] or 0)
+        return {"votes": total, "invalid": invalid, "invalid_rate": round(invalid / total, 4) if total else None,
+                "top_errors": {r["e"]: r["n"] for r in errors}}
+
     def recover(self) -> dict[str, int]:
         """At start-up: put interrupted work back where it can be picked up again.
 
@@ -559,15 +598,92 @@ class Store:
 
     def requeue_after_step(self, step: int) -> int:
         """Resume support: samples consumed by steps after ``step`` (whose weights were lost) become ready
-        again, and those steps are forgotten."""
+        again. Those steps leave ``steps`` (the steps whose updates live in the weights) for ``requeued_steps``,
+        whole and with the time of the requeue, and a ``requeue`` event records it: nothing is deleted."""
+        now = time.time()
         with self._tx() as db:
             ids = [r["turn_id"] for r in db.execute(
                 "SELECT turn_id FROM samples WHERE state=? AND consumed_step > ?", (TurnState.CONSUMED, step))]
             for tid in ids:
                 db.execute("UPDATE samples SET state=?, consumed_step=NULL WHERE turn_id=?", (TurnState.READY, tid))
                 db.execute("UPDATE turns SET state=? WHERE id=?", (TurnState.READY, tid))
-            db.execute("DELETE FROM steps WHERE step > ?", (step,))
+            lost = [r["step"] for r in db.execute("SELECT step FROM steps WHERE step > ? ORDER BY step", (step,))]
+            db.execute("INSERT INTO requeued_steps (step, created_at, policy_version, metrics, turn_ids, requeued_at,"
+                       " resumed_from_step) SELECT step, created_at, policy_version, metrics, turn_ids, ?, ? FROM steps"
+                       " WHERE step > ?", (now, step, step))
+            db.execute("DELETE FROM steps WHERE step > ?", (step,))  # moved whole to requeued_steps just above
+            if ids or lost:
+                db.execute("INSERT INTO events (created_at, kind, step, version, detail) VALUES (?,?,?,?,?)",
+                           (now, "requeue", step, None, json.dumps({"steps": lost, "turn_ids": ids})))
         return len(ids)
+
+    def requeued_steps(self) -> list[dict[str, Any]]:
+        """Steps whose weights were lost in a crash and whose samples were trained again after a resume."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM requeued_steps ORDER BY id").fetchall()
+        return [{"step": r["step"], "created_at": r["created_at"], "policy_version": r["policy_version"],
+                 "metrics": json.loads(r["metrics"]), "turn_ids": json.loads(r["turn_ids"]),
+                 "requeued_at": r["requeued_at"], "resumed_from_step": r["resumed_from_step"]} for r in rows]
+
+    # ---- versions and events ------------------------------------------------------------------------------
+    def next_version(self, at_least: int = 0) -> int:
+        """A version number never used before in this run: above every version recorded anywhere (versions,
+        steps, requeued steps, served turns) and above ``at_least - 1``."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT MAX(v) FROM (SELECT MAX(version) AS v FROM versions UNION ALL SELECT MAX(policy_version) "
+                "FROM steps UNION ALL SELECT MAX(policy_version) FROM requeued_steps UNION ALL "
+                "SELECT MAX(policy_version) FROM turns)").fetchone()
+        return max(int(row[0] or 0) + 1, int(at_least))
+
+    def record_version(self, version: int, step: int, status: str, evidence: dict[str, Any]) -> None:
+        """Record a version (raises if the number was recorded before: a number names one set of weights)."""
+        with self._tx() as db:
+            db.execute("INSERT INTO versions (version, step, created_at, status, evidence) VALUES (?,?,?,?,?)",
+                       (int(version), int(step), time.time(), status, json.dumps(evidence, default=str)))
+
+    def versions(self) -> list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM versions ORDER BY version").fetchall()
+        return [{"version": r["version"], "step": r["step"], "created_at": r["created_at"], "status": r["status"],
+                 "evidence": json.loads(r["evidence"])} for r in rows]
+
+    def record_event(self, kind: str, detail: dict[str, Any], step: int | None = None,
+                     version: int | None = None) -> None:
+        """An event of the run's weights (gate decision, rollback, requeue) with its evidence."""
+        with self._tx() as db:
+            db.execute("INSERT INTO events (created_at, kind, step, version, detail) VALUES (?,?,?,?,?)",
+                       (time.time(), kind, step, version, json.dumps(detail, default=str)))
+
+    def record_rollback(self, to_version: int, from_version: int, detail: dict[str, Any]) -> list[int]:
+        """Mark the accepted versions after ``to_version`` rolled back and record the rollback. Returns them."""
+        with self._tx() as db:
+            later = [r["version"] for r in db.execute(
+                "SELECT version FROM versions WHERE version > ? AND status='accepted' ORDER BY version",
+                (int(to_version),))]
+            db.execute("UPDATE versions SET status='rolled_back' WHERE version > ? AND status='accepted'",
+                       (int(to_version),))
+            db.execute("INSERT INTO events (created_at, kind, step, version, detail) VALUES (?,?,?,?,?)",
+                       (time.time(), "rollback", None, int(to_version),
+                        json.dumps({"from_version": from_version, "rolled_back": later, **detail}, default=str)))
+        return later
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        with self._lock:
+            if kind is None:
+                rows = self._db.execute("SELECT * FROM events ORDER BY id").fetchall()
+            else:
+                rows = self._db.execute("SELECT * FROM events WHERE kind=? ORDER BY id", (kind,)).fetchall()
+        return [{"id": r["id"], "created_at": r["created_at"], "kind": r["kind"], "step": r["step"],
+                 "version": r["version"], "detail": json.loads(r["detail"])} for r in rows]
+
+    def recent_prompts(self, n: int) -> list[tuple[int, list[int]]]:
+        """The prompt token ids of the ``n`` most recent stored turns, newest first: ``(turn id, ids)``."""
+        if n <= 0:
+            return []
+        with self._lock:
+            rows = self._db.execute("SELECT id, prompt_ids FROM turns ORDER BY id DESC LIMIT ?", (int(n),)).fetchall()
+        return [(r["id"], _ids_from(r["prompt_ids"])) for r in rows]
 
     def samples(self, state: str | None = None) -> list[SampleRecord]:
         with self._lock:
@@ -608,6 +724,12 @@ class Store:
             yield "samples.jsonl", rec
         for st in self.steps():
             yield "steps.jsonl", st
+        for st in self.requeued_steps():
+            yield "requeued_steps.jsonl", st
+        for v in self.versions():
+            yield "versions.jsonl", v
+        for e in self.events():
+            yield "events.jsonl", e
 
     def export_jsonl(self, out_dir: str | Path) -> dict[str, int]:
         """Append every record to JSONL files in ``out_dir`` (never truncates). Returns lines written per file."""

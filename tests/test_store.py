@@ -108,6 +108,12 @@ def test_lease_commit_expire_and_requeue(tmp_path):
     assert store.requeue_after_step(1) == 2
     assert store.count_samples() == {"consumed": 4, "ready": 2}
     assert [s["step"] for s in store.steps()] == [1]
+    # Nothing is deleted: the lost step is kept whole with the requeue, and the requeue is an event.
+    (lost,) = store.requeued_steps()
+    assert lost["step"] == 2 and sorted(lost["turn_ids"]) == sorted(s.turn_id for s in batch3)
+    assert lost["resumed_from_step"] == 1
+    (event,) = store.events("requeue")
+    assert event["detail"]["steps"] == [2] and sorted(event["detail"]["turn_ids"]) == sorted(lost["turn_ids"])
 
 
 def test_recover_puts_interrupted_work_back(tmp_path):

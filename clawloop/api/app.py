@@ -46,6 +46,7 @@ from clawloop.api.chat import (
     assistant_message,
     parse_answer,
 )
+from clawloop.api.client_traffic import housekeeping_kind
 from clawloop.api.errors import APIError, bad_request, install_error_handlers
 from clawloop.api.guard import BrowserGuard, CatchAll
 from clawloop.api.metrics import ServingMetrics, labelled
@@ -60,6 +61,7 @@ from clawloop.api.sessions import SessionManager, TurnContext
 from clawloop.api.streaming import DONE, ChunkMaker, GuardedStreamingResponse, sse
 from clawloop.config import Config
 from clawloop.engines.base import Engine, EngineError, Generation, PromptTooLongError, SamplingParams, TokenEvent
+from clawloop.judge.describe import describe as describe_judge
 from clawloop.store import Store, TurnRecord
 
 log = logging.getLogger("clawloop.api")
@@ -110,6 +112,16 @@ def _headers(session_id: str, policy_version: int) -> dict[str, str]:
     return {"X-Session-Id": session_id, POLICY_VERSION_HEADER: str(policy_version)}
 
 
+def warn_context_overflow(prompt_len: int, context: int, max_tokens: int | None) -> None:
+    """Say in the server log why a client gets ``context_length_exceeded``: clients often only report 'context
+    overflow' and the person running the server has to know which side to change."""
+    asked = f" + {max_tokens} completion tokens requested" if max_tokens is not None else ""
+    log.warning("prompt of %d tokens%s does not fit the served context of %d tokens; the request is refused "
+                "(400 context_length_exceeded). Shorten the client's prompt (for OpenClaw: `clawloop "
+                "openclaw-config` writes settings that fit this model) or serve a model with a longer context.",
+                prompt_len, asked, context)
+
+
 @dataclasses.dataclass
 class PreparedChat:
     req: ChatRequest
@@ -149,6 +161,8 @@ class ChatService:
         turn_type = req.turn_type
         if headers.get(TURN_TYPE_HEADER) is not None:
             turn_type = validate_turn_type(headers[TURN_TYPE_HEADER], "X-Turn-Type")
+        if turn_type is None and housekeeping_kind(req.messages):
+            turn_type = "side"  # an agent's own bookkeeping (memory flush, summary, title) is not a conversation
         turn_type = turn_type or self.config.default_turn_type
         done = parse_flag_header(headers.get(SESSION_DONE_HEADER), "X-Session-Done") or req.session_done
         context = int(self.engine.max_context)
@@ -164,6 +178,8 @@ class ChatService:
     def _sampling(self, req: ChatRequest, prompt_len: int) -> SamplingParams:
         context = int(self.engine.max_context)
         room = context - prompt_len
+        if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
+            warn_context_overflow(prompt_len, context, req.max_tokens)
         if room < 1:
             raise bad_request(f"This model's maximum context length is {context} tokens; the messages take "
                               f"{prompt_len} tokens. Shorten the messages.", "messages", "context_length_exceeded")
@@ -406,13 +422,15 @@ class ChatService:
         return {"object": "list", "data": [self.model_card()]}
 
     def model_card(self) -> dict[str, Any]:
+        # max_model_len (as vLLM reports it): the real context, read by `clawloop openclaw-config`.
         return {"id": self.config.served_model_name, "object": "model", "created": self.started_at,
-                "owned_by": "clawloop"}
+                "owned_by": "clawloop", "max_model_len": int(self.engine.max_context)}
 
     async def status(self) -> dict[str, Any]:
-        turns, reasons, samples, last = await asyncio.gather(
+        turns, reasons, samples, last, votes = await asyncio.gather(
             asyncio.to_thread(self.store.count_turns), asyncio.to_thread(self.store.drop_reasons),
-            asyncio.to_thread(self.store.count_samples), asyncio.to_thread(self.store.last_step))
+            asyncio.to_thread(self.store.count_samples), asyncio.to_thread(self.store.last_step),
+            asyncio.to_thread(self.store.vote_stats))
         return {
             "object": "clawloop.status",
             "model": self.config.served_model_name,
@@ -421,6 +439,7 @@ class ChatService:
             "samples_by_state": samples,
             "turns_by_state": turns,
             "drop_reasons": reasons,
+            "judge": {**describe_judge(self.config), "judging": bool(self.config.train), **votes},
             "live_sessions": len(self.sessions),
             "last_step": None if last is None else {"step": last[0], "metrics": last[1]},
             "uptime_s": round(time.time() - self.started_at, 3),

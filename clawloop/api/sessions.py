@@ -42,6 +42,13 @@ owner is ``""`` and every client shares one namespace (docs/security.md).
 Faults. The store is written before memory changes: a pairing, a drop or an end whose store write fails (disk
 full) leaves the session exactly as it was, and the request fails with the error.
 
+Ephemeral messages. Matching and pairing see a request's messages without the ones
+``client_traffic.conversation_messages`` removes (a client's per-request context block that its next request
+drops from the history), so such a block neither breaks the prefix match nor becomes part of a next state. The
+stored turn keeps the messages exactly as the model saw them. A request whose older history the client compacted
+into a summary (``client_traffic.is_compacted_history``) matches no prefix; it continues the session whose pending
+answer is its last assistant message (each session is also indexed by its pending answer alone).
+
 Restart. ``restore()`` rebuilds live sessions from the store's ``awaiting_next`` turns (latest per session;
 older ones of the same session are dropped as ``no_next_state``), including their prefix keys, so a restart
 loses no pairing. Their idle clock starts again at restore time. Shutdown leaves pending turns awaiting.
@@ -61,6 +68,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from clawloop.api.client_traffic import conversation_messages, is_compacted_history
 from clawloop.store import Store, TurnRecord, TurnState
 
 log = logging.getLogger("clawloop.sessions")
@@ -108,6 +116,11 @@ def prefix_hashes(messages: list[dict[str, Any]], skip_system: bool = False) -> 
 def prefix_keys(messages: list[dict[str, Any]]) -> tuple[str, str]:
     """(exact key, key ignoring system messages) of a whole message list."""
     return prefix_hashes(messages)[-1], "nosys:" + prefix_hashes(messages, skip_system=True)[-1]
+
+
+def answer_key(answer: dict[str, Any]) -> str:
+    """Index key of an answer alone (compacted histories keep only the answer of the previous turn)."""
+    return "answer:" + prefix_hashes([answer])[-1]
 
 
 def same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -324,6 +337,16 @@ class SessionManager:
                     return hit[0], hit[1], k
         return None
 
+    def match_answer(self, messages: list[dict[str, Any]], owner: str = "") -> tuple[str, int, int] | None:
+        """Like ``match_prefix``, by the last assistant message alone (for compacted histories)."""
+        k = len(messages)
+        while k > 0 and messages[k - 1].get("role") != "assistant":
+            k -= 1
+        hit = self._prefix.get(session_key(owner, answer_key(messages[k - 1]))) if k else None
+        if hit is not None and session_key(owner, hit[0]) in self._sessions:
+            return hit[0], hit[1], k
+        return None
+
     def resolve_side(self, explicit_id: str | None, messages: list[dict[str, Any]], owner: str = "") -> str:
         """Session id reported for a side request; creates no state."""
         if explicit_id is not None:
@@ -332,7 +355,7 @@ class SessionManager:
                 s.last_seen = self.clock()
             sid = explicit_id
         else:
-            hit = self.match_prefix(messages, owner)
+            hit = self.match_prefix(conversation_messages(messages), owner)
             sid = hit[0] if hit else new_session_id()
         self.stats["side_turns"] += 1
         return sid
@@ -340,11 +363,14 @@ class SessionManager:
     async def begin_main(self, explicit_id: str | None, messages: list[dict[str, Any]],
                          owner: str = "") -> TurnContext:
         """Find (or open) ``owner``'s session of a main request, lock it, and pair its pending turn."""
+        messages = conversation_messages(messages)
         while True:
             if explicit_id is not None:
                 session, how, consumed, matched_turn = self._touch(explicit_id, owner), "explicit", None, None
             else:
                 hit = self.match_prefix(messages, owner)
+                if hit is None and is_compacted_history(messages):
+                    hit = self.match_answer(messages, owner)
                 if hit is None:
                     session, how, consumed, matched_turn = self._touch(new_session_id(), owner), "new", None, None
                 else:
@@ -378,7 +404,7 @@ class SessionManager:
             rest = messages[consumed:]
             pairing = Pairing(rest, "prefix") if rest else Pairing(None, "empty", EMPTY_NEXT_STATE)
         else:
-            pairing = find_next_state(pending.messages, pending.answer, messages)
+            pairing = find_next_state(conversation_messages(pending.messages), pending.answer, messages)
         # Store first: when the write fails (disk full) the pending turn stays, and a retry pairs it again.
         if pairing.next_state is None:
             await asyncio.to_thread(self.store.drop_turn, pending.turn_id, pairing.drop_reason)
@@ -414,7 +440,9 @@ class SessionManager:
         self._clear_pending(s)
         s.pending = pending
         self._drop_keys(s)
-        s.prefix_keys = tuple(session_key(s.owner, k) for k in prefix_keys(pending.messages + [pending.answer]))
+        s.prefix_keys = tuple(session_key(s.owner, k) for k in
+                              prefix_keys(conversation_messages(pending.messages) + [pending.answer])
+                              + (answer_key(pending.answer),))
         for key in s.prefix_keys:
             self._prefix[key] = (s.id, pending.turn_id)
 

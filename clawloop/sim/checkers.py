@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from clawloop.gate.guard import ENGLISH_STOPWORDS  # noqa: F401 - shared with the guard, re-exported here
+
 _APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'"})
 # A word is a run of letters (accented ones included); an elided French article keeps its apostrophe.
 _WORD_RE = re.compile(r"[a-zà-öø-ÿœæ]+'?", re.IGNORECASE)
@@ -35,16 +37,6 @@ FRENCH_STOPWORDS = frozenset(
     c'est c' l' d' j' qu' n' s' m' t' chez comme tout tous toute toutes
     bien encore alors quand parce peu beaucoup ici voici voilà oui non merci bonjour
     cela ça celui celle ceux quel quelle quels quelles lorsque puis ainsi avant après
-    """.split()
-)
-ENGLISH_STOPWORDS = frozenset(
-    """
-    the and is are was were be been being it its this that these those of to in for with
-    by from at or but not yes you your we our they their he she his her him them i my
-    have has had do does did will would can could should may might must which who what when
-    where why how there here than then also very more most some any all each other into
-    about over after before because if so such only just one many much well thank thanks hello
-    it' don' doesn' isn' aren' can' won' i' you' we' they' that' there' let' what'
     """.split()
 )
 SPANISH_STOPWORDS = frozenset(

@@ -51,6 +51,7 @@ DEMO_PRESET: dict[str, Any] = {
     "judge_backend": "rules",
     "prm_m": 1,
     "checkpoint_every": 1000,
+    "gate_every": 2,
 }
 """Settings the demo uses unless told otherwise (why each one: ``PRESET_NOTES``)."""
 
@@ -73,6 +74,9 @@ PRESET_NOTES: dict[str, str] = {
     "judge_backend": "the rule judge (see EMBEDDED_JUDGE_NOTE and the judge line of the output).",
     "prm_m": "the rule judge is deterministic: one vote of each kind says what m votes would.",
     "checkpoint_every": "no intermediate checkpoints in a demo (the final one is still written at shutdown).",
+    "gate_every": "the publication gate checks every second step (about 18 steps in a demo): a check costs more "
+                  "than a LoRA step on a 2-core CPU (benchmarks/gate.py), and checking every step would push the "
+                  "demo past its 20-minute budget. Nothing unchecked is ever served.",
 }
 """Why each preset value (single runs of ``clawloop demo`` on a shared 2-core CPU; runs are not bit-for-bit
 reproducible because training overlaps sampling, so one seed is not one outcome)."""
@@ -234,6 +238,9 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
     out(f"settings: method {s.method}, {'LoRA r' + str(s.lora_rank) if s.lora else 'full fine-tuning'}, "
         f"lr {s.learning_rate:g}, kl_coef {s.kl_coef:g}, batch {s.rollout_batch_size}, "
         f"{options.interactions} interactions, seed {options.seed}, run dir {run_dir}")
+    out("publication gate: " + (f"on, checking every {s.gate_every} step(s) on the shipped probes and recent prompts "
+                                f"(guard >= {s.gate_min_guard_pass:g} of the reference's sound answers, KL <= "
+                                f"{s.gate_max_kl:g} nats/token)" if s.gate else "off: every step is served unchecked"))
 
     try:  # per-file "Loading weights" bars of three model loads would bury the progress lines
         from transformers.utils import logging as hf_logging
@@ -245,7 +252,13 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
     resolve_model(config.model)  # converts the shipped GGUF on first use (cached afterwards)
     state.timings["model_ready_s"] = time.monotonic() - t0
     t0 = time.monotonic()
-    runtime = (runtime_factory or (lambda c: build_runtime(c, console=None)))(config)
+    gate_log: list[dict[str, Any]] = []
+
+    def on_gate(event: dict[str, Any]) -> None:
+        gate_log.append(event)
+        out(gate_line(event))
+
+    runtime = (runtime_factory or (lambda c: build_runtime(c, console=None, on_gate=on_gate)))(config)
     runtime.start()
     state.timings["start_s"] = time.monotonic() - t0
     base_url = runtime.server.base_url
@@ -367,6 +380,7 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
         "preset": DEMO_PRESET,
         "options": asdict(options),
         "timings_s": {k: round(v, 1) for k, v in state.timings.items()},
+        "gate": gate_summary(config, gate_log),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False, default=str))
     try:
@@ -376,6 +390,29 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
     except Exception as exc:  # noqa: BLE001 - a missing plot must not lose the numbers
         out(f"(learning curve not drawn: {type(exc).__name__}: {exc})")
     return summary
+
+
+def gate_line(event: dict[str, Any]) -> str:
+    """One output line for a publication-gate decision."""
+    steps = event.get("steps") or [event.get("step")]
+    what = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+    facts = (f"guard {event.get('guard_pass', 0):.2f}, KL {max(0.0, event.get('kl', 0)):.2f} nats/token, "
+             f"{event.get('seconds', 0):.0f}s")
+    if event.get("kind") == "gate_accepted":
+        return f"[gate] {what}: accepted, serving v{event.get('version')} ({facts})"
+    return (f"[gate] {what}: REJECTED ({'; '.join(event.get('reasons', []))}), never served; training back to "
+            f"v{event.get('restored_version')} ({facts})")
+
+
+def gate_summary(config: Config, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The gate's decisions of a run, without the probe answers (those are in the store's events)."""
+    decisions = [{k: e.get(k) for k in ("kind", "step", "steps", "version", "guard_pass", "kl", "reasons",
+                                        "seconds")} for e in events]
+    seconds = [e.get("seconds", 0.0) for e in events]
+    return {"on": bool(config.gate), "every": config.gate_every, "checks": len(events),
+            "rejections": sum(e.get("kind") == "gate_rejected" for e in events),
+            "seconds_per_check": round(sum(seconds) / len(seconds), 2) if seconds else None,
+            "decisions": decisions}
 
 
 def _point_summary(p: CurvePoint) -> dict[str, Any]:
@@ -426,3 +463,7 @@ def print_result(summary: dict[str, Any], out: Callable[[str], None] = print) ->
         f"simulation {t.get('simulation_s', 0):.0f}s, evaluations "
         f"{t.get('eval_before_s', 0) + t.get('eval_during_s', 0) + t.get('eval_after_s', 0):.0f}s, "
         f"catch-up {t.get('catch_up_s', 0):.0f}s)")
+    g = summary.get("gate") or {}
+    if g.get("on"):
+        out(f"  publication gate: {g['checks']} checks (every {g['every']} steps), {g['rejections']} rejected, "
+            f"{g['seconds_per_check'] or 0:.1f}s per check")

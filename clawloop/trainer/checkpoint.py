@@ -23,6 +23,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,28 +66,21 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def save_checkpoint(run_dir: str | Path, step: int, policy_version: int, weights: dict[str, torch.Tensor],
-                    optimizer_state: dict[str, Any] | None, extra: dict[str, Any] | None = None,
-                    keep_last: int = 2) -> Path:
-    """Write checkpoint ``step_<step>`` atomically and point ``latest`` at it. Returns its folder."""
-    root = checkpoints_dir(run_dir)
+def write_folder_atomically(final: Path, write: Callable[[Path], None]) -> Path:
+    """Create folder ``final`` all at once: ``write(tmp)`` fills a hidden sibling folder, every file is flushed,
+    and the folder is renamed into place (replacing an older one of the same name). A crash leaves either the
+    old folder or the new one, never a half-written one; leftovers are hidden ``.tmp-``/``.old-`` folders."""
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    name = f"step_{int(step)}"
-    final = root / name
-    tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "weights.safetensors"))
-        if optimizer_state is not None:
-            torch.save(optimizer_state, tmp / "optimizer.pt")
-        state = {"step": int(step), "policy_version": int(policy_version), "created_at": time.time(),
-                 **(extra or {})}
-        (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+        write(tmp)
         for f in tmp.iterdir():
             _fsync_file(f)
         _fsync_dir(tmp)
-        if final.exists():  # the same step number again after a resume: the new one wins
-            old = root / f".old-{name}-{uuid.uuid4().hex[:8]}"
+        if final.exists():  # e.g. the same step number again after a resume: the new one wins
+            old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
             os.replace(final, old)
             shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, final)
@@ -94,6 +88,25 @@ def save_checkpoint(run_dir: str | Path, step: int, policy_version: int, weights
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def save_checkpoint(run_dir: str | Path, step: int, policy_version: int, weights: dict[str, torch.Tensor],
+                    optimizer_state: dict[str, Any] | None, extra: dict[str, Any] | None = None,
+                    keep_last: int = 2) -> Path:
+    """Write checkpoint ``step_<step>`` atomically and point ``latest`` at it. Returns its folder."""
+    root = checkpoints_dir(run_dir)
+    name = f"step_{int(step)}"
+
+    def write(tmp: Path) -> None:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "weights.safetensors"))
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / "optimizer.pt")
+        state = {"step": int(step), "policy_version": int(policy_version), "created_at": time.time(),
+                 **(extra or {})}
+        (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+
+    final = write_folder_atomically(root / name, write)
     pointer_tmp = root / f".{LATEST}-{uuid.uuid4().hex[:8]}"
     try:
         pointer_tmp.write_text(name + "\n")

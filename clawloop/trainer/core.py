@@ -3,8 +3,16 @@
 ``Trainer`` owns the training model, the optimizer, the step counter and the policy version, and turns one
 leased batch into one committed step:
 
-    prepare (join turns, drop what cannot train, with reasons) → train_step → publish → commit_step
-    → metrics → checkpoint (every ``checkpoint_every`` steps)
+    prepare (join turns, drop what cannot train, with reasons) → train_step → gate → publish or restore
+    → commit_step → metrics → checkpoint (every ``checkpoint_every`` steps)
+
+Publication (docs/publication-gate.md): every ``gate_every`` steps the publication gate
+(``clawloop.gate.gate``) checks the training model on the probe set. An accepted candidate gets a new version
+number from the store (never one used before, across restarts), is written to the version history
+(``trainer.versions``), recorded in the store and published; a rejected one is never served: the trainable
+weights and the optimizer state go back to the last accepted version's, and a ``gate_rejected`` event records the
+evidence. The rejected steps stay committed (their samples were consumed by them; the event names them), so
+nothing is lost silently and nothing is trained forever. With ``gate`` off every step is published unchecked.
 
 Ordering and crash safety:
 
@@ -17,24 +25,31 @@ Ordering and crash safety:
   checkpoint is repaired on resume by ``store.requeue_after_step(checkpoint step)``: every sample trains into
   the resumed weights exactly once.
 * Step numbers continue the store's: starting without ``resume`` in a run that already has steps continues
-  the numbering (with fresh weights, as asked).
+  the numbering (with fresh weights, as asked). Version numbers likewise come from the store.
+* Rollback (``rollback(version)``) loads a kept version's weights (and its optimizer state when kept, else a
+  fresh optimizer), serves it under its own number and training continues from it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import logging
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
 from clawloop.config import Config
+from clawloop.gate.gate import PublicationGate
 from clawloop.store import SampleRecord, Store
 from clawloop.trainer import checkpoint as ckpt
+from clawloop.trainer import versions as history
 from clawloop.trainer.batch import prepare_items
 from clawloop.trainer.metrics import MetricsWriter
 from clawloop.trainer.model import TrainModels, load_train_models, load_trainable_state_dict, \
@@ -70,10 +85,20 @@ def make_refresh(teacher: Any, loop: asyncio.AbstractEventLoop | None = None) ->
     return refresh
 
 
+@dataclass
+class AcceptedState:
+    """The last accepted version's trainable weights and optimizer state (CPU copies), restored on a rejection."""
+
+    version: int
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any] | None
+
+
 class Trainer:
     def __init__(self, config: Config, store: Store, engine: Any = None, *, run_dir: str | Path | None = None,
                  refresh: RefreshFn | None = None, models: TrainModels | None = None,
-                 console: TextIO | None = sys.stderr, keep_checkpoints: int = 2, fuse_old: bool | None = None):
+                 console: TextIO | None = sys.stderr, keep_checkpoints: int = 2, fuse_old: bool | None = None,
+                 on_gate: Callable[[dict[str, Any]], None] | None = None):
         self.config = config
         self.store = store
         self.engine = engine if engine is not None else LocalVersion()
@@ -88,6 +113,8 @@ class Trainer:
         self.needs_publish = False
         self.checkpoint_error: str | None = None
         """Why the last checkpoint write failed (None after a good one); a failed write is retried next step."""
+        self.pending_version: int | None = None
+        """An accepted version whose publication failed (retried before the next step)."""
         self.keep_checkpoints = keep_checkpoints
         self.fuse_old = fuse_old
         """None = read ℓ_old from the loss's own forward when one update per batch (see ``step``)."""
@@ -95,12 +122,74 @@ class Trainer:
         self.last_metrics: dict[str, Any] = {}
         self.max_context = self._max_context()
         self.vocab_size = int(self.models.causal_lm.get_output_embeddings().weight.shape[0])
+        self.on_gate = on_gate
+        """Called with every gate decision (``gate_event`` below), e.g. to print it."""
+        self.gate = self._make_gate() if config.gate else None
+        self.steps_since_check = 0
+        self.unchecked_steps: list[int] = []
+        self.gate_checks = 0
+        self.gate_rejections = 0
+        self.gate_seconds = 0.0
+        self.accepted = self._snapshot(self.policy_version)
+        if self.policy_version == 0 and not history.has_version(self.run_dir, 0):
+            self._save_version(0, self.step, {"starting_weights": True})
 
     def _max_context(self) -> int | None:
         ctx = getattr(self.engine, "max_context", None)
         if isinstance(ctx, int):
             return ctx
         return getattr(self.models.causal_lm.config, "max_position_embeddings", None)
+
+    def _make_gate(self) -> PublicationGate:
+        from clawloop.engines.model_files import load_tokenizer
+
+        c = self.config
+        return PublicationGate(load_tokenizer(self.models.model_dir), min_guard_pass=c.gate_min_guard_pass,
+                               max_kl=c.gate_max_kl, probe_tokens=c.gate_probe_tokens,
+                               recent_prompts=lambda: self.store.recent_prompts(c.gate_recent_prompts))
+
+    # ---- accepted state and version history ---------------------------------------------------------
+    def _snapshot(self, version: int) -> AcceptedState:
+        return AcceptedState(version=version, weights=trainable_state_dict(self.models),
+                             optimizer=copy.deepcopy(self.optimizer.state_dict()))
+
+    def _restore(self, state: AcceptedState) -> None:
+        load_trainable_state_dict(self.models, state.weights)
+        if state.optimizer is not None:
+            self.optimizer.load_state_dict(copy.deepcopy(state.optimizer))
+        else:
+            self.optimizer = make_optimizer(self.models, self.config)
+
+    def _save_version(self, version: int, step: int, evidence: dict[str, Any]) -> None:
+        history.save_version(self.run_dir, version, step, self.accepted.weights if version == self.accepted.version
+                             else trainable_state_dict(self.models), self.optimizer.state_dict(),
+                             lora=self.models.lora, evidence=evidence, keep_full=self.config.keep_full_versions)
+
+    @contextlib.contextmanager
+    def _gate_reference(self) -> Iterator[torch.nn.Module]:
+        """The model the gate compares the candidate with: the starting weights (LoRA: adapter off; full: the
+        frozen copy), else the last accepted weights swapped in for the duration."""
+        if self.models.lora:
+            with self.models.policy.disable_adapter():  # type: ignore[attr-defined]
+                yield self.models.causal_lm
+            return
+        if self.models.reference is not None:
+            yield self.models.reference
+            return
+        candidate = trainable_state_dict(self.models)
+        load_trainable_state_dict(self.models, self.accepted.weights)
+        try:
+            yield self.models.causal_lm
+        finally:
+            load_trainable_state_dict(self.models, candidate)
+
+    def _gate_event(self, kind: str, step: int, version: int | None, detail: dict[str, Any]) -> None:
+        self.store.record_event(kind, detail, step=step, version=version)
+        if self.on_gate is not None:
+            try:
+                self.on_gate({"kind": kind, "step": step, "version": version, **detail})
+            except Exception:  # noqa: BLE001 - a printing hook must not fail a step
+                log.exception("trainer: the gate hook failed")
 
     # ---- resume / checkpoint ------------------------------------------------------------------------
     def resume(self) -> dict[str, int]:
@@ -116,17 +205,30 @@ class Trainer:
         if bool(found.state.get("lora", self.models.lora)) != self.models.lora:
             raise RuntimeError(f"checkpoint {found.path} was written with lora={found.state.get('lora')}, "
                                f"this run has lora={self.models.lora}")
-        load_trainable_state_dict(self.models, found.weights)
-        if found.optimizer is not None:
-            self.optimizer.load_state_dict(found.optimizer)
-        for group in self.optimizer.param_groups:  # the configured lr wins over the saved one
-            group["lr"] = self.config.learning_rate
         requeued = self.store.requeue_after_step(found.step)
         self.step = found.step
         self.last_checkpoint_step = found.step
         self.policy_version = found.policy_version
-        if found.step > 0 or found.policy_version > 0:
-            self.policy_version = publish_weights(self.engine, self.models, version=found.policy_version)
+        if history.has_version(self.run_dir, found.policy_version):
+            # Serve the version's own weights: the checkpoint may hold steps not yet checked by the gate.
+            stored = history.load_version(self.run_dir, found.policy_version, map_location=self.models.device)
+            load_trainable_state_dict(self.models, stored.weights)
+            if found.policy_version > 0:
+                self.policy_version = publish_weights(self.engine, self.models, version=found.policy_version)
+            kept_optimizer = stored.optimizer if stored.optimizer is not None else found.optimizer
+            self.accepted = AcceptedState(found.policy_version, trainable_state_dict(self.models),
+                                          copy.deepcopy(kept_optimizer) if kept_optimizer is not None else None)
+            load_trainable_state_dict(self.models, found.weights)
+        else:  # a run from before the version history: the checkpoint's weights are its version's
+            load_trainable_state_dict(self.models, found.weights)
+            if found.step > 0 or found.policy_version > 0:
+                self.policy_version = publish_weights(self.engine, self.models, version=found.policy_version)
+        if found.optimizer is not None:
+            self.optimizer.load_state_dict(found.optimizer)
+        for group in self.optimizer.param_groups:  # the configured lr wins over the saved one
+            group["lr"] = self.config.learning_rate
+        if not history.has_version(self.run_dir, found.policy_version):
+            self.accepted = self._snapshot(self.policy_version)
         log.warning("trainer: resumed from %s (step %d, version %d); %d samples requeued", found.path.name,
                     found.step, self.policy_version, requeued)
         return {"step": found.step, "requeued": requeued, "policy_version": self.policy_version}
@@ -148,17 +250,90 @@ class Trainer:
             return self.save_checkpoint()
         return None
 
-    # ---- one batch ------------------------------------------------------------------------------------
+    # ---- publication ----------------------------------------------------------------------------------
     def publish(self) -> bool:
+        """Publish the training model's weights under ``pending_version``."""
         try:
-            self.policy_version = publish_weights(self.engine, self.models)
+            self.policy_version = publish_weights(self.engine, self.models, version=self.pending_version)
             self.needs_publish = False
+            self.pending_version = None
             return True
         except Exception:
             log.exception("trainer: publishing weights failed; will retry before the next step")
             self.needs_publish = True
             return False
 
+    def _accept(self, step: int, evidence: dict[str, Any]) -> bool:
+        """Give the current weights a new version number, keep them, record them and publish them."""
+        version = self.store.next_version(at_least=max(self.policy_version, self.accepted.version) + 1)
+        self.accepted = self._snapshot(version)
+        self._save_version(version, step, evidence)
+        self.store.record_version(version, step, "accepted", evidence)
+        self.pending_version = version
+        self.unchecked_steps = []
+        return self.publish()
+
+    def _check(self, step: int) -> tuple[bool, dict[str, Any]]:
+        """Run the gate when due. Returns (published, metrics about the gate)."""
+        self.unchecked_steps.append(step)
+        if self.gate is None:
+            return self._accept(step, {"gate": "off"}), {}
+        self.steps_since_check += 1
+        if self.steps_since_check < self.config.gate_every:
+            return False, {"gate_due_in": float(self.config.gate_every - self.steps_since_check)}
+        self.steps_since_check = 0
+        kl_to = "reference" if self.models.lora or self.models.reference is not None else "last_accepted"
+        result = self.gate.check(self.models.causal_lm, self._gate_reference, kl_to=kl_to)
+        self.gate_checks += 1
+        self.gate_seconds += result.seconds
+        metrics = {"gate_accepted": 1.0 if result.accepted else 0.0, "gate_guard_pass": result.guard_pass,
+                   "gate_kl": result.kl, "gate_s": result.seconds}
+        evidence = result.evidence()
+        steps = list(self.unchecked_steps)
+        if result.accepted:
+            published = self._accept(step, evidence)
+            log.info("trainer: step %d accepted by the publication gate as version %d (%s)", step,
+                     self.accepted.version, result.summary())
+            self._gate_event("gate_accepted", step, self.accepted.version, {"steps": steps, **evidence})
+            return published, metrics
+        self.gate_rejections += 1
+        self._restore(self.accepted)
+        self.unchecked_steps = []
+        self._gate_event("gate_rejected", step, self.policy_version,
+                         {"steps": steps, "restored_version": self.accepted.version, **evidence})
+        log.warning("trainer: step %d rejected by the publication gate (%s); back to version %d", step,
+                    "; ".join(result.reasons), self.accepted.version)
+        return False, metrics
+
+    def rollback(self, version: int) -> dict[str, Any]:
+        """Serve kept version ``version`` again and continue training from it. Blocking (training thread)."""
+        stored = history.load_version(self.run_dir, version, map_location=self.models.device)
+        if bool(stored.meta.get("lora", self.models.lora)) != self.models.lora:
+            raise ValueError(f"version {version} was written with lora={stored.meta.get('lora')}, this run has "
+                             f"lora={self.models.lora}")
+        previous = self.policy_version
+        load_trainable_state_dict(self.models, stored.weights)
+        if stored.optimizer is not None:
+            self.optimizer = make_optimizer(self.models, self.config)
+            self.optimizer.load_state_dict(stored.optimizer)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.config.learning_rate
+            optimizer = "restored"
+        else:
+            self.optimizer = make_optimizer(self.models, self.config)
+            optimizer = "reset (not kept for full fine-tuning)"
+        self.policy_version = publish_weights(self.engine, self.models, version=version)
+        self.needs_publish, self.pending_version = False, None
+        self.accepted = self._snapshot(version)
+        self.steps_since_check = 0
+        self.unchecked_steps = []
+        rolled_back = self.store.record_rollback(version, previous, {"optimizer": optimizer, "step": self.step})
+        log.warning("trainer: rolled back from version %d to version %d (optimizer %s)", previous, version,
+                    optimizer)
+        return {"version": self.policy_version, "from_version": previous, "rolled_back": rolled_back,
+                "optimizer": optimizer, "step": self.step}
+
+    # ---- one batch ------------------------------------------------------------------------------------
     def run_batch(self, lease_id: str, samples: list[SampleRecord],
                   should_stop: Callable[[], bool] | None = None) -> dict[str, Any] | None:
         """Train one step on a leased batch and commit it. Returns the step metrics, or None when no sample
@@ -178,9 +353,10 @@ class Trainer:
             return None
         metrics = train_step(self.models, self.optimizer, items, self.config, refresh=self.refresh,
                              fuse_old=self.fuse_old)
-        published = self.publish()
         step = self.step + 1
+        published, gate_metrics = self._check(step)
         metrics.update(stats.as_metrics())
+        metrics.update(gate_metrics)
         metrics.update({
             "step": step,
             "policy_version": self.policy_version,
@@ -216,6 +392,7 @@ class Trainer:
         """Close the metrics and let go of the weights and optimizer state (see ``HFEngine._release``)."""
         self.metrics.close()
         self.models = self.optimizer = None  # type: ignore[assignment]
+        self.accepted = None  # type: ignore[assignment]
 
 
 def _jsonable(metrics: dict[str, Any]) -> dict[str, Any]:

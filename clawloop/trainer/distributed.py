@@ -356,7 +356,7 @@ def distributed_train_step(models: TrainModels, optimizer: torch.optim.Optimizer
     n = len(items)
     mine = list(range(rank, n, world))
     reward_of = {id(items[i]): rewards[i] for i in mine}
-    groups = micro_batches([items[i] for i in mine], config.micro_batch_size)
+    groups = micro_batches([items[i] for i in mine], config.micro_batch_size, config.micro_batch_tokens)
     count = torch.tensor([len(groups)], dtype=torch.long, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     rounds = int(count.item())

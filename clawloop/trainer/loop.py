@@ -13,6 +13,9 @@
   failed batch's samples are then retried one per step, so samples that train fine go through and one that
   breaks every step it is in is isolated; after ``max_sample_failures`` failed steps it is dropped with reason
   ``train_error`` (never silently) instead of stopping training forever;
+* ``rollback(version)`` serves a kept version again (``Trainer.rollback``) once the step in progress, if any, has
+  finished; requests keep being answered meanwhile. A rollback asked for while no server ran
+  (``clawloop rollback RUN_DIR --to N``, recorded in the store's ``rollback_to``) is applied at ``start()``;
 * ``stop()`` lets a running step finish (a step cannot be cut in half without losing its samples' accounting),
   releases anything still leased, writes a final checkpoint when steps were taken since the last one, and
   closes the metrics sinks.
@@ -27,10 +30,12 @@ import asyncio
 import logging
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
 from clawloop.config import Config
+from clawloop.trainer.rollback import ROLLBACK_META
 from clawloop.memory import trim_heap
 from clawloop.store import Store
 from clawloop.trainer.core import Trainer, make_refresh
@@ -39,12 +44,13 @@ from clawloop.trainer.model import TrainModels
 log = logging.getLogger(__name__)
 
 
+
 class OnlineTrainer:
     def __init__(self, config: Config, store: Store, policy_engine: Any, teacher: Any = None, *,
                  run_dir: str | Path | None = None, resume: bool = False, poll_interval_s: float = 1.0,
                  error_backoff_s: float = 5.0, max_backoff_s: float = 300.0, max_sample_failures: int = 5,
                  models: TrainModels | None = None,
-                 console: TextIO | None = sys.stderr):
+                 console: TextIO | None = sys.stderr, on_gate: Callable[[dict[str, Any]], None] | None = None):
         self.config = config
         self.store = store
         self.engine = policy_engine
@@ -67,6 +73,8 @@ class OnlineTrainer:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._busy = False
+        self.on_gate = on_gate
+        self._model_lock: asyncio.Lock | None = None
 
     # ---- status (read by the API's status/metrics endpoints) ------------------------------------------
     @property
@@ -89,7 +97,16 @@ class OnlineTrainer:
     def status(self) -> dict[str, Any]:
         return {"step": self.step, "policy_version": self.policy_version, "training": self._busy,
                 "failures": self.failures, "last_error": self.last_error,
-                "samples_waiting": self.store.ready_count(), "last_metrics": self.last_metrics}
+                "samples_waiting": self.store.ready_count(), "last_metrics": self.last_metrics,
+                "gate": self.gate_status()}
+
+    def gate_status(self) -> dict[str, Any]:
+        core = self.core
+        if core is None:
+            return {}
+        return {"on": core.gate is not None, "checks": core.gate_checks, "rejections": core.gate_rejections,
+                "seconds_per_check": round(core.gate_seconds / core.gate_checks, 2) if core.gate_checks else None,
+                "accepted_version": core.accepted.version if core.accepted is not None else None}
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -98,12 +115,17 @@ class OnlineTrainer:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._stopping = False
+        self._model_lock = asyncio.Lock()
         refresh = make_refresh(self.teacher, self._loop)
         self.core = await asyncio.to_thread(
             Trainer, self.config, self.store, self.engine, run_dir=self.run_dir, refresh=refresh,
-            models=self._models, console=self._console)
+            models=self._models, console=self._console, on_gate=self.on_gate)
         if self.resume:
             self.resumed = await asyncio.to_thread(self.core.resume)
+        pending = self.store.get_meta(ROLLBACK_META)
+        if pending:
+            await asyncio.to_thread(self.core.rollback, int(pending))
+            self.store.set_meta(ROLLBACK_META, "")
         self._task = asyncio.create_task(self._run(), name="clawloop-trainer")
 
     def wake(self) -> None:
@@ -131,6 +153,13 @@ class OnlineTrainer:
             self._task = None
         if self.core is not None:
             await asyncio.to_thread(self._shutdown)
+
+    async def rollback(self, version: int) -> dict[str, Any]:
+        """Serve kept version ``version`` again and train on from it (after the step in progress)."""
+        if self.core is None or self._model_lock is None:
+            raise RuntimeError("the trainer has not started")
+        async with self._model_lock:
+            return await asyncio.to_thread(self.core.rollback, int(version))
 
     def _train_batch(self, lease_id: str, samples: list[Any]) -> None:
         assert self.core is not None
@@ -171,7 +200,9 @@ class OnlineTrainer:
                 quarantine -= 1
             self._busy = True
             try:
-                await asyncio.to_thread(self._train_batch, lease_id, samples)
+                assert self._model_lock is not None
+                async with self._model_lock:
+                    await asyncio.to_thread(self._train_batch, lease_id, samples)
                 consecutive = 0
                 for s in samples:
                     self._sample_failures.pop(s.turn_id, None)

@@ -66,12 +66,14 @@ def test_resume_restores_state_and_accounting_is_exact(make_config, base_model, 
     trained = [tid for s in steps for tid in s["turn_ids"]]
     assert sorted(trained) == sorted(turn_ids)  # every sample exactly once: none twice, none skipped
     assert store.count_samples() == {TurnState.CONSUMED: 10}
-    assert [s["policy_version"] for s in steps] == [1, 2, 3, 4, 5]
+    # Version 3 was served by the lost step's weights: it names those weights forever, so the resumed run's
+    # versions go on from 4.
+    assert [s["policy_version"] for s in steps] == [1, 2, 4, 5, 6]
     # Only the newest two checkpoints are kept; latest names the final one.
     names = sorted(p.name for p in ckpt.checkpoints_dir(config.run_dir).iterdir() if p.name.startswith("step_"))
     assert names == ["step_4", "step_5"]
     state = json.loads((ckpt.latest_checkpoint_path(config.run_dir) / "state.json").read_text())
-    assert state["step"] == 5 and state["policy_version"] == 5 and state["lora"] == lora
+    assert state["step"] == 5 and state["policy_version"] == 6 and state["lora"] == lora
     # metrics.jsonl is append-only: the lost step 3 stays recorded, followed by the resumed steps.
     assert [m["step"] for m in read_metrics(config.run_dir)] == [1, 2, 3, 3, 4, 5]
 

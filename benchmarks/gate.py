@@ -1,0 +1,88 @@
+"""Cost of the publication gate next to the cost of the training step it follows, on the default model.
+
+One process loads SmolLM2-135M-Instruct for training the way the demo does (LoRA r16, lr 1e-3, kl 0.05), writes
+``--steps × --samples`` served turns with real chat-template prompts and ``--tokens`` answer tokens into a
+temporary store, and runs ``--steps`` steps through ``clawloop.trainer.core.Trainer`` with the gate checking every
+step (the default). Each line shows the optimizer step's time and the gate check's time (greedy answers to the 12
+shipped probes plus the run's 4 recent prompts, ``gate_probe_tokens`` each, then the KL forward passes), and
+their ratio. The first check also answers every probe with the reference once (its verdicts are cached), so it
+is slower than the steady state.
+
+    .venv/bin/python benchmarks/gate.py                    # 3 steps of 4 samples x 64 tokens, 1 thread
+    .venv/bin/python benchmarks/gate.py --threads 2 --probe-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+FILLER = ("The meeting agreed to move the launch by a week, to ask the design team for two more mock-ups, "
+          "and to review the budget on Friday. ")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--probe-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--full", action="store_true", help="Full fine-tuning instead of LoRA.")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from clawloop.config import Config
+    from clawloop.engines.model_files import default_model_dir, load_tokenizer
+    from clawloop.store import SampleRecord, Store, TurnRecord
+    from clawloop.trainer.core import Trainer
+    from clawloop.trainer.publish import LocalVersion
+
+    model_dir = default_model_dir()
+    tokenizer = load_tokenizer(model_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Config.from_dict(dict(model=str(model_dir), device="cpu", run_dir=tmp, method="rl",
+                                       lora=not args.full, lr=1e-3, kl_coef=0.05, rollout_batch_size=args.samples,
+                                       gate_probe_tokens=args.probe_tokens, metrics_backends=["jsonl"]))
+        store = Store(Path(tmp) / "store.sqlite")
+        text_ids = tokenizer(FILLER * (args.tokens // 20 + 2), add_special_tokens=False)["input_ids"]
+        for i in range(args.samples * args.steps):
+            messages = [{"role": "user", "content": f"Question {i}: summarise the meeting notes in a sentence."}]
+            prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+            response = list(text_ids[i:i + args.tokens - 1]) + [2]
+            tid = store.add_turn(TurnRecord(session_id=f"s{i}", messages=messages, prompt_ids=prompt,
+                                            response_ids=response, logprobs=[-1.0] * args.tokens, temperature=0.6,
+                                            top_p=1.0, policy_version=0))
+            store.set_next_state(tid, [{"role": "user", "content": "thanks"}])
+            store.claim_judgeable(1)
+            store.put_sample(SampleRecord(turn_id=tid, reward=1.0 if i % 2 else -1.0, kind="rl"))
+        trainer = Trainer(config, store, LocalVersion(), console=None)
+        mode = "full fine-tuning" if args.full else f"LoRA r{config.lora_rank}"
+        print(f"gate benchmark: SmolLM2-135M-Instruct, {mode}, {args.threads} thread(s), batch {args.samples} x "
+              f"{args.tokens} tokens, {len(trainer.gate.shipped)} shipped probes + {config.gate_recent_prompts} "
+              f"recent prompts x {args.probe_tokens} tokens")
+        for _ in range(args.steps):
+            lease, leased = store.lease_samples(args.samples)
+            t0 = time.perf_counter()
+            m = trainer.run_batch(lease, leased)
+            wall = time.perf_counter() - t0
+            train_s, gate_s = m["step_time_s"], m.get("gate_s", 0.0)
+            print(f"step {m['step']}: train step {train_s:.2f}s | gate check {gate_s:.2f}s "
+                  f"(ratio gate/train {gate_s / train_s:.2f}) | whole step {wall:.2f}s | "
+                  f"{'accepted' if m.get('gate_accepted') else 'rejected'} guard {m.get('gate_guard_pass', 0):.2f} "
+                  f"KL {m.get('gate_kl', 0):.3f}")
+        trainer.close()
+        store.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Admin routes for the run's published versions (admin key, the same check as the trainer routes):
+
+* ``POST /v1/admin/rollback {"version": N}`` — serve kept version ``N`` again, at once: the embedded trainer loads
+  its weights (and its optimizer state when kept), the engine swaps them in between requests under the version
+  number ``N`` (the same weights, so the same number), and training continues from them. Requests are answered
+  throughout; the swap waits only for a training step in progress. 404 when the version is not kept, 409 when
+  this process has no embedded trainer (its weights come from elsewhere).
+* ``GET /v1/admin/versions`` — the version history: every version with its step, time, status and gate
+  verdict, the gate's counters and the recent gate/rollback/requeue events.
+
+See docs/publication-gate.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+
+from clawloop.api import safejson
+from clawloop.api.auth import require_admin
+from clawloop.api.errors import APIError
+from clawloop.store import Store
+
+RECENT_EVENTS = 50
+
+
+def mount_admin_routes(app: FastAPI, store: Store, config: Any, trainer: Callable[[], Any]) -> None:
+    """Add the ``/v1/admin/*`` version routes; ``trainer()`` returns the embedded ``OnlineTrainer`` or None."""
+
+    async def rollback(request: Request) -> Any:
+        require_admin(request, config)
+        try:
+            body = safejson.loads(await request.body())
+        except ValueError:
+            body = None
+        version = body.get("version") if isinstance(body, dict) else None
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2 ** 63:
+            raise APIError(400, "'version' must be an integer >= 0.", "invalid_request_error", "version", None)
+        online = trainer()
+        if online is None or online.core is None:
+            raise APIError(409, "Rollback needs the embedded trainer of this run (this server has none).",
+                           "invalid_request_error", None, "no_trainer")
+        try:
+            return {"object": "clawloop.rollback", **await online.rollback(version)}
+        except FileNotFoundError as exc:
+            raise APIError(404, str(exc), "invalid_request_error", "version", "version_not_found") from None
+        except ValueError as exc:
+            raise APIError(409, str(exc), "invalid_request_error", "version", None) from None
+
+    async def versions(request: Request) -> Any:
+        require_admin(request, config)
+        rows, events = await asyncio.gather(asyncio.to_thread(store.versions), asyncio.to_thread(store.events))
+        online = trainer()
+        return {
+            "object": "clawloop.versions",
+            "serving": getattr(getattr(online, "engine", None), "policy_version", None),
+            "gate": online.gate_status() if online is not None else {},
+            "versions": [{k: v for k, v in r.items() if k != "evidence"} | _verdict(r["evidence"]) for r in rows],
+            "events": [{k: v for k, v in e.items() if k != "detail"} | _verdict(e["detail"])
+                       for e in events[-RECENT_EVENTS:]],
+        }
+
+    app.add_api_route("/v1/admin/rollback", rollback, methods=["POST"])
+    app.add_api_route("/v1/admin/versions", versions, methods=["GET"])
+
+
+def _verdict(evidence: dict[str, Any]) -> dict[str, Any]:
+    """The short form of a gate verdict (the probe answers stay in the store and the version folder)."""
+    keep = ("accepted", "reasons", "guard_pass", "kl", "gate", "steps", "restored_version", "from_version",
+            "rolled_back", "optimizer")
+    return {k: evidence[k] for k in keep if k in evidence}

@@ -1,0 +1,8 @@
+"""The publication gate: a candidate version is checked on a probe set before anyone is served by it.
+
+* ``guard`` — the degeneracy guard (is an answer still a sound piece of text?);
+* ``probes`` — the general prompts shipped with clawloop that every candidate answers;
+* ``gate`` — the decision (greedy probe answers, guard regressions, KL to the reference), with its evidence.
+
+Design notes: docs/publication-gate.md.
+"""

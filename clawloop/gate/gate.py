@@ -1,0 +1,218 @@
+"""The publication decision: may this candidate version be served?
+
+The trainer calls ``PublicationGate.check(candidate, reference)`` in its own thread, on its own model, after an
+optimizer step; the serving engine keeps serving the last accepted version meanwhile, so no request waits.
+
+A check:
+
+1. builds the probe set: the shipped general prompts (``clawloop.gate.probes``) plus the run's most recent real
+   prompts (``recent_prompts`` from the store; prompts longer than ``MAX_PROMPT_TOKENS`` are left out to bound
+   the cost);
+2. generates the candidate's greedy answer to each probe (``probe_tokens`` at most);
+3. runs the degeneracy guard on every answer (text rules only: the gate asks "is this still language?", not
+   "is it on topic", since a learned style may legitimately answer in three words). A probe counts against the
+   candidate only when the reference answers it soundly: the shipped probes' reference verdicts are computed once,
+   a recent prompt's when it first appears. ``guard_pass`` = candidate-sound / reference-sound; the candidate
+   fails when it is below ``min_guard_pass``;
+4. measures KL(candidate || reference) at every position of the candidate's answers (full vocabulary, nats per
+   token, mean over all answer tokens); the candidate fails when it is above ``max_kl``. The reference is the
+   starting weights (LoRA: the adapter switched off; full fine-tuning: the frozen copy kept for ``kl_coef > 0``);
+   a full fine-tuning run without that copy measures against the last accepted weights instead.
+
+The result carries its evidence (every probe's answer, verdict, reasons and KL) for the store and the version
+history. Why these checks and thresholds: docs/publication-gate.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, ContextManager
+
+import torch
+
+from clawloop.gate.guard import check as guard_check
+from clawloop.gate.probes import PROBES
+
+MAX_PROMPT_TOKENS = 1024
+"""Recent prompts longer than this are not probed (an agent's multi-thousand-token prompt would make each check
+cost as much as a training step)."""
+
+
+@dataclass
+class ProbeOutcome:
+    source: str
+    """``shipped`` or ``recent:<turn id>``."""
+    prompt: str
+    answer: str
+    ok: bool
+    reasons: list[str]
+    reference_ok: bool
+    kl: float
+    tokens: int
+
+
+@dataclass
+class GateResult:
+    accepted: bool
+    reasons: list[str]
+    guard_pass: float
+    kl: float
+    kl_to: str
+    seconds: float
+    thresholds: dict[str, float]
+    probes: list[ProbeOutcome] = field(default_factory=list)
+
+    def summary(self) -> str:
+        verdict = "accepted" if self.accepted else "rejected (" + "; ".join(self.reasons) + ")"
+        return f"{verdict}: guard {self.guard_pass:.2f}, KL {self.kl:.2f} nats/token, {self.seconds:.1f}s"
+
+    def evidence(self) -> dict[str, Any]:
+        return {"accepted": self.accepted, "reasons": list(self.reasons), "guard_pass": self.guard_pass,
+                "kl": self.kl, "kl_to": self.kl_to, "seconds": round(self.seconds, 3),
+                "thresholds": dict(self.thresholds), "probes": [asdict(p) for p in self.probes]}
+
+
+@dataclass
+class _Probe:
+    source: str
+    prompt: str
+    ids: list[int]
+
+
+class PublicationGate:
+    """Checks candidates of one run (see the module docstring). Not thread-safe: the training thread owns it."""
+
+    def __init__(self, tokenizer: Any, *, min_guard_pass: float = 0.9, max_kl: float = 4.0, probe_tokens: int = 48,
+                 recent_prompts: Callable[[], Sequence[tuple[int, list[int]]]] | None = None,
+                 probes: Sequence[str] = PROBES):
+        self.tokenizer = tokenizer
+        self.min_guard_pass = float(min_guard_pass)
+        self.max_kl = float(max_kl)
+        self.probe_tokens = int(probe_tokens)
+        self.recent_prompts = recent_prompts
+        self.shipped = [_Probe("shipped", p, self._render(p)) for p in probes]
+        self._reference_ok: dict[str, bool] = {}
+        """Reference verdict per probe key (shipped prompt text or recent turn id); computed once each."""
+
+    def _render(self, prompt: str) -> list[int]:
+        out = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def probe_set(self) -> list[_Probe]:
+        probes = list(self.shipped)
+        for turn_id, ids in (self.recent_prompts() if self.recent_prompts else ()):
+            if 0 < len(ids) <= MAX_PROMPT_TOKENS:
+                probes.append(_Probe(f"recent:{turn_id}", self._last_user_text(ids), list(ids)))
+        return probes
+
+    def _last_user_text(self, ids: list[int]) -> str:
+        """A short readable form of a recent prompt for the evidence (its last 200 characters)."""
+        text = self.tokenizer.decode(ids[-80:], skip_special_tokens=True)
+        return text[-200:]
+
+    # ---- the check ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def check(self, candidate: torch.nn.Module, reference: Callable[[], ContextManager[torch.nn.Module]],
+              kl_to: str = "reference") -> GateResult:
+        """Decide on ``candidate`` (the training model as it is now). ``reference()`` enters a context in which
+        it yields the model to compare with (``kl_to`` names it in the evidence)."""
+        t0 = time.monotonic()
+        probes = self.probe_set()
+        prompts = [p.ids for p in probes]
+        answers, cand_lp = greedy_answers(candidate, prompts, self.probe_tokens, self._eos_ids())
+        missing = [p for p in probes if _key(p) not in self._reference_ok]
+        with reference() as ref:
+            if missing:
+                ref_answers, _ = greedy_answers(ref, [p.ids for p in missing], self.probe_tokens, self._eos_ids())
+                for p, ans in zip(missing, ref_answers):
+                    self._reference_ok[_key(p)] = guard_check(self._text(ans)).ok
+            ref_lp = answer_logprobs(ref, prompts, answers)
+        outcomes: list[ProbeOutcome] = []
+        kl_sum, kl_tokens = 0.0, 0
+        for p, ans, c_T_V, r_T_V in zip(probes, answers, cand_lp, ref_lp):
+            kl_T = (c_T_V.exp() * (c_T_V - r_T_V)).sum(-1) if len(ans) else torch.zeros(0)
+            kl_sum += float(kl_T.sum())
+            kl_tokens += len(ans)
+            verdict = guard_check(self._text(ans))
+            outcomes.append(ProbeOutcome(source=p.source, prompt=p.prompt, answer=self._text(ans), ok=verdict.ok,
+                                         reasons=list(verdict.reasons), reference_ok=self._reference_ok[_key(p)],
+                                         kl=float(kl_T.mean()) if len(ans) else 0.0, tokens=len(ans)))
+        counted = [o for o in outcomes if o.reference_ok]
+        guard_pass = sum(o.ok for o in counted) / len(counted) if counted else 1.0
+        kl = kl_sum / kl_tokens if kl_tokens else 0.0
+        reasons = []
+        if guard_pass < self.min_guard_pass:
+            failed = sorted({r for o in counted if not o.ok for r in o.reasons})
+            reasons.append(f"guard pass {guard_pass:.2f} < {self.min_guard_pass:.2f} ({', '.join(failed)})")
+        if not kl <= self.max_kl:  # also rejects a NaN
+            reasons.append(f"KL {kl:.2f} > {self.max_kl:.2f} nats/token")
+        return GateResult(accepted=not reasons, reasons=reasons, guard_pass=guard_pass, kl=kl, kl_to=kl_to,
+                          seconds=time.monotonic() - t0, probes=outcomes,
+                          thresholds={"min_guard_pass": self.min_guard_pass, "max_kl": self.max_kl,
+                                      "probe_tokens": float(self.probe_tokens)})
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _eos_ids(self) -> list[int]:
+        ids = {self.tokenizer.eos_token_id}
+        im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
+            ids.add(im_end)
+        return sorted(i for i in ids if i is not None)
+
+
+def _key(p: _Probe) -> str:
+    return p.prompt if p.source == "shipped" else p.source
+
+
+@torch.no_grad()
+def greedy_answers(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int,
+                   eos_ids: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy continuations of ``prompts`` (batched, left-padded, with a KV cache), each cut before its first
+    end-of-turn token or after ``max_tokens``, and the model's log-softmax ``[T, V]`` at each answer position
+    (read from the generation's own logits, so no second forward is needed)."""
+    if not prompts:
+        return [], []
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    pad = eos_ids[0] if eos_ids else 0
+    ids_B_L = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
+    mask_B_L = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        ids_B_L[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask_B_L[i, width - len(p):] = 1
+    out = model.generate(input_ids=ids_B_L, attention_mask=mask_B_L, max_new_tokens=max_tokens, do_sample=False,
+                         num_beams=1, use_cache=True, eos_token_id=eos_ids, pad_token_id=pad, temperature=None,
+                         top_p=None, top_k=None, output_logits=True, return_dict_in_generate=True)
+    logits_B_N_V = torch.stack(out.logits, dim=1)
+    answers, logprobs = [], []
+    for i, row in enumerate(out.sequences[:, width:].tolist()):
+        cut = next((j for j, t in enumerate(row) if t in eos_ids), len(row))
+        answers.append(row[:cut])
+        logprobs.append(torch.log_softmax(logits_B_N_V[i, :cut].float(), dim=-1))
+    return answers, logprobs
+
+
+@torch.no_grad()
+def answer_logprobs(model: torch.nn.Module, prompts: list[list[int]], answers: list[list[int]]) -> list[torch.Tensor]:
+    """Log-softmax ``[T, V]`` at the positions that predict each answer token (one right-padded forward)."""
+    if not prompts:
+        return []
+    device = next(model.parameters()).device
+    seqs = [p + a for p, a in zip(prompts, answers)]
+    width = max(len(x) for x in seqs)
+    ids_B_L = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+    mask_B_L = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+    for i, x in enumerate(seqs):
+        ids_B_L[i, :len(x)] = torch.tensor(x, dtype=torch.long)
+        mask_B_L[i, :len(x)] = 1
+    hidden_B_L_H = model.get_decoder()(input_ids=ids_B_L, attention_mask=mask_B_L, use_cache=False)[0]
+    head = model.get_output_embeddings()
+    out = []
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        logits_T_V = head(hidden_B_L_H[i, len(p) - 1:len(p) - 1 + len(a)])
+        out.append(torch.log_softmax(logits_T_V.float(), dim=-1))
+    return out

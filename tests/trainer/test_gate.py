@@ -1,0 +1,232 @@
+"""The publication gate, the version history and rollback, on the tiny model with a real serving engine.
+
+* a broken candidate (a real AdamW step at lr 1 toward one repeated token) is rejected and never served, while the
+  engine keeps answering requests during the check; training returns to the accepted weights and optimizer state;
+* rollback serves an earlier version's exact log-probs, training continues from it, and the next version gets a
+  fresh number;
+* version numbers stay unique across restarts with and without resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from clawloop.engines.base import SamplingParams, ScoreRequest
+from clawloop.engines.hf import HFEngine
+from clawloop.store import Store
+from clawloop.trainer import versions as history
+from clawloop.trainer.core import Trainer
+from clawloop.trainer.model import trainable_state_dict
+from clawloop.trainer.publish import LocalVersion
+
+from trainer_helpers import add_sample, render
+
+
+@pytest.fixture
+def engine(tiny_model_path):
+    engine = HFEngine(tiny_model_path, device="cpu", num_threads=1, max_batch_size=4)
+    yield engine
+    engine.close_sync()
+
+
+def _probe(tokenizer):
+    prompt = render(tokenizer, [{"role": "user", "content": "Tell me a joke."}])
+    response = list(tokenizer("Why did the chicken cross the road?", add_special_tokens=False)["input_ids"])
+    return prompt, response
+
+
+def _score(engine, prompt, response):
+    (result,) = asyncio.run(engine.score([ScoreRequest(prompt_ids=prompt, response_ids=response, top_k=4,
+                                                       temperature=1.0)]))
+    return result
+
+
+def _optimizer_tensors(optimizer):
+    return [t.clone() for state in optimizer.state_dict()["state"].values() for t in state.values()
+            if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_broken_candidate_is_rejected_and_never_served(make_config, base_model, tiny_tokenizer, tmp_path, engine,
+                                                         lora):
+    config = make_config(method="rl", lora=lora, lr=1e-3, gate_probe_tokens=16)
+    store = Store(tmp_path / "store.sqlite")
+    for i in range(2):
+        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i else -1.0)
+    broken = " the" * 40
+    for i in range(2, 4):
+        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0, answer=broken)
+    prompt, response = _probe(tiny_tokenizer)
+    decisions = []
+    trainer = Trainer(config, store, engine, console=None, on_gate=decisions.append)
+
+    healthy = trainer.run_batch(*store.lease_samples(2))
+    assert healthy["gate_accepted"] == 1.0 and healthy["published"] == 1.0 and engine.policy_version == 1
+    served_v1 = _score(engine, prompt, response)
+    accepted_weights = trainable_state_dict(trainer.models)
+    accepted_optimizer = _optimizer_tensors(trainer.optimizer)
+
+    # A real update at lr 1 toward one repeated token: the weights are wrecked.
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = 1.0
+    spans: list[float] = []
+    check = trainer.gate.check
+
+    def timed_check(*args, **kwargs):
+        spans.append(time.monotonic())
+        try:
+            return check(*args, **kwargs)
+        finally:
+            spans.append(time.monotonic())
+
+    trainer.gate.check = timed_check
+    answered: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def requests() -> None:  # a user keeps asking while the trainer works
+        async def loop() -> None:
+            while not stop.is_set():
+                gen = await engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4))
+                answered.append((time.monotonic(), gen.policy_version))
+
+        asyncio.run(loop())
+
+    user = threading.Thread(target=requests, daemon=True)
+    user.start()
+    try:
+        rejected = trainer.run_batch(*store.lease_samples(2))
+    finally:
+        stop.set()
+        user.join(60)
+
+    assert rejected["gate_accepted"] == 0.0 and rejected["published"] == 0.0
+    # Rejected on the evidence: the answers loop (guard) or drifted far from the reference (KL), or both.
+    assert rejected["gate_kl"] > config.gate_max_kl or rejected["gate_guard_pass"] < config.gate_min_guard_pass
+    # Never served: the engine still runs version 1, with exactly version 1's outputs.
+    assert engine.policy_version == 1 and rejected["policy_version"] == 1
+    after = _score(engine, prompt, response)
+    assert after.policy_version == 1
+    torch.testing.assert_close(after.logprobs_T, served_v1.logprobs_T, rtol=0, atol=0)
+    # Requests were answered while the gate ran, all by the accepted version.
+    start, end = spans
+    during = [v for t, v in answered if start <= t <= end]
+    assert during and set(during) == {1}
+    assert {v for _, v in answered} <= {1}
+    # Training went back to the accepted weights and optimizer state.
+    for key, value in trainable_state_dict(trainer.models).items():
+        torch.testing.assert_close(value, accepted_weights[key], rtol=0, atol=0)
+    for a, b in zip(accepted_optimizer, _optimizer_tensors(trainer.optimizer)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # The decision is recorded with its evidence; the step's samples are accounted for by the rejected step.
+    (event,) = store.events("gate_rejected")
+    assert event["step"] == 2 and event["detail"]["steps"] == [2] and event["detail"]["restored_version"] == 1
+    assert event["detail"]["reasons"] and not event["detail"]["accepted"]
+    assert len(event["detail"]["probes"]) >= 12 and all("answer" in p for p in event["detail"]["probes"])
+    assert [d["kind"] for d in decisions] == ["gate_accepted", "gate_rejected"]
+    assert [v["version"] for v in store.versions()] == [1]
+    steps = store.steps()
+    assert [(s["step"], s["policy_version"], s["metrics"]["published"]) for s in steps] == [(1, 1, 1.0),
+                                                                                           (2, 1, 0.0)]
+    assert store.count_samples() == {"consumed": 4}
+
+    # Training goes on from the accepted state: the next sound step is published as version 2.
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = 1e-3
+    add_sample(store, base_model, tiny_tokenizer, 4, reward=1.0)
+    add_sample(store, base_model, tiny_tokenizer, 5, reward=-1.0)
+    healthy = trainer.run_batch(*store.lease_samples(2))
+    assert healthy["gate_accepted"] == 1.0 and engine.policy_version == 2
+
+
+def test_rollback_serves_the_earlier_version_exactly_and_numbers_go_on(make_config, base_model, tiny_tokenizer,
+                                                                       tmp_path, engine):
+    config = make_config(method="rl", lora=True, lr=1e-2, gate_probe_tokens=8)
+    store = Store(tmp_path / "store.sqlite")
+    for i in range(6):
+        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i % 2 else -1.0)
+    prompt, response = _probe(tiny_tokenizer)
+    trainer = Trainer(config, store, engine, console=None)
+    v0 = _score(engine, prompt, response)
+    trainer.run_batch(*store.lease_samples(2))
+    v1 = _score(engine, prompt, response)
+    trainer.run_batch(*store.lease_samples(2))
+    v2 = _score(engine, prompt, response)
+    assert (v1.policy_version, v2.policy_version) == (1, 2)
+    assert (v2.logprobs_T - v1.logprobs_T).abs().max() > 1e-4
+    assert history.list_versions(config.run_dir) == [0, 1, 2]
+
+    result = trainer.rollback(1)
+    assert result["version"] == 1 and result["rolled_back"] == [2] and result["optimizer"] == "restored"
+    again = _score(engine, prompt, response)
+    assert again.policy_version == 1
+    torch.testing.assert_close(again.logprobs_T, v1.logprobs_T, rtol=0, atol=0)
+    torch.testing.assert_close(again.topk_logprobs_T_K, v1.topk_logprobs_T_K, rtol=0, atol=0)
+    assert torch.equal(again.topk_ids_T_K, v1.topk_ids_T_K)
+    assert [(v["version"], v["status"]) for v in store.versions()] == [(1, "accepted"), (2, "rolled_back")]
+    assert store.events("rollback")[0]["detail"]["from_version"] == 2
+
+    trainer.rollback(0)  # the starting weights are kept as version 0
+    torch.testing.assert_close(_score(engine, prompt, response).logprobs_T, v0.logprobs_T, rtol=0, atol=0)
+    trainer.rollback(1)
+
+    # Training continues from version 1; the next version is 3, never 2 again.
+    trainer.run_batch(*store.lease_samples(2))
+    assert engine.policy_version == 3
+    assert [s["policy_version"] for s in store.steps()] == [1, 2, 3]
+    with pytest.raises(FileNotFoundError):
+        trainer.rollback(9)
+
+
+def test_version_numbers_stay_unique_across_restarts(make_config, base_model, tiny_tokenizer, tmp_path):
+    config = make_config(method="rl", lora=True, lr=1e-2, checkpoint_every=1, gate_probe_tokens=8)
+    db = tmp_path / "store.sqlite"
+    store = Store(db)
+    for i in range(10):
+        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i % 2 else -1.0)
+
+    first = Trainer(config, store, LocalVersion(), console=None)
+    first.run_batch(*store.lease_samples(2))
+    first.run_batch(*store.lease_samples(2))
+    first.close()
+
+    # A restart without resume: fresh weights and an engine that starts at version 0 — the numbers go on.
+    second = Trainer(config, store, LocalVersion(), console=None)
+    assert second.step == 2
+    second.run_batch(*store.lease_samples(2))
+    assert second.policy_version == 3
+    second.close()
+
+    # A crash after a committed but not yet checkpointed step, then a restart with resume.
+    third = Trainer(config, store, LocalVersion(), console=None)
+    third.resume()
+    third.checkpoint_if_due = lambda force=False: None  # the process dies before its checkpoint
+    third.run_batch(*store.lease_samples(2))
+    assert third.policy_version == 4
+    store.close()
+
+    store = Store(db)
+    fourth = Trainer(config, store, LocalVersion(), console=None)
+    resumed = fourth.resume()
+    assert resumed["step"] == 3 and resumed["requeued"] == 2 and fourth.policy_version == 3
+    fourth.run_batch(*store.lease_samples(2))
+    assert fourth.policy_version == 5  # 4 named the lost step's weights
+
+    versions = [v["version"] for v in store.versions()]
+    assert versions == [1, 2, 3, 4, 5]
+    kept = {v: load_file(str(history.version_dir(config.run_dir, v) / "weights.safetensors")) for v in versions}
+    # Each number was given once, to one set of weights (v5 retrains v4's samples from the same checkpoint, so
+    # it may equal v4: one set of weights may have two numbers, never one number two sets).
+    for a in versions[:4]:
+        for b in versions[:4]:
+            if a < b:
+                assert any(not torch.equal(kept[a][k], kept[b][k]) for k in kept[a])
+    # Resume kept the lost step's record, and said so.
+    assert [s["step"] for s in store.requeued_steps()] == [4]
+    assert [e["detail"]["steps"] for e in store.events("requeue")] == [[4]]
+    assert [s["step"] for s in store.steps()] == [1, 2, 3, 4]
