@@ -188,7 +188,11 @@ def test_a_failed_checkpoint_write_leaves_the_step_standing(disk, mode, tiny_mod
 
     torch.set_num_threads(2)
     disk.watch_checkpoints()
-    config = Config.from_dict(dict(model=str(tiny_model_path), device="cpu", run_dir=str(disk.root / "run"),
+    # Only the checkpoints folder is on the full disk (the run's version history and metrics are not).
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").symlink_to(disk.root, target_is_directory=True)
+    config = Config.from_dict(dict(model=str(tiny_model_path), device="cpu", run_dir=str(run_dir),
                                    rollout_batch_size=2, micro_batch_size=2, checkpoint_every=1, lr=1e-3,
                                    metrics_backends=["jsonl"]))
     store = Store(tmp_path / "store.sqlite")  # the store lives elsewhere: only checkpoints hit the full disk

@@ -36,6 +36,7 @@ def deep(depth: int) -> object:
 tool_call = st.fixed_dictionaries({"id": nasty_text, "type": st.just("function"), "function": st.fixed_dictionaries(
     {"name": nasty_text, "arguments": st.one_of(nasty_text, st.just(json.dumps(deep(900))), json_values)})})
 message = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": nasty_text}),
     st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "tool", "assistant", "bogus"]),
                            "content": st.one_of(nasty_text, st.lists(st.one_of(nasty_text, json_values), max_size=3),
                                                 json_values)},

@@ -171,3 +171,23 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenised(shared_server):
     r = httpx.post(srv.base_url + URL, json=body, timeout=120)
     err = assert_openai_error(r.status_code, r.content, "context_length_exceeded")
     assert r.status_code == 400 and "at least" in err["message"]  # refused by the bound, not by tokenising
+
+
+def test_every_refusal_keeps_the_connection_usable(make_server):
+    srv = make_server(max_body_bytes=4096, api_key="k-1")
+    auth = {"Authorization": "Bearer k-1"}
+    big = {**GEN, "messages": [{"role": "user", "content": "x" * 10_000}]}
+    with RawConnection(srv.port) as conn:
+        for method, path, body, headers, status in (
+                ("POST", URL, big, auth, 413),
+                ("POST", URL, {**GEN, "messages": [{"role": "user", "content": "a"}]}, {}, 401),
+                ("GET", "/v1/nothing", None, {**auth, "Content-Type": None}, 404),
+                ("GET", URL, None, {**auth, "Content-Type": None}, 405),
+                ("POST", "/v1/sessions/nobody/end", None, {**auth, "Content-Type": None}, 404),
+                ("POST", URL, b"{not json", auth, 400),
+                ("POST", URL, b"x" * 5000, {**auth, "Content-Type": "text/plain"}, 415)):
+            got, _, out = conn.request(method, path, body, headers)
+            assert got == status, (path, out)
+            assert_openai_error(got, out)
+        got, _, out = conn.request("POST", URL, {**GEN, "messages": [{"role": "user", "content": "a"}]}, auth)
+        assert got == 200, out
