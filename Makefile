@@ -4,7 +4,7 @@ PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 STAMP   := .venv/.installed
 
-.PHONY: demo test test-vllm bench clean-venv
+.PHONY: demo test test-vllm test-openclaw bench clean-venv
 
 $(PY):
 	python3 -m venv .venv
@@ -20,11 +20,16 @@ $(STAMP): $(PY) pyproject.toml
 
 # The real-vLLM tests need their own virtualenv (.venv-vllm) and run in `make test-vllm`.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not vllm"
+	$(PY) -m pytest -q -m "not vllm and not openclaw"
 
 test-vllm: $(STAMP)
 	bash scripts/setup_vllm_venv.sh
 	$(PY) -m pytest -q -m vllm tests/vllm
+
+# The real OpenClaw (pinned Node 24 + OpenClaw from npm, into integrations/openclaw/node_modules) against clawloop.
+test-openclaw: $(STAMP)
+	bash scripts/setup_openclaw.sh
+	$(PY) -m pytest -q -m openclaw tests/openclaw
 
 demo: $(STAMP)
 	$(PY) -m clawloop.cli demo
@@ -33,4 +38,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/losses.py
 
 clean-venv:
-	rm -rf .venv .venv-vllm
+	rm -rf .venv .venv-vllm integrations/openclaw/node_modules

@@ -5,15 +5,14 @@
     python benchmarks/judge_accuracy.py --url http://host:8000/v1 --model Qwen/Qwen3-8B --key $KEY [--no-default]
     python benchmarks/judge_accuracy.py --rules --no-default  # the keyword judge (judge_backend = rules), instant
 
-The labelled set (``benchmarks/data/judge_cases.jsonl``) was written for clawloop: each case has the request,
-the assistant's answer (text or a tool call), the next state (user replies, tool results, or both), the expected
-evaluative vote (+1 / -1 / 0) and whether a hint is expected. ``--limit N`` takes a class-balanced prefix (cases are
-interleaved by (next-state role, expected vote) before cutting), so a short run still covers every class.
+The labelled set and the scoring live in the package (``clawloop.judge.check``, the code behind
+``clawloop judge check``, which checks one judge the way ``clawloop serve`` would build it); this script puts
+several judges side by side. ``--limit N`` takes a class-balanced prefix, so a short run still covers every class.
 
 Each judge runs exactly as the pipeline runs it (``clawloop.judge.votes.Judge``: same prompts, m votes of each
 kind, majority, hint candidates). Printed per judge: agreement of the majority vote with the label overall and per
 expected class, hint agreement (a candidate was accepted iff a hint was expected) with its precision and recall,
-the invalid-vote rate per kind, latency, and two trivial baselines for reference.
+the invalid-vote rate per kind, latency p50/p95, and trivial baselines for reference.
 """
 
 from __future__ import annotations
@@ -22,132 +21,18 @@ import argparse
 import asyncio
 import json
 import sys
-import time
-from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from clawloop.config import Config  # noqa: E402
+from clawloop.judge.check import (balanced_order, baselines, default_cases_path, load_cases,  # noqa: E402,F401
+                                  metrics, print_table, run_judge)
 from clawloop.judge.client import EngineJudgeClient, HTTPJudgeClient, JudgeClient  # noqa: E402
 from clawloop.judge.votes import Judge, JudgeSettings  # noqa: E402
-from clawloop.store import TurnRecord  # noqa: E402
 
-DATA = Path(__file__).resolve().parent / "data" / "judge_cases.jsonl"
-
-
-def load_cases(path: Path) -> list[dict[str, Any]]:
-    cases = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    for c in cases:
-        assert c["expected_vote"] in (1, -1, 0), c["id"]
-        assert isinstance(c["hint_expected"], bool), c["id"]
-    return cases
-
-
-def balanced_order(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Round-robin over (category, expected vote) groups, so every prefix covers all classes."""
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
-    for c in cases:
-        groups[(c["category"], c["expected_vote"])].append(c)
-    keys = sorted(groups, key=lambda k: (k[0], -k[1]))
-    out: list[dict[str, Any]] = []
-    while any(groups[k] for k in keys):
-        for k in keys:
-            if groups[k]:
-                out.append(groups[k].pop(0))
-    return out
-
-
-def case_turn(case: dict[str, Any], index: int) -> TurnRecord:
-    answer = {"role": "assistant", **case["answer"]}
-    return TurnRecord(session_id=f"bench-{case['id']}", messages=case["request"], prompt_ids=[], response_ids=[0],
-                      logprobs=[0.0], temperature=1.0, top_p=1.0, policy_version=0,
-                      response_text=answer.get("content") or "", assistant_message=answer,
-                      next_state=case["next_state"], id=index + 1)
-
-
-async def run_judge(judge: Judge, cases: list[dict[str, Any]], concurrency: int,
-                    progress: bool = True) -> tuple[list[dict[str, Any]], float]:
-    sem = asyncio.Semaphore(concurrency)
-    done = 0
-
-    async def one(i: int, case: dict[str, Any]) -> dict[str, Any]:
-        nonlocal done
-        async with sem:
-            out = await judge.judge(case_turn(case, i))
-        done += 1
-        if progress:
-            print(f"\r  {done}/{len(cases)} cases", end="", file=sys.stderr, flush=True)
-        return {
-            "id": case["id"], "category": case["category"], "expected_vote": case["expected_vote"],
-            "hint_expected": case["hint_expected"], "vote": out.reward, "candidates": out.candidates,
-            "eval_scores": [v.score for v in out.eval_votes], "hint_scores": [v.score for v in out.hint_votes],
-            "eval_errors": [v.error for v in out.eval_votes], "hint_errors": [v.error for v in out.hint_votes],
-            "raw": [v.raw_text for v in out.eval_votes + out.hint_votes],
-            "latency_s": [v.latency_s for v in out.eval_votes + out.hint_votes],
-        }
-
-    start = time.monotonic()
-    results = await asyncio.gather(*(one(i, c) for i, c in enumerate(cases)))
-    if progress:
-        print(file=sys.stderr)
-    return list(results), time.monotonic() - start
-
-
-def _pct(num: int, den: int) -> str:
-    return f"{100.0 * num / den:5.1f}% ({num}/{den})" if den else "   n/a"
-
-
-def metrics(results: list[dict[str, Any]], wall_s: float) -> dict[str, str]:
-    n = len(results)
-    row: dict[str, str] = {}
-    agree = sum(r["vote"] == r["expected_vote"] for r in results)
-    row["eval agreement"] = _pct(agree, n)
-    for cls, name in ((1, "+1"), (-1, "-1"), (0, " 0")):
-        sub = [r for r in results if r["expected_vote"] == cls]
-        row[f"  expected {name}"] = _pct(sum(r["vote"] == cls for r in sub), len(sub))
-    for cat in ("user", "tool"):
-        sub = [r for r in results if r["category"] == cat]
-        row[f"  next state {cat}"] = _pct(sum(r["vote"] == r["expected_vote"] for r in sub), len(sub))
-    predicted = Counter(r["vote"] for r in results)
-    row["votes given +1/-1/0"] = f"{predicted[1]}/{predicted[-1]}/{predicted[0]}"
-    got_hint = [bool(r["candidates"]) for r in results]
-    want = [r["hint_expected"] for r in results]
-    row["hint agreement"] = _pct(sum(g == w for g, w in zip(got_hint, want)), n)
-    tp = sum(g and w for g, w in zip(got_hint, want))
-    row["  hint precision"] = _pct(tp, sum(got_hint))
-    row["  hint recall"] = _pct(tp, sum(want))
-    eval_scores = [s for r in results for s in r["eval_scores"]]
-    hint_scores = [s for r in results for s in r["hint_scores"]]
-    row["invalid eval votes"] = _pct(sum(s is None for s in eval_scores), len(eval_scores))
-    row["invalid hint votes"] = _pct(sum(s is None for s in hint_scores), len(hint_scores))
-    errors = sum(bool(e) and "boxed" not in e for r in results for e in r["eval_errors"] + r["hint_errors"])
-    row["transport errors"] = str(errors)
-    latencies = sorted(x for r in results for x in r["latency_s"])
-    row["median vote latency"] = f"{latencies[len(latencies) // 2]:.1f} s" if latencies else "n/a"
-    row["wall time"] = f"{wall_s:.0f} s"
-    return row
-
-
-def baselines(cases: list[dict[str, Any]]) -> dict[str, str]:
-    n = len(cases)
-    return {
-        "always +1 (eval agreement)": _pct(sum(c["expected_vote"] == 1 for c in cases), n),
-        "always 0 (eval agreement)": _pct(sum(c["expected_vote"] == 0 for c in cases), n),
-        "never a hint (hint agreement)": _pct(sum(not c["hint_expected"] for c in cases), n),
-    }
-
-
-def print_table(columns: dict[str, dict[str, str]], title: str) -> None:
-    names = list(columns)
-    rows = list(next(iter(columns.values())))
-    width0 = max(len(r) for r in rows) + 2
-    widths = [max(len(name), *(len(columns[name][r]) for r in rows)) + 2 for name in names]
-    print(title)
-    print("".ljust(width0) + "".join(name.rjust(w) for name, w in zip(names, widths)))
-    for r in rows:
-        print(r.ljust(width0) + "".join(columns[name][r].rjust(w) for name, w in zip(names, widths)))
+DATA = default_cases_path()
 
 
 def default_client(config: Config, timeout_s: float) -> tuple[JudgeClient, Any]:
@@ -209,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.rules:
             from clawloop.judge.rules import RuleJudge
 
-            results, wall_s = await run_judge(RuleJudge(settings), cases, args.case_concurrency, progress=False)
+            results, wall_s = await run_judge(RuleJudge(settings), cases, args.case_concurrency)
             columns["rules"] = metrics(results, wall_s)
             details.extend({"judge": "rules", **r} for r in results)
         judges: list[tuple[str, JudgeClient, Any]] = []
@@ -222,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             judges.append((args.model or args.url, client, None))
         for name, client, engine in judges:
             print(f"judging with {name} ...", file=sys.stderr, flush=True)
-            results, wall_s = await run_judge(Judge(client, settings), cases, args.case_concurrency)
+            results, wall_s = await run_judge(Judge(client, settings), cases, args.case_concurrency,
+                                              progress=sys.stderr)
             columns[name] = metrics(results, wall_s)
             details.extend({"judge": name, **r} for r in results)
             await client.close()

@@ -17,6 +17,20 @@ the steady state.
 
     .venv/bin/python benchmarks/train_step.py                       # 4 samples x 256 tokens, 2 steps, full + LoRA
     .venv/bin/python benchmarks/train_step.py --samples 8 --tokens 512 --variants full,lora,full-sep
+
+Long prompts (``--lengths``): one sample per step with a prompt of each given length (an OpenClaw-sized agent
+prompt is 3-13k tokens) and a 128-token response, full and LoRA, under each ``--approaches`` entry:
+
+* ``today``  — the step as it was before the memory work: sdpa attention, every activation kept for the
+  backward (no checkpointing), no token budget;
+* ``eager``  — the same with eager attention (an ``[heads, L, L]`` matrix kept per layer);
+* ``new``    — the defaults: sdpa, activation checkpointing on long micro-batches, token budgets.
+
+Each case runs alone in a fresh subprocess that a watchdog kills once its resident memory passes ``--cap-gb``
+(an unbounded case would otherwise take the whole machine down); such a case prints as "> cap (stopped)".
+Peak resident memory is the child's VmHWM.
+
+    .venv/bin/python benchmarks/train_step.py --lengths 1024,4096,8192 --threads 2
 """
 
 from __future__ import annotations
@@ -113,6 +127,142 @@ def child(variant: str, samples: int, tokens: int, steps: int, threads: int) -> 
             "rss_after_load_mib": rss_loaded_kib / 1024, "peak_rss_mib": _status_kib("VmHWM") / 1024}
 
 
+APPROACHES = {
+    "today": {"attn_implementation": "sdpa", "gradient_checkpointing": "off", "max_train_tokens": 1 << 20,
+              "micro_batch_tokens": 1 << 20},
+    "eager": {"attn_implementation": "eager", "gradient_checkpointing": "off", "max_train_tokens": 1 << 20,
+              "micro_batch_tokens": 1 << 20},
+    "new": {},
+}
+LONG_RESPONSE_TOKENS = 128
+
+
+def child_long(variant: str, approach: str, prompt_tokens: int, threads: int) -> dict:
+    """One training step on one sample with a ``prompt_tokens``-token prompt (see the module docstring)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from clawloop.config import Config
+    from clawloop.engines.model_files import default_model_dir, load_tokenizer
+    from clawloop.store import SampleRecord, Store, TurnRecord
+    from clawloop.trainer.core import Trainer
+    from clawloop.trainer.publish import LocalVersion
+
+    model_dir = default_model_dir()
+    tokenizer = load_tokenizer(model_dir)
+    T = LONG_RESPONSE_TOKENS
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Config.from_dict(dict(model=str(model_dir), device="cpu", run_dir=tmp, method="hybrid",
+                                       lora=VARIANTS[variant]["lora"], rollout_batch_size=1,
+                                       metrics_backends=["jsonl"], **APPROACHES[approach]))
+        store = Store(Path(tmp) / "store.sqlite")
+        filler = tokenizer(FILLER * (prompt_tokens // 20 + 2), add_special_tokens=False)["input_ids"]
+        messages = [{"role": "user", "content": "Summarise the meeting notes."}]
+        head = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+        # The filler goes into the user message, before its "<|im_end|>" and the assistant header (6 tokens).
+        prompt = head[:-6] + list(filler[:prompt_tokens - len(head)]) + head[-6:]
+        response = list(filler[:T - 1]) + [2]
+        tid = store.add_turn(TurnRecord(session_id="s0", messages=messages, prompt_ids=prompt, response_ids=response,
+                                        logprobs=[-1.0] * T, temperature=0.6, top_p=1.0, policy_version=0))
+        store.set_next_state(tid, [{"role": "user", "content": "please fix it"}])
+        store.claim_judgeable(1)
+        gen = torch.Generator().manual_seed(0)
+        k, vocab = config.topk, len(tokenizer)
+        hints = ["Keep it to three bullet points.", "Mention the decision and the owner of each action."]
+        C = len(hints)
+        targets = {
+            "student_ids_T_K": torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(T)]),
+            "teacher_ids_C_T_K": torch.stack([torch.randperm(vocab, generator=gen)[:k]
+                                              for _ in range(C * T)]).reshape(C, T, k),
+            "teacher_logprobs_C_T_K": -torch.rand(C, T, k, generator=gen).sort(-1).values * 4,
+            "teacher_at_student_C_T_K": -torch.rand(C, T, k, generator=gen) * 8,
+            "hint_lens_C": torch.tensor([len(h) for h in hints]),
+        }
+        store.put_sample(SampleRecord(turn_id=tid, reward=1.0, kind="rl+opd", hints=hints, targets=targets))
+        trainer = Trainer(config, store, LocalVersion(), console=None)
+        rss_loaded_kib = _status_kib("VmRSS")
+        lease, leased = store.lease_samples(1)
+        t0 = time.perf_counter()
+        metrics = trainer.run_batch(lease, leased)
+        wall = time.perf_counter() - t0
+        trainer.close()
+        store.close()
+    return {"variant": variant, "approach": approach, "prompt_tokens": len(prompt), "wall_s": wall,
+            "step_time_s": metrics["step_time_s"], "loss": metrics["loss"],
+            "checkpointed": metrics.get("checkpointed_micro_batches", 0.0),
+            "rss_after_load_mib": rss_loaded_kib / 1024, "peak_rss_mib": _status_kib("VmHWM") / 1024}
+
+
+def _rss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def run_long_case(variant: str, approach: str, length: int, args: argparse.Namespace) -> dict:
+    """Run one case in a subprocess, killing it when its resident memory passes the cap."""
+    cmd = [sys.executable, __file__, "--child-long", f"{variant}:{approach}:{length}", "--threads", str(args.threads)]
+    cap_mib = args.cap_gb * 1024
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, text=True)
+        peak = 0.0
+        while proc.poll() is None:
+            rss = _rss_mib(proc.pid)
+            peak = max(peak, rss)
+            if rss > cap_mib:
+                proc.kill()
+                proc.wait()
+                return {"variant": variant, "approach": approach, "prompt_tokens": length, "stopped": True,
+                        "peak_rss_mib": peak}
+            time.sleep(0.05)
+        out.seek(0)
+        lines = out.read().strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return {"variant": variant, "approach": approach, "prompt_tokens": length, "failed": proc.returncode,
+                "peak_rss_mib": peak}
+    return json.loads(lines[-1])
+
+
+def report_long(results: list[dict], args: argparse.Namespace, approaches: list[str]) -> None:
+    print(f"\nOne training step on SmolLM2-135M-Instruct, CPU, {args.threads} threads: one sample, prompt of L tokens "
+          f"+ {LONG_RESPONSE_TOKENS} response tokens, method hybrid (2 hint candidates, k=4); watchdog cap "
+          f"{args.cap_gb:g} GB\n")
+
+    def cell(r: dict | None) -> tuple[str, str]:
+        if r is None:
+            return "-", "-"
+        if r.get("stopped"):
+            return f"> {args.cap_gb:g} GB (stopped)", "-"
+        if "failed" in r:
+            return f"failed ({r['failed']})", "-"
+        return f"{r['peak_rss_mib'] / 1024:.2f} GB", f"{r['step_time_s']:.1f} s"
+
+    by = {(r["variant"], r["approach"], r["prompt_tokens"]): r for r in results}
+    lengths = sorted({r["prompt_tokens"] for r in results})
+    header = f"{'variant':<6} {'L':>6} " + " ".join(f"{a + ' peak':>22} {a + ' time':>11}" for a in approaches)
+    if "new" in approaches and "today" in approaches:
+        header += f" {'peak new/today':>15} {'time new/today':>15}"
+    print(header)
+    print("-" * len(header))
+    for variant in ("full", "lora"):
+        for L in lengths:
+            row = f"{variant:<6} {L:>6} "
+            cells = [cell(by.get((variant, a, L))) for a in approaches]
+            row += " ".join(f"{m:>22} {t:>11}" for m, t in cells)
+            if "new" in approaches and "today" in approaches:
+                new, old = by.get((variant, "new", L)), by.get((variant, "today", L))
+                if new and old and "step_time_s" in new and "step_time_s" in old:
+                    row += f" {new['peak_rss_mib'] / old['peak_rss_mib']:>15.2f} " \
+                           f"{new['step_time_s'] / old['step_time_s']:>15.2f}"
+                else:
+                    row += f" {'-':>15} {'-':>15}"
+            print(row)
+
+
 def run_variant(variant: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child", variant, "--samples", str(args.samples), "--tokens", str(args.tokens),
            "--steps", str(args.steps), "--threads", str(args.threads)]
@@ -158,10 +308,35 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--variants", default="full,lora")
     parser.add_argument("--json", action="store_true", help="Print the raw results as JSON too.")
+    parser.add_argument("--lengths", default="",
+                        help="Comma-separated prompt lengths in tokens (e.g. 1024,4096,8192): run the long-prompt "
+                             "memory comparison instead of the throughput table.")
+    parser.add_argument("--approaches", default="today,eager,new", help="For --lengths: today, eager, new.")
+    parser.add_argument("--cap-gb", type=float, default=10.0,
+                        help="For --lengths: kill a case whose resident memory passes this many GB.")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-long", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.samples, args.tokens, args.steps, args.threads)))
+        return
+    if args.child_long:
+        variant, approach, length = args.child_long.split(":")
+        print(json.dumps(child_long(variant, approach, int(length), args.threads)))
+        return
+    if args.lengths:
+        approaches = [a.strip() for a in args.approaches.split(",") if a.strip()]
+        variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+        results = []
+        for variant in variants:
+            for length in [int(x) for x in args.lengths.split(",") if x.strip()]:
+                for approach in approaches:
+                    r = run_long_case(variant, approach, length, args)
+                    print(json.dumps(r), file=sys.stderr, flush=True)
+                    results.append(r)
+        report_long(results, args, approaches)
+        if args.json:
+            print(json.dumps(results, indent=2))
         return
     results = [run_variant(v.strip(), args) for v in args.variants.split(",") if v.strip()]
     report(results, args)

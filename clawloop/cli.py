@@ -5,6 +5,8 @@
     clawloop demo [--persona brief] [--interactions 48] [--seed 0] [--run-dir DIR] [--judge-url URL] ...
     clawloop eval [--methods rl,opd,hybrid] [--personas brief,inshort] [--seeds 0,1,2] [--out DIR] ...
     clawloop train ...
+    clawloop judge check [--backend rules|engine | --judge-url URL --judge-model M --judge-api-key-env VAR]
+    clawloop openclaw-config [--url http://127.0.0.1:30000] [--out ~/.openclaw/openclaw.json]
     clawloop rollback RUN_DIR --to N [--url http://127.0.0.1:30000] [--admin-key KEY]
 """
 
@@ -120,6 +122,50 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_judge_check(args: argparse.Namespace) -> int:
+    import os
+
+    from clawloop.judge.check import run_command
+
+    if args.backend:
+        args.judge_backend = args.backend
+    if args.judge_api_key_env:
+        key = os.environ.get(args.judge_api_key_env, "")
+        if not key:
+            print(f"clawloop judge check: ${args.judge_api_key_env} is empty or unset", file=sys.stderr)
+            return 2
+        args.judge_api_key = key
+    if args.judge_url and not args.judge_backend:
+        args.judge_backend = "http"
+    config = config_from_args(args)
+    return run_command(config, cases_path=Path(args.cases) if args.cases else None, limit=args.limit,
+                       case_concurrency=args.case_concurrency, details=Path(args.details) if args.details else None,
+                       as_json=args.json)
+
+
+def cmd_openclaw_config(args: argparse.Namespace) -> int:
+    from clawloop.openclaw_config import (OpenClawConfigError, build_config, limits_from_model, limits_from_server,
+                                          plugin_dir, write_config)
+
+    try:
+        if args.url:
+            limits = limits_from_server(args.url, args.api_key or "")
+        else:
+            limits = limits_from_model(args.model, args.host, args.port, args.served_model_name)
+        plugin = plugin_dir(args.plugin) if args.plugin else None
+        config = build_config(limits, max_tokens=args.max_tokens, lean=not args.full, plugin=plugin)
+    except OpenClawConfigError as exc:
+        print(f"clawloop openclaw-config: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        write_config(config, Path(args.out).expanduser())
+        print(f"wrote {args.out} (context {limits.context}, maxTokens "
+              f"{config['models']['providers']['clawloop']['models'][0]['maxTokens']})", file=sys.stderr)
+    else:
+        print(json.dumps(config, indent=2))
+    return 0
+
+
 def cmd_rollback(args: argparse.Namespace) -> int:
     from clawloop.trainer.rollback import rollback_command
 
@@ -179,6 +225,49 @@ def build_parser() -> argparse.ArgumentParser:
                             choices=["critical", "error", "warning", "info", "debug"],
                             help="Log level of the server and pipeline.")
     evaluation.set_defaults(func=cmd_eval)
+
+    judge = sub.add_parser("judge", help="Work with the judge.")
+    judge_sub = judge.add_subparsers(dest="judge_command", required=True)
+    check = judge_sub.add_parser(
+        "check", help="Score a judge on the labelled cases before trusting it with training.",
+        description="Build the judge the settings select (as `clawloop serve` would) and score it on the labelled "
+        "cases shipped with clawloop: agreement of its evaluative vote and of its hints with the labels, the "
+        "invalid-vote rate, and vote latency (p50/p95). Examples: `clawloop judge check` (the default judge), "
+        "`clawloop judge check --backend engine --num-threads 2`, `clawloop judge check --judge-url "
+        "http://host:8000/v1 --judge-model M --judge-api-key-env JUDGE_KEY`.")
+    add_cli_arguments(check)
+    check.add_argument("--backend", choices=["auto", "rules", "engine", "http"], default=None,
+                       help="Shorthand for --judge-backend.")
+    check.add_argument("--judge-api-key-env", metavar="VAR", default="",
+                       help="Read the judge endpoint's key from this environment variable.")
+    check.add_argument("--limit", type=int, default=0, help="Score a class-balanced subset of this many cases.")
+    check.add_argument("--cases", metavar="JSONL", default="", help="Another labelled set (same format).")
+    check.add_argument("--case-concurrency", type=int, default=4, help="Cases judged at once.")
+    check.add_argument("--details", metavar="JSONL", default="", help="Write per-case results here.")
+    check.add_argument("--json", action="store_true", help="Print the headline numbers as one JSON object.")
+    check.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                       help="Log level.")
+    check.set_defaults(func=cmd_judge_check)
+
+    oc = sub.add_parser("openclaw-config", help="Print (or write) an OpenClaw config for this server, from the "
+                        "served model's real context.",
+                        description="Generate the OpenClaw provider block and agent defaults for a clawloop server. "
+                        "With --url the limits come from the running server; otherwise from --model's folder.")
+    oc.add_argument("--url", default="", help="A running clawloop server, e.g. http://127.0.0.1:30000 (preferred).")
+    oc.add_argument("--api-key", default=None, help="The server's API key, if it has one (only to read its limits; "
+                    "the config refers to ${CLAWLOOP_API_KEY}).")
+    oc.add_argument("--model", default="default", help="Without --url: the model that will be served.")
+    oc.add_argument("--host", default="127.0.0.1", help="Without --url: the server's host.")
+    oc.add_argument("--port", type=int, default=30000, help="Without --url: the server's port.")
+    oc.add_argument("--served-model-name", default="clawloop", help="Without --url: the served model name.")
+    oc.add_argument("--max-tokens", type=int, default=512, help="Most tokens per answer (capped at a quarter of the "
+                    "context).")
+    oc.add_argument("--full", action="store_true", help="Keep OpenClaw's own prompt defaults (workspace files, "
+                    "skills, all tools): only for models with a large context.")
+    oc.add_argument("--plugin", default="", metavar="DIR", help="Load clawloop's OpenClaw plugin from DIR "
+                    "(integrations/openclaw/plugin): session ids and compaction marked by OpenClaw itself.")
+    oc.add_argument("--out", default="", help="Write here (e.g. ~/.openclaw/openclaw.json) instead of printing.")
+    oc.set_defaults(func=cmd_openclaw_config, log_level="warning")
 
     train = sub.add_parser("train", help="Train offline on the ready samples of a stored run (resumes from its "
                            "latest checkpoint).")

@@ -32,6 +32,7 @@ METHODS = ("hybrid", "rl", "opd", "combine", "topk_kl")
 HINT_SELECTIONS = ("sequence_optimal", "token_optimal", "shortest")
 SUBSET_MODES = ("student", "teacher", "overlap")
 OPD_ON_UNHINTED = ("skip", "anchor")
+ADVANTAGE_MODES = ("raw", "baseline", "hinted_opd", "balanced")
 JUDGE_CONTEXTS = ("none", "last_user", "full")
 TEACHERS = ("base", "policy")
 JUDGE_BACKENDS = ("auto", "engine", "http", "rules")
@@ -99,7 +100,19 @@ class Config:
     host: str = _f("127.0.0.1", "Address the API binds to (loopback unless told otherwise).")
     port: int = _f(30000, "Port of the OpenAI-compatible API.")
     api_key: str = _f("", "If set, clients must send 'Authorization: Bearer <api_key>'.", secret=True)
-    admin_key: str = _f("", "If set, admin operations (records, checkpoints) need this key.", secret=True)
+    admin_key: str = _f("", "Key of the admin routes (/v1/trainer/*, rollback). Empty: they refuse when any user key "
+                        "is set (see admin_uses_api_key) and answer only loopback, same-origin calls when none "
+                        "is (docs/security.md).", secret=True)
+    api_keys: list[str] = _f([], "Per-user keys (comma-separated): each one is a client of its own, whose "
+                             "sessions only that key can continue, read or end. api_key, when set, is one more.",
+                             secret=True)
+    api_keys_file: str = _f("", "File of per-user keys, one per line ('#' comments); adds to api_keys.")
+    admin_uses_api_key: bool = _f(False, "With no admin_key, let any user key open the admin routes (off: they "
+                                  "refuse while user keys are set).")
+    allowed_hosts: list[str] = _f([], "Host header names the API answers besides loopback ones (DNS-rebinding "
+                                  "guard); '*' answers any. Only enforced while bound to loopback, unless set.")
+    allowed_origins: list[str] = _f([], "Browser Origins (scheme://host[:port]) allowed besides loopback pages; "
+                                    "'*' allows any.")
     max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (bytes).")
     default_max_tokens: int = _f(512, "max_tokens when the client sends none.")
     default_temperature: float = _f(0.6, "Sampling temperature when the client sends none.")
@@ -110,11 +123,11 @@ class Config:
     run_dir: str = _f("runs/default", "Folder of this run: SQLite store, metrics, checkpoints, exports.")
 
     # ---- judge (process reward model) -----------------------------------------------------------------
-    judge_backend: str = _f("auto", "Who judges: auto (judge_url when set, else the embedded engine with the "
-                            "frozen base model), engine, http (judge_url), or rules (a zero-cost keyword judge that "
-                            "reads explicit thanks/corrections in the next state; for CPU demos and tests).")
-    judge_url: str = _f("", "OpenAI-compatible base URL of the judge (…/v1). Empty = the embedded engine with "
-                        "the frozen base model.")
+    judge_backend: str = _f("auto", "Who judges: auto (judge_url when set, else the rule judge), rules (a "
+                            "zero-cost keyword judge that reads explicit thanks/corrections in the next state), "
+                            "http (judge_url), or engine (the frozen base model in-process; too weak at 135M: "
+                            "check it with `clawloop judge check --backend engine`).")
+    judge_url: str = _f("", "OpenAI-compatible base URL of an LLM judge (…/v1). Empty = the rule judge.")
     judge_model: str = _f("", "Model name sent to the judge endpoint (empty = the endpoint's first model).")
     judge_api_key: str = _f("", "Bearer key for the judge endpoint.", secret=True)
     judge_temperature: float = _f(0.6, "Judge sampling temperature.")
@@ -122,9 +135,15 @@ class Config:
     prm_m: int = _f(3, "Votes of each kind (evaluative, hint) per turn.")
     judge_timeout_s: float = _f(120.0, "Time limit of one judge call.")
     judge_retries: int = _f(2, "Retries of a failed judge call (with backoff) before the vote counts as invalid.")
+    judge_turn_deadline_s: float = _f(0.0, "Time limit of judging one turn (its votes, their retries, then the "
+                                      "teacher). A vote that timed out is tried again only while this leaves "
+                                      "time. 0 = room for every retry: judge_timeout_s × (judge_retries + 1) + 60.")
     judge_context: str = _f("last_user", "What of the request the judge sees: none (answer + next state only, as "
                             "the original), last_user, or full conversation.")
     judge_concurrency: int = _f(4, "Judge calls in flight at once.")
+    judge_structured_output: str = _f("auto", "Hold an HTTP judge's votes to a valid form: auto (send a JSON "
+                                      "schema as response_format; if the endpoint rejects it, go on without and "
+                                      "remember), json_schema, regex (vLLM structured_outputs), or off.")
     judge_extra_body: dict[str, Any] = _f({}, "Extra fields merged into every request to judge_url, e.g. vLLM's "
                                           "structured outputs that hold a small judge to the vote format: "
                                           "{structured_outputs = {regex = '...'}} (see the README).")
@@ -150,6 +169,10 @@ class Config:
     kl_coef: float = _f(0.0, "Weight of the k3 KL to the reference (base) model.")
     entropy_coef: float = _f(0.0, "Weight of the entropy bonus.")
     group_norm: bool = _f(False, "Normalise rewards within a group when it has more than one sample.")
+    advantage_mode: str = _f("balanced", "GRPO advantages from a batch's votes: balanced (negatives scaled so "
+                             "the batch never pushes down more than it pushes up; an all -1 batch trains no "
+                             "GRPO term), baseline (r - batch mean), hinted_opd (a -1 turn with a hint gets only "
+                             "the distillation term), raw (A = r, the original). See docs/collapse-fix.md.")
     train_temperature: float = _f(0.0, "Temperature dividing logits in every train-side log-prob (student, old, "
                                   "teacher, reference). 0 = each turn's own sampling temperature (1.0 for greedy).")
 
@@ -172,6 +195,18 @@ class Config:
     staleness_mode: str = _f("tis", "tis (truncated importance weights), drop, or ignore.")
     tis_cap: float = _f(2.0, "Upper cap of truncated importance weights.")
     max_response_tokens: int = _f(2048, "Longest response trained on (longer ones are dropped with a reason).")
+    max_train_tokens: int = _f(8192, "Longest sample (prompt + response tokens) trained on; longer ones are "
+                               "dropped with reason too_long. Training memory grows linearly with it: 8192 "
+                               "keeps a full-weight step of the default model near 3 GB "
+                               "(docs/training-memory.md).")
+    micro_batch_tokens: int = _f(8192, "Most padded tokens (samples x longest sample) in one forward/backward: "
+                                 "a micro-batch holds up to micro_batch_size samples within this budget; a "
+                                 "longer sample goes alone.")
+    gradient_checkpointing: str = _f("auto", "Recompute each decoder layer's activations during the backward "
+                                     "instead of keeping them (less memory, ~30% more decoder time): on, off, or "
+                                     "auto (on for micro-batches of more than 2048 padded tokens).")
+    attn_implementation: str = _f("sdpa", "Attention kernel of the training model: sdpa (memory linear in "
+                                  "length) or eager (keeps an L x L matrix per head and layer; for comparison).")
     checkpoint_every: int = _f(10, "Save a checkpoint every N optimizer steps (and at shutdown).")
     metrics_backends: list[str] = _f(["jsonl"], "Where step metrics go: jsonl, tensorboard, wandb.")
     gate: bool = _f(True, "Publication gate: check every candidate version on the probe set (greedy answers to the "
@@ -229,9 +264,11 @@ class Config:
         choice("hint_selection", HINT_SELECTIONS)
         choice("subset_mode", SUBSET_MODES)
         choice("opd_on_unhinted", OPD_ON_UNHINTED)
+        choice("advantage_mode", ADVANTAGE_MODES)
         choice("judge_context", JUDGE_CONTEXTS)
         choice("teacher", TEACHERS)
         choice("judge_backend", JUDGE_BACKENDS)
+        choice("judge_structured_output", ("auto", "json_schema", "regex", "off"))
         if self.judge_backend == "http" and not self.judge_url:
             raise ConfigError("judge_backend='http' needs judge_url (the judge's OpenAI-compatible base URL)")
         choice("staleness_mode", STALENESS_MODES)
@@ -240,17 +277,21 @@ class Config:
         self._validate_vllm()
         choice("default_turn_type", ("main", "side"))
         choice("dtype", ("float32", "bfloat16", "float16"))
+        choice("gradient_checkpointing", ("auto", "on", "off"))
+        choice("attn_implementation", ("sdpa", "eager"))
         for name in ("topk", "max_candidates", "prm_m", "rollout_batch_size", "max_batch_size",
                      "default_max_tokens", "judge_max_tokens", "judge_concurrency", "lora_rank",
                      "steps_per_batch", "micro_batch_size", "checkpoint_every", "max_sessions",
-                     "max_response_tokens", "max_body_bytes", "gate_every", "gate_probe_tokens",
-                     "keep_full_versions"):
+                     "max_response_tokens", "max_body_bytes", "max_train_tokens", "micro_batch_tokens",
+                     "gate_every", "gate_probe_tokens", "keep_full_versions"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
         for name in ("kl_coef", "entropy_coef", "weight_decay", "hint_min_chars", "max_staleness",
                      "judge_retries", "num_threads", "default_temperature", "judge_temperature",
                      "train_temperature"):
             positive(name, 0.0, strict=False)
+        if self.judge_turn_deadline_s < 0:
+            raise ConfigError(f"judge_turn_deadline_s must be >= 0 (0 = automatic), got {self.judge_turn_deadline_s}")
         for name in ("judge_timeout_s", "session_idle_timeout_s", "lora_alpha", "tis_cap"):
             positive(name)
         if self.lr is not None:

@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from clawloop.judge.describe import judge_backend, startup_message
 from clawloop.judge.votes import Judge, Judgement
 from clawloop.store import SampleRecord, Store, TurnRecord, TurnState, VoteRecord
 from clawloop.teacher import Teacher
@@ -57,6 +58,12 @@ def default_turn_deadline_s(config: Any, backoff_s: float = 0.5) -> float:
     return float(config.judge_timeout_s) * (retries + 1) + backoff_total + 60.0
 
 
+def configured_turn_deadline_s(config: Any) -> float:
+    """``judge_turn_deadline_s`` when set, else ``default_turn_deadline_s``."""
+    configured = float(getattr(config, "judge_turn_deadline_s", 0.0) or 0.0)
+    return configured if configured > 0 else default_turn_deadline_s(config)
+
+
 class Pipeline:
     def __init__(self, store: Store, config: Any, *, judge: Judge, teacher: Teacher | None = None,
                  concurrency: int = 2, poll_interval_s: float = 2.0, turn_deadline_s: float | None = None,
@@ -67,7 +74,7 @@ class Pipeline:
         self.teacher = teacher
         self.concurrency = max(1, int(concurrency))
         self.poll_interval_s = float(poll_interval_s)
-        self.turn_deadline_s = float(turn_deadline_s) if turn_deadline_s else default_turn_deadline_s(config)
+        self.turn_deadline_s = float(turn_deadline_s) if turn_deadline_s else configured_turn_deadline_s(config)
         self.max_attempts = int(max_attempts)
         self.on_sample = on_sample
         self.want_eval = bool(config.needs_eval_votes)
@@ -89,6 +96,7 @@ class Pipeline:
         """Recover interrupted work, then start claiming turns. Returns what recovery moved."""
         if self._runner is not None:
             raise RuntimeError("pipeline already started")
+        log.warning("%s", startup_message(self.config))
         recovered = self.store.recover()
         if any(recovered.values()):
             log.warning("clawloop pipeline: recovered %s", recovered)
@@ -297,15 +305,6 @@ def load_base_engine(config: Any) -> Any:
                     num_threads=config.num_threads, model_name=f"{config.served_model_name}-base")
 
 
-def judge_backend(config: Any) -> str:
-    """Who judges: ``rules``, ``http`` (``judge_url``) or ``engine`` (the frozen base model); ``auto`` picks http
-    when ``judge_url`` is set, else engine."""
-    backend = getattr(config, "judge_backend", "auto") or "auto"
-    if backend == "auto":
-        return "http" if config.judge_url else "engine"
-    return backend
-
-
 def build_judge(config: Any, *, base_engine: Any = None, render: Callable[..., list[int]] | None = None,
                 backoff_s: float = 0.5) -> Judge:
     """The judge ``judge_backend`` asks for: keyword rules, an HTTP endpoint, or the frozen base engine."""
@@ -322,7 +321,8 @@ def build_judge(config: Any, *, base_engine: Any = None, render: Callable[..., l
         client: Any = HTTPJudgeClient(config.judge_url, config.judge_model, config.judge_api_key,
                                       timeout_s=config.judge_timeout_s, retries=config.judge_retries,
                                       backoff_s=backoff_s, concurrency=config.judge_concurrency,
-                                      extra_body=getattr(config, "judge_extra_body", None))
+                                      extra_body=getattr(config, "judge_extra_body", None),
+                                      structured=getattr(config, "judge_structured_output", "auto"))
     else:
         if base_engine is None or render is None:
             raise ValueError("the embedded judge needs the frozen base engine and the chat renderer")

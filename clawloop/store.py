@@ -73,6 +73,8 @@ class TurnRecord:
     finish_reason: str = "stop"
     turn_index: int = 0
     created_at: float = field(default_factory=time.time)
+    owner: str = ""
+    """Fingerprint of the per-user key whose session this is ("" without per-user keys); never the key."""
     # Filled later:
     next_state: list[dict[str, Any]] | None = None
     """All messages that came after the stored answer in the session's next main request."""
@@ -260,6 +262,7 @@ class Store:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(_SCHEMA)
+        self._add_missing_columns()
         with self._tx() as db:
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
@@ -268,6 +271,16 @@ class Store:
                 raise RuntimeError(f"{self.path} has schema {row['value']}, this clawloop reads {SCHEMA_VERSION}")
 
     # ---- plumbing -------------------------------------------------------------------------------------
+    _ADDED_COLUMNS = (("turns", "owner", "TEXT NOT NULL DEFAULT ''"),)
+    """Columns newer than a store file may be; added in place on open (old rows get the default)."""
+
+    def _add_missing_columns(self) -> None:
+        with self._tx() as db:
+            for table, column, decl in self._ADDED_COLUMNS:
+                have = {r["name"] for r in db.execute(f"PRAGMA table_info({table})").fetchall()}
+                if column not in have:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+
     class _Tx:
         def __init__(self, store: "Store"):
             self.store = store
@@ -278,8 +291,22 @@ class Store:
             return self.store._db
 
         def __exit__(self, exc_type, exc, tb) -> None:
+            db = self.store._db
             try:
-                self.store._db.execute("ROLLBACK" if exc_type else "COMMIT")
+                if exc_type:
+                    db.execute("ROLLBACK")
+                else:
+                    try:
+                        db.execute("COMMIT")
+                    except sqlite3.Error:
+                        # A failed COMMIT (disk full) leaves the transaction open: roll it back so the next
+                        # transaction can begin once space returns, then report the failure.
+                        if db.in_transaction:
+                            try:
+                                db.execute("ROLLBACK")
+                            except sqlite3.Error:
+                                pass
+                        raise
             finally:
                 self.store._lock.release()
 
@@ -307,10 +334,10 @@ class Store:
         now = time.time()
         with self._tx() as db:
             cur = db.execute(
-                "INSERT INTO turns (session_id, turn_index, state, reason, created_at, updated_at, messages, tools,"
-                " prompt_ids, response_ids, logprobs, temperature, top_p, policy_version, response_text,"
-                " assistant_message, finish_reason, next_state) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (turn.session_id, turn.turn_index, str(turn.state), turn.reason, turn.created_at, now,
+                "INSERT INTO turns (session_id, owner, turn_index, state, reason, created_at, updated_at, messages,"
+                " tools, prompt_ids, response_ids, logprobs, temperature, top_p, policy_version, response_text,"
+                " assistant_message, finish_reason, next_state) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (turn.session_id, turn.owner, turn.turn_index, str(turn.state), turn.reason, turn.created_at, now,
                  json.dumps(turn.messages, ensure_ascii=False),
                  None if turn.tools is None else json.dumps(turn.tools, ensure_ascii=False),
                  _ids_blob(turn.prompt_ids), _ids_blob(turn.response_ids), _floats_blob(turn.logprobs),
@@ -325,7 +352,8 @@ class Store:
     @staticmethod
     def _turn_from_row(row: sqlite3.Row) -> TurnRecord:
         return TurnRecord(
-            id=row["id"], session_id=row["session_id"], turn_index=row["turn_index"], state=row["state"],
+            id=row["id"], session_id=row["session_id"], owner=row["owner"], turn_index=row["turn_index"],
+            state=row["state"],
             reason=row["reason"], created_at=row["created_at"], updated_at=row["updated_at"],
             messages=json.loads(row["messages"]), tools=json.loads(row["tools"]) if row["tools"] else None,
             prompt_ids=_ids_from(row["prompt_ids"]), response_ids=_ids_from(row["response_ids"]),
@@ -408,6 +436,17 @@ class Store:
             rows = self._db.execute("SELECT reason, COUNT(*) AS n FROM turns WHERE state=? GROUP BY reason",
                                     (TurnState.DROPPED,)).fetchall()
         return {r["reason"]: r["n"] for r in rows}
+
+    def vote_stats(self, top_errors: int = 3) -> dict[str, Any]:
+        """Judge votes recorded: how many, how many were invalid (no score), and the commonest errors."""
+        with self._lock:
+            row = self._db.execute("SELECT COUNT(*) AS n, SUM(score IS NULL) AS bad FROM votes").fetchone()
+            errors = self._db.execute(
+                "SELECT substr(error, 1, 120) AS e, COUNT(*) AS n FROM votes WHERE score IS NULL AND error != '' "
+                "GROUP BY e ORDER BY n DESC LIMIT ?", (int(top_errors),)).fetchall()
+        total, invalid = int(row["n"] or 0), int(row["bad"] or 0)
+        return {"votes": total, "invalid": invalid, "invalid_rate": round(invalid / total, 4) if total else None,
+                "top_errors": {r["e"]: r["n"] for r in errors}}
 
     def recover(self) -> dict[str, int]:
         """At start-up: put interrupted work back where it can be picked up again.
@@ -517,13 +556,22 @@ class Store:
                 db.execute("UPDATE turns SET state=? WHERE id=?", (TurnState.READY, tid))
         return len(ids)
 
-    def drop_leased_sample(self, turn_id: int, reason: str) -> None:
-        """A leased sample the trainer will not use (too stale, too long): record why, never retry it."""
+    def drop_leased_sample(self, turn_id: int, reason: str, lease_id: str | None = None) -> bool:
+        """A leased sample the trainer will not use (too stale, too long): record why, never retry it. Only a
+        sample that is leased (under ``lease_id`` when given) moves; returns whether it did, and the turn moves
+        with it or not at all."""
         with self._tx() as db:
-            db.execute("UPDATE samples SET state=?, lease_id='' WHERE turn_id=? AND state=?",
-                       (TurnState.DROPPED, turn_id, TurnState.LEASED))
+            if lease_id is None:
+                cur = db.execute("UPDATE samples SET state=?, lease_id='' WHERE turn_id=? AND state=?",
+                                 (TurnState.DROPPED, turn_id, TurnState.LEASED))
+            else:
+                cur = db.execute("UPDATE samples SET state=?, lease_id='' WHERE turn_id=? AND state=? AND lease_id=?",
+                                 (TurnState.DROPPED, turn_id, TurnState.LEASED, lease_id))
+            if cur.rowcount != 1:
+                return False
             db.execute("UPDATE turns SET state=?, reason=?, updated_at=? WHERE id=?",
                        (TurnState.DROPPED, reason, time.time(), turn_id))
+            return True
 
     def commit_step(self, lease_id: str, step: int, policy_version: int, metrics: dict[str, Any],
                     turn_ids: list[int]) -> None:

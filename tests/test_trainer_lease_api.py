@@ -142,7 +142,8 @@ def test_without_admin_key_routes_answer_only_on_loopback(tmp_path):
         install_error_handlers(app)
         config = Config.from_dict(dict(host=host, admin_key=""))
         mount_trainer_routes(app, store, LocalVersion(), config)
-        with TestClient(app) as client:
+        # Called from a loopback peer: the bind address decides (other peers are refused in tests/security).
+        with TestClient(app, base_url="http://127.0.0.1", client=("127.0.0.1", 50000)) as client:
             assert client.get("/v1/trainer/state").status_code == status, host
             assert client.post("/v1/trainer/lease", json={"n": 1}).status_code == status, host
     store.close()

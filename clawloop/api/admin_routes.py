@@ -20,8 +20,9 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.requests import Request
 
+from clawloop.api import safejson
+from clawloop.api.auth import require_admin
 from clawloop.api.errors import APIError
-from clawloop.api.trainer_routes import authorise_admin
 from clawloop.store import Store
 
 RECENT_EVENTS = 50
@@ -31,13 +32,13 @@ def mount_admin_routes(app: FastAPI, store: Store, config: Any, trainer: Callabl
     """Add the ``/v1/admin/*`` version routes; ``trainer()`` returns the embedded ``OnlineTrainer`` or None."""
 
     async def rollback(request: Request) -> Any:
-        authorise_admin(request, config)
+        require_admin(request, config)
         try:
-            body = await request.json()
-        except Exception:
+            body = safejson.loads(await request.body())
+        except ValueError:
             body = None
         version = body.get("version") if isinstance(body, dict) else None
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2 ** 63:
             raise APIError(400, "'version' must be an integer >= 0.", "invalid_request_error", "version", None)
         online = trainer()
         if online is None or online.core is None:
@@ -51,7 +52,7 @@ def mount_admin_routes(app: FastAPI, store: Store, config: Any, trainer: Callabl
             raise APIError(409, str(exc), "invalid_request_error", "version", None) from None
 
     async def versions(request: Request) -> Any:
-        authorise_admin(request, config)
+        require_admin(request, config)
         rows, events = await asyncio.gather(asyncio.to_thread(store.versions), asyncio.to_thread(store.events))
         online = trainer()
         return {

@@ -36,7 +36,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from clawloop.api.auth import require_key
+from clawloop.api import safejson
+from clawloop.api.auth import KeyRing, require_user
 from clawloop.api.chat import (
     ChatRenderer,
     RenderedPrompt,
@@ -45,7 +46,9 @@ from clawloop.api.chat import (
     assistant_message,
     parse_answer,
 )
+from clawloop.api.client_traffic import housekeeping_kind
 from clawloop.api.errors import APIError, bad_request, install_error_handlers
+from clawloop.api.guard import BrowserGuard, CatchAll
 from clawloop.api.metrics import ServingMetrics, labelled
 from clawloop.api.schemas import (
     ChatRequest,
@@ -58,6 +61,7 @@ from clawloop.api.sessions import SessionManager, TurnContext
 from clawloop.api.streaming import DONE, ChunkMaker, GuardedStreamingResponse, sse
 from clawloop.config import Config
 from clawloop.engines.base import Engine, EngineError, Generation, PromptTooLongError, SamplingParams, TokenEvent
+from clawloop.judge.describe import describe as describe_judge
 from clawloop.store import Store, TurnRecord
 
 log = logging.getLogger("clawloop.api")
@@ -93,8 +97,11 @@ async def read_json_body(request: Request, max_bytes: int) -> Any:
     if not raw.strip():
         raise bad_request("The request body is empty; send a JSON object.", None, "invalid_body")
     try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        return safejson.loads(raw)
+    except safejson.JSONLimitError as exc:
+        raise bad_request(f"The request body is outside the limits: {exc}.", exc.path or None, "invalid_json") \
+            from None
+    except ValueError as exc:  # UnicodeDecodeError is a ValueError
         raise bad_request(f"The request body is not valid JSON: {str(exc)[:200]}", None, "invalid_json") from None
 
 
@@ -103,6 +110,16 @@ async def read_json_body(request: Request, max_bytes: int) -> Any:
 
 def _headers(session_id: str, policy_version: int) -> dict[str, str]:
     return {"X-Session-Id": session_id, POLICY_VERSION_HEADER: str(policy_version)}
+
+
+def warn_context_overflow(prompt_len: int, context: int, max_tokens: int | None) -> None:
+    """Say in the server log why a client gets ``context_length_exceeded``: clients often only report 'context
+    overflow' and the person running the server has to know which side to change."""
+    asked = f" + {max_tokens} completion tokens requested" if max_tokens is not None else ""
+    log.warning("prompt of %d tokens%s does not fit the served context of %d tokens; the request is refused "
+                "(400 context_length_exceeded). Shorten the client's prompt (for OpenClaw: `clawloop "
+                "openclaw-config` writes settings that fit this model) or serve a model with a longer context.",
+                prompt_len, asked, context)
 
 
 @dataclasses.dataclass
@@ -131,7 +148,7 @@ class ChatService:
         self.started_at = int(time.time())
         self.end_ids = frozenset(getattr(self.tokenizer, "all_special_ids", []) or []) | frozenset(
             getattr(engine, "eos_token_ids", ()) or ())
-        self.extra_stats: dict[str, int] = {"streams_abandoned": 0, "engine_errors": 0}
+        self.extra_stats: dict[str, int] = {"streams_abandoned": 0, "engine_errors": 0, "requests_abandoned": 0}
 
     # ---- preparation ---------------------------------------------------------------------------------
     def prepare(self, body: Any, headers: Any, path_session_id: str | None) -> PreparedChat:
@@ -144,8 +161,16 @@ class ChatService:
         turn_type = req.turn_type
         if headers.get(TURN_TYPE_HEADER) is not None:
             turn_type = validate_turn_type(headers[TURN_TYPE_HEADER], "X-Turn-Type")
+        if turn_type is None and housekeeping_kind(req.messages):
+            turn_type = "side"  # an agent's own bookkeeping (memory flush, summary, title) is not a conversation
         turn_type = turn_type or self.config.default_turn_type
         done = parse_flag_header(headers.get(SESSION_DONE_HEADER), "X-Session-Done") or req.session_done
+        context = int(self.engine.max_context)
+        at_least = self.renderer.token_lower_bound(req.messages, req.tools)
+        if at_least >= context:  # refused before the CPU goes into tokenising a huge prompt
+            raise bad_request(f"This model's maximum context length is {context} tokens; the messages take at "
+                              f"least {at_least} tokens. Shorten the messages.", "messages",
+                              "context_length_exceeded")
         rendered = self.renderer.render(req.messages, req.tools, req.tool_choice)
         params = self._sampling(req, len(rendered.ids))
         return PreparedChat(req, rendered, params, session_id, turn_type, done)
@@ -153,6 +178,8 @@ class ChatService:
     def _sampling(self, req: ChatRequest, prompt_len: int) -> SamplingParams:
         context = int(self.engine.max_context)
         room = context - prompt_len
+        if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
+            warn_context_overflow(prompt_len, context, req.max_tokens)
         if room < 1:
             raise bad_request(f"This model's maximum context length is {context} tokens; the messages take "
                               f"{prompt_len} tokens. Shorten the messages.", "messages", "context_length_exceeded")
@@ -216,21 +243,21 @@ class ChatService:
 
     # ---- the request -----------------------------------------------------------------------------------
     async def chat(self, request: Request, path_session_id: str | None = None) -> Any:
-        require_key(request, self.config.api_key)
+        owner = require_user(request)
         body = await read_json_body(request, self.config.max_body_bytes)
         # Validation, the chat template and tokenisation run off the event loop (long agent prompts).
         prep = await asyncio.to_thread(self.prepare, body, request.headers, path_session_id)
         ctx: TurnContext | None = None
         if prep.turn_type == "main":
-            ctx = await self.sessions.begin_main(prep.session_id_given, prep.req.messages)
+            ctx = await self.sessions.begin_main(prep.session_id_given, prep.req.messages, owner=owner)
             session_id = ctx.session_id
         else:
-            session_id = self.sessions.resolve_side(prep.session_id_given, prep.req.messages)
+            session_id = self.sessions.resolve_side(prep.session_id_given, prep.req.messages, owner=owner)
         if prep.req.stream:
             handed_over = False
             try:
                 response = GuardedStreamingResponse(
-                    self._stream(prep, ctx, session_id), media_type="text/event-stream",
+                    self._stream(prep, ctx, session_id, owner), media_type="text/event-stream",
                     headers={**_headers(session_id, self.engine.policy_version), "Cache-Control": "no-cache",
                              "X-Accel-Buffering": "no"},
                     on_close=None if ctx is None else ctx.release)
@@ -240,7 +267,7 @@ class ChatService:
                 if ctx is not None and not handed_over:
                     ctx.release()
         try:
-            return await self._complete(prep, ctx, session_id)
+            return await self._complete(prep, ctx, session_id, owner, request)
         finally:
             if ctx is not None:
                 ctx.release()
@@ -255,8 +282,34 @@ class ChatService:
             log.error("engine failed: %s", exc)
             raise APIError(500, f"The model engine failed: {exc}", "server_error", None, "engine_error") from None
 
-    async def _complete(self, prep: PreparedChat, ctx: TurnContext | None, session_id: str) -> JSONResponse:
-        gen = await self._generate(prep)
+    async def _generate_while_connected(self, prep: PreparedChat, request: Request | None) -> Generation:
+        """Generate, cancelling as soon as the client disconnects (nobody would receive the answer, so it is
+        neither finished nor stored)."""
+        if request is None:
+            return await self._generate(prep)
+
+        async def gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        generation = asyncio.ensure_future(self._generate(prep))
+        watcher = asyncio.ensure_future(gone())
+        try:
+            await asyncio.wait({generation, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not generation.done():  # the client left (or this request was cancelled): stop generating
+                generation.cancel()
+                await asyncio.gather(generation, return_exceptions=True)
+        if generation.cancelled():
+            self.extra_stats["requests_abandoned"] += 1
+            raise APIError(499, "The client closed the request before the answer was ready; nothing was stored.",
+                           "invalid_request_error", None, "client_closed_request")
+        return generation.result()
+
+    async def _complete(self, prep: PreparedChat, ctx: TurnContext | None, session_id: str, owner: str = "",
+                        request: Request | None = None) -> JSONResponse:
+        gen = await self._generate_while_connected(prep, request)
         parsed = parse_answer(gen.text, prep.rendered.tools is not None)
         message = assistant_message(parsed)
         finish_reason = "tool_calls" if parsed.tool_calls else gen.finish_reason
@@ -266,7 +319,7 @@ class ChatService:
             if prep.session_done:
                 await ctx.end_session()
         elif prep.session_done and prep.session_id_given is not None:
-            await self.sessions.end_if_exists(prep.session_id_given, "done")
+            await self.sessions.end_if_exists(prep.session_id_given, "done", owner=owner)
         self.metrics.record_turn(prep.turn_type, len(prep.rendered.ids), len(gen.token_ids), ctx is not None)
         choice_message = dict(message)
         choice_message["refusal"] = None
@@ -287,7 +340,8 @@ class ChatService:
         }
         return JSONResponse(body, headers=_headers(session_id, gen.policy_version))
 
-    async def _stream(self, prep: PreparedChat, ctx: TurnContext | None, session_id: str) -> AsyncIterator[str]:
+    async def _stream(self, prep: PreparedChat, ctx: TurnContext | None, session_id: str,
+                      owner: str = "") -> AsyncIterator[str]:
         maker = ChunkMaker(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.config.served_model_name,
                            prep.req.include_usage)
         want_logprobs = prep.req.logprobs
@@ -343,7 +397,7 @@ class ChatService:
                 if prep.session_done:
                     await ctx.end_session()
             elif prep.session_done and prep.session_id_given is not None:
-                await self.sessions.end_if_exists(prep.session_id_given, "done")
+                await self.sessions.end_if_exists(prep.session_id_given, "done", owner=owner)
             self.metrics.record_turn(prep.turn_type, len(prep.rendered.ids), len(gen.token_ids), ctx is not None)
             ext = self._extension(session_id, turn_id, gen.policy_version, prep.turn_type, ctx)
             yield sse(maker.finish(finish_reason, tail_lp if tail_lp else None, clawloop=ext))
@@ -368,13 +422,15 @@ class ChatService:
         return {"object": "list", "data": [self.model_card()]}
 
     def model_card(self) -> dict[str, Any]:
+        # max_model_len (as vLLM reports it): the real context, read by `clawloop openclaw-config`.
         return {"id": self.config.served_model_name, "object": "model", "created": self.started_at,
-                "owned_by": "clawloop"}
+                "owned_by": "clawloop", "max_model_len": int(self.engine.max_context)}
 
     async def status(self) -> dict[str, Any]:
-        turns, reasons, samples, last = await asyncio.gather(
+        turns, reasons, samples, last, votes = await asyncio.gather(
             asyncio.to_thread(self.store.count_turns), asyncio.to_thread(self.store.drop_reasons),
-            asyncio.to_thread(self.store.count_samples), asyncio.to_thread(self.store.last_step))
+            asyncio.to_thread(self.store.count_samples), asyncio.to_thread(self.store.last_step),
+            asyncio.to_thread(self.store.vote_stats))
         return {
             "object": "clawloop.status",
             "model": self.config.served_model_name,
@@ -383,6 +439,7 @@ class ChatService:
             "samples_by_state": samples,
             "turns_by_state": turns,
             "drop_reasons": reasons,
+            "judge": {**describe_judge(self.config), "judging": bool(self.config.train), **votes},
             "live_sessions": len(self.sessions),
             "last_step": None if last is None else {"step": last[0], "metrics": last[1]},
             "uptime_s": round(time.time() - self.started_at, 3),
@@ -469,30 +526,30 @@ def create_app(service: ChatService, lifespan: Any = None) -> FastAPI:
         return await service.chat(request, validate_session_id(session_id, "session_id"))
 
     async def models(request: Request) -> Any:
-        require_key(request, config.api_key)
+        require_user(request)
         return service.models()
 
     async def models_in_session(request: Request, session_id: str) -> Any:
         return await models(request)
 
     async def model(request: Request, model_id: str) -> Any:
-        require_key(request, config.api_key)
+        require_user(request)
         if model_id != config.served_model_name:
             raise APIError(404, f"The model {model_id!r} does not exist.", "invalid_request_error", "model",
                            "model_not_found")
         return service.model_card()
 
     async def end_session(request: Request, session_id: str) -> Any:
-        require_key(request, config.api_key)
+        owner = require_user(request)
         sid = validate_session_id(session_id, "session_id")
-        known, dropped = await service.sessions.end(sid)
+        known, dropped = await service.sessions.end(sid, owner=owner)
         if not known:
             raise APIError(404, f"No live session {sid!r}.", "invalid_request_error", "session_id",
                            "session_not_found")
         return {"id": sid, "object": "session", "ended": True, "dropped_turn_id": dropped}
 
     async def status(request: Request) -> Any:
-        require_key(request, config.api_key)
+        require_user(request)
         return await service.status()
 
     async def healthz() -> Any:
@@ -510,6 +567,9 @@ def create_app(service: ChatService, lifespan: Any = None) -> FastAPI:
     app.add_api_route("/v1/status", status, methods=["GET"])
     app.add_api_route("/healthz", healthz, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_middleware(CatchAll)
     app.add_middleware(RequestMetricsMiddleware, metrics=service.metrics)
+    app.add_middleware(BrowserGuard, config=config)  # outermost: refused requests reach no route
     app.state.service = service
+    app.state.keyring = KeyRing.from_config(config)
     return app

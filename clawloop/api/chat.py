@@ -1,7 +1,8 @@
 """Chat rendering, tools and tool-call parsing: normalised messages -> prompt token ids, generated text -> message.
 
 Rendering. The prompt is the tokenizer's own chat template applied to the normalised messages, then tokenised
-without adding special tokens (the template already holds them). Templates that know about tools (their text
+without adding special tokens (the template already holds them); text from the request can never become a
+special token (``clawloop.chat_tokens``). Templates that know about tools (their text
 mentions ``tools``) receive the tool list natively. Templates that do not (SmolLM2's) get the tools written
 into the system message by clawloop: an instruction, one JSON schema per line inside ``<tools>``, and the
 answer format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. The history is then written as
@@ -32,6 +33,8 @@ import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
+
+from clawloop.chat_tokens import SafeChatTokenizer
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -74,7 +77,7 @@ def _arguments_value(arguments: str) -> Any:
     """A call's argument string as an object when it is valid JSON (so the model sees its own format back)."""
     try:
         return json.loads(arguments) if arguments.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):
         return arguments
 
 
@@ -144,6 +147,7 @@ class ChatRenderer:
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
+        self.safe = SafeChatTokenizer(tokenizer)
         template = getattr(tokenizer, "chat_template", None) or ""
         if isinstance(template, dict):  # several named templates: the default one decides
             template = template.get("default", "") or ""
@@ -154,13 +158,15 @@ class ChatRenderer:
         shown = active_tools(tools, tool_choice)
         if self.native_tools:
             kwargs: dict[str, Any] = {"tools": shown} if shown else {}
-            text = self.tokenizer.apply_chat_template(native_messages(messages), tokenize=False,
-                                                      add_generation_prompt=True, **kwargs)
+            text, ids = self.safe.render(native_messages(messages), **kwargs)
         else:
-            text = self.tokenizer.apply_chat_template(text_messages(messages, shown), tokenize=False,
-                                                      add_generation_prompt=True)
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            text, ids = self.safe.render(text_messages(messages, shown))
         return RenderedPrompt(text=text, ids=ids, tools=shown)
+
+    def token_lower_bound(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+        """A cheap lower bound on the prompt's length in tokens (the user text alone), to refuse a huge request
+        before spending CPU on tokenising it."""
+        return self.safe.token_lower_bound([messages, tools])
 
 
 # ----------------------------------------------------------------------------------------------- parsing
@@ -179,7 +185,7 @@ class ParsedAnswer:
 def _parse_block(body: str) -> dict[str, Any] | None:
     try:
         obj = json.loads(body.strip())
-    except ValueError:
+    except (ValueError, RecursionError):  # the model wrote something that is not (sane) JSON
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"].strip():
         return None

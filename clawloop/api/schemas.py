@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from clawloop.api import safejson
 from clawloop.api.errors import bad_request
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
@@ -32,7 +34,9 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
-MAX_SESSION_ID_CHARS = 256
+MAX_SESSION_ID_CHARS = 128
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:@+=-]+")
+"""Session ids travel in headers and paths and are stored: ASCII letters, digits and ._:@+=- only."""
 
 
 @dataclass
@@ -79,7 +83,10 @@ def _number(body: dict[str, Any], key: str, lo: float, hi: float, lo_open: bool 
     if value is None:
         return None
     _expect(value, (int, float), key, "a number")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond any float
+        value = math.inf
     if not math.isfinite(value) or value < lo or value > hi or (lo_open and value == lo):
         bracket = "(" if lo_open else "["
         raise bad_request(f"'{key}' must be in {bracket}{lo:g}, {hi:g}], got {value!r}.", key, "invalid_value")
@@ -119,9 +126,9 @@ def parse_flag_header(value: str | None, name: str) -> bool:
 def validate_session_id(value: Any, param: str) -> str:
     _expect(value, (str,), param, "a string")
     text = value.strip()
-    if not text or len(text) > MAX_SESSION_ID_CHARS or not text.isprintable():
-        raise bad_request(f"'{param}' must be 1-{MAX_SESSION_ID_CHARS} printable characters.", param,
-                          "invalid_value")
+    if not text or len(text) > MAX_SESSION_ID_CHARS or not SESSION_ID_RE.fullmatch(text):
+        raise bad_request(f"'{param}' must be 1-{MAX_SESSION_ID_CHARS} characters among ASCII letters, digits and "
+                          "._:@+=-", param, "invalid_value")
     return text
 
 
@@ -175,11 +182,22 @@ def _tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
         if isinstance(args, dict):  # lenient: some clients send the object itself
             args = json.dumps(args, ensure_ascii=False)
         _expect(args, (str,), f"{p}.function.arguments", "a string")
+        _check_arguments(args, f"{p}.function.arguments")
         call_id = call.get("id")
         if call_id is not None:
             _expect(call_id, (str,), f"{p}.id", "a string")
         calls.append({"id": call_id or "", "type": "function", "function": {"name": name, "arguments": args}})
     return calls
+
+
+def _check_arguments(args: str, param: str) -> None:
+    """Arguments are JSON text read again later (sessions, rendering): refuse what cannot be read safely."""
+    try:
+        safejson.loads(args)
+    except safejson.JSONLimitError as exc:
+        raise bad_request(f"Invalid '{param}': {exc}.", param, "invalid_value") from None
+    except ValueError:
+        pass  # not JSON at all: kept as text
 
 
 def normalise_message(msg: Any, param: str) -> dict[str, Any]:

@@ -34,6 +34,21 @@ Ending. ``X-Session-Done`` / ``session_done`` (after the request is served), ``P
 the idle timeout (a background sweeper) and LRU eviction beyond ``max_sessions`` all end a session: its
 pending turn is dropped with reason ``no_next_state`` (recorded, never silent) and its state is forgotten.
 
+Ownership. With per-user keys every session belongs to the key that opened it (its *owner*, a fingerprint of the
+key, stored with each turn): sessions are looked up under (owner, id), so another key naming the same id gets a
+session of its own, and prefix matching only looks among the caller's sessions. Without per-user keys the
+owner is ``""`` and every client shares one namespace (docs/security.md).
+
+Faults. The store is written before memory changes: a pairing, a drop or an end whose store write fails (disk
+full) leaves the session exactly as it was, and the request fails with the error.
+
+Ephemeral messages. Matching and pairing see a request's messages without the ones
+``client_traffic.conversation_messages`` removes (a client's per-request context block that its next request
+drops from the history), so such a block neither breaks the prefix match nor becomes part of a next state. The
+stored turn keeps the messages exactly as the model saw them. A request whose older history the client compacted
+into a summary (``client_traffic.is_compacted_history``) matches no prefix; it continues the session whose pending
+answer is its last assistant message (each session is also indexed by its pending answer alone).
+
 Restart. ``restore()`` rebuilds live sessions from the store's ``awaiting_next`` turns (latest per session;
 older ones of the same session are dropped as ``no_next_state``), including their prefix keys, so a restart
 loses no pairing. Their idle clock starts again at restore time. Shutdown leaves pending turns awaiting.
@@ -53,6 +68,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from clawloop.api.client_traffic import conversation_messages, is_compacted_history
 from clawloop.store import Store, TurnRecord, TurnState
 
 log = logging.getLogger("clawloop.sessions")
@@ -102,6 +118,11 @@ def prefix_keys(messages: list[dict[str, Any]]) -> tuple[str, str]:
     return prefix_hashes(messages)[-1], "nosys:" + prefix_hashes(messages, skip_system=True)[-1]
 
 
+def answer_key(answer: dict[str, Any]) -> str:
+    """Index key of an answer alone (compacted histories keep only the answer of the previous turn)."""
+    return "answer:" + prefix_hashes([answer])[-1]
+
+
 def same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return canonical_message(a) == canonical_message(b)
 
@@ -149,6 +170,7 @@ class PendingTurn:
 class Session:
     id: str
     last_seen: float
+    owner: str = ""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     turn_index: int = 0
     pending: PendingTurn | None = None
@@ -159,6 +181,11 @@ class Session:
 
 def new_session_id() -> str:
     return f"sess_{uuid.uuid4().hex}"
+
+
+def session_key(owner: str, session_id: str) -> str:
+    """Where a session lives in memory: its id within its owner's namespace."""
+    return f"{owner}\x1f{session_id}" if owner else session_id
 
 
 class TurnContext:
@@ -216,11 +243,11 @@ class SessionManager:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def get(self, session_id: str) -> Session | None:
-        return self._sessions.get(session_id)
+    def get(self, session_id: str, owner: str = "") -> Session | None:
+        return self._sessions.get(session_key(owner, session_id))
 
-    def pending_turn_id(self, session_id: str) -> int | None:
-        s = self._sessions.get(session_id)
+    def pending_turn_id(self, session_id: str, owner: str = "") -> int | None:
+        s = self.get(session_id, owner)
         return None if s is None or s.pending is None else s.pending.turn_id
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
@@ -229,18 +256,20 @@ class SessionManager:
         turns = await asyncio.to_thread(self.store.turns, TurnState.AWAITING_NEXT)
         latest: dict[str, TurnRecord] = {}
         for t in turns:  # ordered by id, so the last one per session wins
-            older = latest.get(t.session_id)
+            key = session_key(t.owner, t.session_id)
+            older = latest.get(key)
             if older is not None:
                 await asyncio.to_thread(self.store.drop_turn, older.id, NO_NEXT_STATE)
-            latest[t.session_id] = t
+            latest[key] = t
         keep = sorted(latest.values(), key=lambda t: t.id)
         overflow = keep[: max(0, len(keep) - self.max_sessions)]
         for t in overflow:
             await asyncio.to_thread(self.store.drop_turn, t.id, NO_NEXT_STATE)
         now = self.clock()
         for t in keep[len(overflow):]:
-            s = Session(id=t.session_id, last_seen=now, turn_index=t.turn_index + 1, last_turn_id=t.id)
-            self._sessions[s.id] = s
+            s = Session(id=t.session_id, last_seen=now, owner=t.owner, turn_index=t.turn_index + 1,
+                        last_turn_id=t.id)
+            self._sessions[session_key(s.owner, s.id)] = s
             self._set_pending(s, PendingTurn(t.id, t.messages, t.assistant_message))
         self.stats["restored"] += len(keep) - len(overflow)
         return len(keep) - len(overflow)
@@ -282,55 +311,70 @@ class SessionManager:
         return ended
 
     # ---- resolution --------------------------------------------------------------------------------------
-    def _touch(self, session_id: str) -> Session:
-        s = self._sessions.get(session_id)
+    def _touch(self, session_id: str, owner: str = "") -> Session:
+        key = session_key(owner, session_id)
+        s = self._sessions.get(key)
         if s is None:
-            s = Session(id=session_id, last_seen=self.clock())
-            self._sessions[session_id] = s
+            s = Session(id=session_id, last_seen=self.clock(), owner=owner)
+            self._sessions[key] = s
             self.stats["sessions_started"] += 1
         else:
-            self._sessions.move_to_end(session_id)
+            self._sessions.move_to_end(key)
         s.last_seen = self.clock()
         return s
 
-    def match_prefix(self, messages: list[dict[str, Any]]) -> tuple[str, int, int] | None:
-        """(session id, turn id, messages consumed) of the longest prefix that is a session's last turn; at equal
-        length an exact match beats one that ignores system messages."""
+    def match_prefix(self, messages: list[dict[str, Any]], owner: str = "") -> tuple[str, int, int] | None:
+        """(session id, turn id, messages consumed) of the longest prefix that is the last turn of one of
+        ``owner``'s sessions; at equal length an exact match beats one that ignores system messages."""
         exact = prefix_hashes(messages)
         loose = prefix_hashes(messages, skip_system=True)
         for k in range(len(messages), 0, -1):
             if messages[k - 1].get("role") != "assistant":
                 continue
             for key in (exact[k - 1], "nosys:" + loose[k - 1]):
-                hit = self._prefix.get(key)
-                if hit is not None and hit[0] in self._sessions:
+                hit = self._prefix.get(session_key(owner, key))
+                if hit is not None and session_key(owner, hit[0]) in self._sessions:
                     return hit[0], hit[1], k
         return None
 
-    def resolve_side(self, explicit_id: str | None, messages: list[dict[str, Any]]) -> str:
+    def match_answer(self, messages: list[dict[str, Any]], owner: str = "") -> tuple[str, int, int] | None:
+        """Like ``match_prefix``, by the last assistant message alone (for compacted histories)."""
+        k = len(messages)
+        while k > 0 and messages[k - 1].get("role") != "assistant":
+            k -= 1
+        hit = self._prefix.get(session_key(owner, answer_key(messages[k - 1]))) if k else None
+        if hit is not None and session_key(owner, hit[0]) in self._sessions:
+            return hit[0], hit[1], k
+        return None
+
+    def resolve_side(self, explicit_id: str | None, messages: list[dict[str, Any]], owner: str = "") -> str:
         """Session id reported for a side request; creates no state."""
         if explicit_id is not None:
-            s = self._sessions.get(explicit_id)
+            s = self.get(explicit_id, owner)
             if s is not None:
                 s.last_seen = self.clock()
             sid = explicit_id
         else:
-            hit = self.match_prefix(messages)
+            hit = self.match_prefix(conversation_messages(messages), owner)
             sid = hit[0] if hit else new_session_id()
         self.stats["side_turns"] += 1
         return sid
 
-    async def begin_main(self, explicit_id: str | None, messages: list[dict[str, Any]]) -> TurnContext:
-        """Find (or open) the session of a main request, lock it, and pair its pending turn."""
+    async def begin_main(self, explicit_id: str | None, messages: list[dict[str, Any]],
+                         owner: str = "") -> TurnContext:
+        """Find (or open) ``owner``'s session of a main request, lock it, and pair its pending turn."""
+        messages = conversation_messages(messages)
         while True:
             if explicit_id is not None:
-                session, how, consumed, matched_turn = self._touch(explicit_id), "explicit", None, None
+                session, how, consumed, matched_turn = self._touch(explicit_id, owner), "explicit", None, None
             else:
-                hit = self.match_prefix(messages)
+                hit = self.match_prefix(messages, owner)
+                if hit is None and is_compacted_history(messages):
+                    hit = self.match_answer(messages, owner)
                 if hit is None:
-                    session, how, consumed, matched_turn = self._touch(new_session_id()), "new", None, None
+                    session, how, consumed, matched_turn = self._touch(new_session_id(), owner), "new", None, None
                 else:
-                    session, how = self._touch(hit[0]), "prefix"
+                    session, how = self._touch(hit[0], owner), "prefix"
                     matched_turn, consumed = hit[1], hit[2]
             await self._evict_beyond_limit(protect=session)
             await session.lock.acquire()
@@ -340,7 +384,7 @@ class SessionManager:
             if how == "prefix" and session.last_turn_id != matched_turn:
                 # Someone continued this session from the same point first: this request branches off.
                 session.lock.release()
-                session, how, consumed = self._touch(new_session_id()), "fork", None
+                session, how, consumed = self._touch(new_session_id(), owner), "fork", None
                 await session.lock.acquire()
             ctx = TurnContext(self, session, how)
             try:
@@ -360,13 +404,16 @@ class SessionManager:
             rest = messages[consumed:]
             pairing = Pairing(rest, "prefix") if rest else Pairing(None, "empty", EMPTY_NEXT_STATE)
         else:
-            pairing = find_next_state(pending.messages, pending.answer, messages)
-        self.stats[f"pairing_{pairing.how}"] += 1
-        self._clear_pending(s)
+            pairing = find_next_state(conversation_messages(pending.messages), pending.answer, messages)
+        # Store first: when the write fails (disk full) the pending turn stays, and a retry pairs it again.
         if pairing.next_state is None:
             await asyncio.to_thread(self.store.drop_turn, pending.turn_id, pairing.drop_reason)
+            self._clear_pending(s)
+            self.stats[f"pairing_{pairing.how}"] += 1
             return
         ok = await asyncio.to_thread(self.store.set_next_state, pending.turn_id, pairing.next_state)
+        self._clear_pending(s)
+        self.stats[f"pairing_{pairing.how}"] += 1
         if ok:
             ctx.paired_turn_id = pending.turn_id
             self._fire_judgeable(pending.turn_id)
@@ -393,7 +440,9 @@ class SessionManager:
         self._clear_pending(s)
         s.pending = pending
         self._drop_keys(s)
-        s.prefix_keys = prefix_keys(pending.messages + [pending.answer])
+        s.prefix_keys = tuple(session_key(s.owner, k) for k in
+                              prefix_keys(conversation_messages(pending.messages) + [pending.answer])
+                              + (answer_key(pending.answer),))
         for key in s.prefix_keys:
             self._prefix[key] = (s.id, pending.turn_id)
 
@@ -410,6 +459,7 @@ class SessionManager:
 
     async def _commit(self, s: Session, turn: TurnRecord) -> int:
         turn.session_id = s.id
+        turn.owner = s.owner
         turn.turn_index = s.turn_index
         turn_id = await asyncio.to_thread(self.store.add_turn, turn)
         s.turn_index += 1
@@ -423,16 +473,17 @@ class SessionManager:
         """End a session whose lock the caller holds (or that is idle). Returns the dropped turn id."""
         if s.ended:
             return None
-        s.ended = True
-        if self._sessions.get(s.id) is s:
-            del self._sessions[s.id]
-        self._drop_keys(s)
         dropped = None
-        if s.pending is not None:
+        if s.pending is not None:  # store first: a failed write leaves the session live and unchanged
             dropped = s.pending.turn_id
-            s.pending = None
             await asyncio.to_thread(self.store.drop_turn, dropped, NO_NEXT_STATE)
+            s.pending = None
             self.stats["turns_dropped_no_next_state"] += 1
+        s.ended = True
+        key = session_key(s.owner, s.id)
+        if self._sessions.get(key) is s:
+            del self._sessions[key]
+        self._drop_keys(s)
         self.stats[f"sessions_ended_{why}"] += 1
         return dropped
 
@@ -440,15 +491,15 @@ class SessionManager:
         async with s.lock:
             return await self._end_locked(s, why)
 
-    async def end(self, session_id: str) -> tuple[bool, int | None]:
-        """End a session by id (waits for its in-flight main request). (known, dropped turn id)."""
-        s = self._sessions.get(session_id)
+    async def end(self, session_id: str, owner: str = "") -> tuple[bool, int | None]:
+        """End ``owner``'s session by id (waits for its in-flight main request). (known, dropped turn id)."""
+        s = self.get(session_id, owner)
         if s is None:
             return False, None
         return True, await self._end_unlocked(s, "request")
 
-    async def end_if_exists(self, session_id: str, why: str) -> None:
-        s = self._sessions.get(session_id)
+    async def end_if_exists(self, session_id: str, why: str, owner: str = "") -> None:
+        s = self.get(session_id, owner)
         if s is not None:
             await self._end_unlocked(s, why)
 

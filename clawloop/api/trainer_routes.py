@@ -20,16 +20,17 @@ Routes (all ``POST`` with a JSON body, except ``GET /v1/trainer/state``):
 Exactly-once comes from the store: a lease is a compare-and-set on the samples' state, an expired lease returns
 its samples to ready at the next lease call, and a commit under a lost lease fails as a whole.
 
-Auth: the admin key (Bearer, constant-time compare). With no admin key configured the routes answer only when
-the server binds a loopback address; otherwise every call is refused (403), since these routes hand out the
-run's data and change the served weights.
+Auth: every route calls ``clawloop.api.auth.require_admin`` (the one admin rule: the admin key; without one,
+refused while user keys are set, and only loopback same-origin calls when no key is set), since these routes
+hand out the run's data and change the served weights. Every number is validated into range (400 otherwise),
+and weights that cannot be loaded as the served model's are a 400 that names no file-system detail.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import ipaddress
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -40,11 +41,16 @@ from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save as st_save
 from starlette.requests import Request
 
-from clawloop.api.auth import require_key
+from clawloop.api import safejson
+from clawloop.api.auth import require_admin
 from clawloop.api.errors import APIError
 from clawloop.store import SampleRecord, Store, TurnRecord
 
+log = logging.getLogger("clawloop.api")
+
 MAX_LEASE_S = 24 * 3600.0
+MAX_INT = 2**31 - 1
+"""Largest count, step, turn id or policy version a route accepts."""
 
 
 def encode_tensors(tensors: dict[str, torch.Tensor] | None) -> str | None:
@@ -98,21 +104,29 @@ def sample_from_json(d: dict[str, Any], lease_id: str = "") -> tuple[SampleRecor
     return sample, turn
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def _number(body: dict[str, Any], key: str, default: float | None = None, *, minimum: float = 0.0) -> float:
+def _number(body: dict[str, Any], key: str, default: float | None = None, *, minimum: float = 0.0,
+            maximum: float = float(MAX_INT)) -> float:
     value = body.get(key, default)
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < minimum:
-        raise APIError(400, f"'{key}' must be a number >= {minimum}.", "invalid_request_error", key, None)
+    ok = value is not None and not isinstance(value, bool) and isinstance(value, (int, float))
+    if ok:
+        try:
+            ok = math.isfinite(float(value)) and minimum <= value <= maximum
+        except OverflowError:  # an integer beyond any float
+            ok = False
+    if not ok:
+        raise APIError(400, f"'{key}' must be a number in [{minimum:g}, {maximum:g}].", "invalid_request_error", key,
+                       "invalid_value")
     return float(value)
+
+
+def _integer(body: dict[str, Any], key: str, default: int | None = None, *, minimum: int = 0) -> int:
+    value = body.get(key, default)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= MAX_INT:
+        raise APIError(400, f"'{key}' must be an integer in [{minimum}, {MAX_INT}].", "invalid_request_error", key,
+                       "invalid_value")
+    return value
 
 
 def _string(body: dict[str, Any], key: str) -> str:
@@ -124,8 +138,8 @@ def _string(body: dict[str, Any], key: str) -> str:
 
 async def _body(request: Request) -> dict[str, Any]:
     try:
-        body = await request.json()
-    except Exception:
+        body = safejson.loads(await request.body())
+    except ValueError:
         raise APIError(400, "The body must be a JSON object.", "invalid_request_error", None, None) from None
     if not isinstance(body, dict):
         raise APIError(400, "The body must be a JSON object.", "invalid_request_error", None, None)
@@ -152,28 +166,19 @@ def load_weights_folder(path: Path, kind: str, base_model: str | Path | None) ->
     return {k: v.detach() for k, v in merged.state_dict().items()}
 
 
-def authorise_admin(request: Request, config: Any) -> None:
-    """The admin check of every route that hands out the run's data or changes the served weights."""
-    if config.admin_key:
-        require_key(request, config.admin_key, "admin key")
-    elif not _is_loopback(str(config.host)):
-        raise APIError(403, "Trainer routes need an admin key when the server is not bound to loopback.",
-                       "permission_error", None, "admin_key_required")
-
-
 def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -> None:
     """Add the ``/v1/trainer/*`` routes for ``store`` and ``engine`` to ``app``."""
     publish_lock = asyncio.Lock()
 
     def authorise(request: Request) -> None:
-        authorise_admin(request, config)
+        require_admin(request, config)
 
     async def lease(request: Request) -> Any:
         authorise(request)
         body = await _body(request)
-        n = int(_number(body, "n", minimum=1))
+        n = _integer(body, "n", minimum=1)
         min_n = body.get("min_n")
-        min_n = None if min_n is None else int(_number(body, "min_n", minimum=0))
+        min_n = None if min_n is None else _integer(body, "min_n", minimum=0)
         lease_s = min(_number(body, "lease_s", 600.0, minimum=0.001), MAX_LEASE_S)
 
         def work() -> dict[str, Any]:
@@ -199,12 +204,12 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
         authorise(request)
         body = await _body(request)
         lease_id = _string(body, "lease_id")
-        step = int(_number(body, "step", minimum=1))
-        version = int(_number(body, "policy_version", minimum=0))
+        step = _integer(body, "step", minimum=1)
+        version = _integer(body, "policy_version", minimum=0)
         metrics = body.get("metrics") or {}
         turn_ids = body.get("turn_ids")
         if not isinstance(metrics, dict) or not isinstance(turn_ids, list) or not turn_ids \
-                or not all(isinstance(t, int) and not isinstance(t, bool) for t in turn_ids):
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT for t in turn_ids):
             raise APIError(400, "'metrics' must be an object and 'turn_ids' a non-empty list of integers.",
                            "invalid_request_error", None, None)
         try:
@@ -225,9 +230,12 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
     async def drop(request: Request) -> Any:
         authorise(request)
         body = await _body(request)
-        turn_id = int(_number(body, "turn_id", minimum=0))
-        reason = _string(body, "reason")
-        await asyncio.to_thread(store.drop_leased_sample, turn_id, reason)
+        turn_id = _integer(body, "turn_id", minimum=0)
+        reason = _string(body, "reason")[:200]
+        lease_id = None if body.get("lease_id") is None else _string(body, "lease_id")
+        if not await asyncio.to_thread(store.drop_leased_sample, turn_id, reason, lease_id):
+            raise APIError(409, f"Sample {turn_id} is not leased{' by this lease' if lease_id else ''}; nothing "
+                           "was dropped.", "invalid_request_error", "turn_id", "sample_not_leased")
         return {"turn_id": turn_id, "dropped": True}
 
     async def weights(request: Request) -> Any:
@@ -235,12 +243,17 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
         body = await _body(request)
         path = Path(_string(body, "path"))
         version = body.get("version")
-        version = None if version is None else int(_number(body, "version", minimum=0))
+        version = None if version is None else _integer(body, "version", minimum=0)
         kind = body.get("kind", "full")
         if kind not in ("full", "lora"):
             raise APIError(400, "'kind' must be 'full' or 'lora'.", "invalid_request_error", "kind", None)
         if not path.exists():
-            raise APIError(400, f"No such file or folder: {path}", "invalid_request_error", "path", None)
+            raise APIError(400, "'path' must name an existing weights folder or file.",
+                           "invalid_request_error", "path", "invalid_weights")
+        if kind == "lora" and not (path / "adapter_config.json").is_file():
+            # Checked here so that PEFT never treats the path as a model id to download.
+            raise APIError(400, "'path' is not a LoRA adapter folder (no adapter_config.json).",
+                           "invalid_request_error", "path", "invalid_weights")
 
         def work() -> int:
             from clawloop.trainer.publish import _takes_adapters
@@ -254,8 +267,11 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
         async with publish_lock:
             try:
                 new_version = await asyncio.to_thread(work)
-            except Exception as exc:
-                raise APIError(500, f"publishing {path} failed: {exc}", "server_error", "path", None) from None
+            except Exception as exc:  # noqa: BLE001 - the weights are bad; the served ones stay
+                log.warning("publishing weights from %s failed: %s: %s", path, type(exc).__name__, exc)
+                raise APIError(400, f"The weights could not be published as kind {kind!r} (not the served "
+                               "model's weights); the served weights are unchanged. See the server log.",
+                               "invalid_request_error", "path", "invalid_weights") from None
         return {"policy_version": new_version}
 
     async def state(request: Request) -> Any:

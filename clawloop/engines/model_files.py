@@ -286,13 +286,32 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     return table[dtype]
 
 
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
 def load_model(
-    model_dir: str | Path, dtype: str | torch.dtype | None = "float32", device: str | torch.device | None = "auto"
+    model_dir: str | Path, dtype: str | torch.dtype | None = "float32", device: str | torch.device | None = "auto",
+    attn_implementation: str = "sdpa",
 ) -> Any:
-    """A causal LM from a local folder, in eval mode, on ``device``."""
+    """A causal LM from a local folder, in eval mode, on ``device``.
+
+    Attention is PyTorch's ``scaled_dot_product_attention`` (``sdpa``) unless asked otherwise: its fused kernels
+    (flash attention on CPU too) keep O(L) memory in the forward and the backward, where ``eager`` materialises
+    and, when training, keeps an ``[heads, L, L]`` matrix per layer. An architecture without sdpa support falls
+    back to its own default.
+    """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=resolve_dtype(dtype), local_files_only=True
-    )
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ModelFilesError(f"attn_implementation {attn_implementation!r} is not one of {ATTN_IMPLEMENTATIONS}")
+    kwargs: dict[str, Any] = dict(dtype=resolve_dtype(dtype), local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation=attn_implementation,
+                                                     **kwargs)
+    except (ValueError, ImportError) as exc:
+        if attn_implementation == "eager":
+            raise
+        log.warning("clawloop: %s does not support attn_implementation=%r (%s); using its default attention",
+                    model_dir, attn_implementation, exc)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
     return model.to(resolve_device(device)).eval()

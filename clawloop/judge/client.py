@@ -6,7 +6,9 @@ Two implementations of one small protocol (``JudgeClient.complete``):
   API, another clawloop) over httpx. Every call has a time limit (``timeout_s``, enforced both by httpx and by an
   outer ``asyncio.wait_for`` so a server that trickles bytes cannot hold a call forever), transient failures
   (connection errors, timeouts, HTTP 408/409/429/5xx, unreadable bodies) are retried ``retries`` times with
-  exponential backoff and jitter, other 4xx fail at once, and a semaphore bounds the calls in flight.
+  exponential backoff and jitter, other 4xx fail at once, and a semaphore bounds the calls in flight. Votes are
+  held to a valid form by structured output where the endpoint takes it (``clawloop.judge.structured``): with
+  ``structured = "auto"`` a JSON schema is sent until the endpoint rejects it once, then never again.
 * ``EngineJudgeClient`` calls an in-process ``Engine`` directly (the embedded default: the frozen base model).
   It renders the messages with the tokenizer's chat template and generates; concurrent calls batch inside the
   engine.
@@ -19,6 +21,7 @@ through, so a cancelled pipeline stops promptly.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +31,9 @@ from typing import Any, Protocol
 import httpx
 
 from clawloop.engines.base import Engine, SamplingParams
+from clawloop.judge import structured as so
+
+log = logging.getLogger(__name__)
 
 RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 
@@ -76,11 +82,20 @@ class HTTPJudgeClient:
 
     def __init__(self, base_url: str, model: str = "", api_key: str = "", *, timeout_s: float = 120.0,
                  retries: int = 2, backoff_s: float = 0.5, concurrency: int = 4,
-                 extra_body: dict[str, Any] | None = None, transport: httpx.AsyncBaseTransport | None = None):
+                 extra_body: dict[str, Any] | None = None, transport: httpx.AsyncBaseTransport | None = None,
+                 structured: str = "auto"):
         self.chat_url, self.models_url = _chat_url(base_url)
         self.model = model
         self.extra_body = dict(extra_body or {})
         """Merged into every request body (provider-specific fields such as vLLM's ``structured_outputs``)."""
+        if structured not in so.MODES:
+            raise ValueError(f"structured={structured!r} is not one of {', '.join(so.MODES)}")
+        own = {"response_format", "structured_outputs", "guided_regex", "guided_json", "guided_grammar"}
+        if structured == "auto" and own & set(self.extra_body):
+            structured = "off"  # the caller constrains the output itself
+        self.structured = "json_schema" if structured == "auto" else structured
+        """The structured-output mode in use; ``off`` after an ``auto`` endpoint rejected the JSON schema."""
+        self._structured_auto = structured == "auto"
         self.timeout_s = float(timeout_s)
         self.retries = int(retries)
         self.backoff_s = float(backoff_s)
@@ -129,14 +144,35 @@ class HTTPJudgeClient:
                                 "temperature": temperature, "max_tokens": max_tokens, "stream": False}
         if seed is not None:
             body["seed"] = seed
+        kind = so.vote_kind(messages)
+        mode = self.structured if kind is not None else "off"
+        resp = await self._post({**body, **so.request_fields(mode, kind)} if mode != "off" else body)
+        if mode != "off" and resp.status_code in so.REJECTED_STATUS:
+            if not self._structured_auto:
+                raise _Fatal(f"HTTP {resp.status_code}: the endpoint rejected structured output "
+                             f"(judge_structured_output={mode!r})", resp.text[:2000])
+            rejected = resp.status_code
+            resp = await self._post(body)
+            mode = "off"
+            if resp.status_code == 200:  # remembered only when the plain request works: it was the schema
+                log.warning("clawloop judge: %s rejected structured output (HTTP %s); sending plain requests "
+                            "from now on", self.chat_url, rejected)
+                self.structured = "off"
+        content = self._content(resp)
+        return so.as_vote_text(kind, content) if mode == "json_schema" and kind is not None else content
+
+    async def _post(self, body: dict[str, Any]) -> httpx.Response:
         try:
-            resp = await asyncio.wait_for(self._client().post(self.chat_url, json=body), self.timeout_s)
+            return await asyncio.wait_for(self._client().post(self.chat_url, json=body), self.timeout_s)
         except asyncio.TimeoutError:
             raise _Retryable(f"timed out after {self.timeout_s:g}s") from None
         except httpx.TimeoutException as exc:
             raise _Retryable(f"timed out after {self.timeout_s:g}s ({type(exc).__name__})") from None
         except httpx.HTTPError as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from None
+
+    @staticmethod
+    def _content(resp: httpx.Response) -> str:
         if resp.status_code != 200:
             err = f"HTTP {resp.status_code}"
             if resp.status_code in RETRY_STATUS:
@@ -178,9 +214,12 @@ class HTTPJudgeClient:
 def chat_template_ids(tokenizer: Any) -> Callable[[Sequence[dict[str, Any]]], list[int]]:
     """Render plain chat messages (no tools) with the tokenizer's chat template, generation prompt on."""
 
+    from clawloop.chat_tokens import SafeChatTokenizer
+
+    safe = SafeChatTokenizer(tokenizer)  # judged text is user text: it never yields special tokens
+
     def render(messages: Sequence[dict[str, Any]]) -> list[int]:
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return safe.render(list(messages))[1]
 
     return render
 

@@ -54,9 +54,14 @@ Do not treat a tool's output as something the assistant should have known before
 Decide whether the next state reveals something that would have made the answer better had the assistant known \
 it: a correction, a missing requirement, a preference, or an error that points to the fix.
 
+Write the hint as an instruction to the assistant, in the imperative, the way the user would have asked had \
+they said it up front: "Begin every answer with \"In short,\"." or "Answer in one short sentence." or "Answer in \
+French." Do not narrate what went wrong ("You forgot ...", "The user wanted ...", "That was too long."): state \
+what to do. Keep the user's exact words for anything quoted.
+
 Output format (strict):
-- If yes: write \\boxed{1}, then a hint of 1 to 3 sentences telling the assistant concretely what to do \
-differently, between [HINT_START] and [HINT_END].
+- If yes: write \\boxed{1}, then a hint of 1 to 3 imperative sentences telling the assistant concretely what to \
+do, between [HINT_START] and [HINT_END].
 - If no: write \\boxed{-1} and no hint.
 Give exactly one decision."""
 

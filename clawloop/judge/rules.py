@@ -38,6 +38,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from clawloop.judge.envelopes import judged_turn
+from clawloop.judge.hints import imperative_hint
 from clawloop.judge.parse import select_candidates
 from clawloop.judge.prompts import content_text
 from clawloop.judge.votes import Judgement, JudgeSettings
@@ -200,13 +202,33 @@ def as_instruction(sentence: str) -> str:
     return text
 
 
+# A line that introduces material pasted below it ("Summarize the following text in one sentence:" + a document):
+# a new task, whose own words ("in one sentence") are not feedback on the previous answer.
+_TASK_INTRO_RE = re.compile(r"^[^\n]*:[ \t]*\n(?=\s*\S)", re.MULTILINE)
+
+
+def feedback_part(text: str) -> str:
+    """The part of a user message that can be feedback: everything before a new task that introduces pasted
+    material (its introducing sentence and the material are left out). "Thanks! Now summarize this:\n..."
+    keeps "Thanks!"."""
+    found = _TASK_INTRO_RE.search(text or "")
+    if found is None:
+        return text or ""
+    intro = found.group(0).rstrip()
+    sentences = split_sentences(intro)
+    before = text[:found.start()]
+    if len(sentences) > 1:  # sentences ahead of the task on the same line ("Thanks! Summarize this:")
+        before += " " + intro[: intro.rfind(sentences[-1])]
+    return before.strip()
+
+
 def decide_user(texts: Sequence[str], max_sentences: int = 3, hint_min_chars: int = 10) -> RuleDecision:
     """The rule verdict on the user's message(s) of a next state.
 
     With a correction, the hint is built from the message's sentences that are not approvals: every correction
     sentence first, then the other sentences ("Largest first.", "One sentence is enough.") up to
     ``max_sentences``, in the user's order."""
-    verdicts = [classify_sentence(s) for t in texts for s in split_sentences(t)]
+    verdicts = [classify_sentence(s) for t in texts for s in split_sentences(feedback_part(t))]
     approval = any(v.approval for v in verdicts)
     is_correction = [bool(v.correction) and not (v.weak and approval) for v in verdicts]
     if any(is_correction):
@@ -217,7 +239,12 @@ def decide_user(texts: Sequence[str], max_sentences: int = 3, hint_min_chars: in
             if i not in chosen and not v.approval:
                 chosen.append(i)
         parts = [p for p in (as_instruction(verdicts[i].text) for i in sorted(chosen)) if p]
-        hint = " ".join(parts)
+        # The teacher follows an imperative far better than a narrated complaint (docs/judge.md), so the
+        # correction's instructions are the hint; the user's own words only when it holds none.
+        cleaned = [p for p in (as_instruction(v.text) for v in verdicts if not v.approval) if p]
+        hint = imperative_hint(cleaned, max_sentences=max_sentences)
+        if len(hint.strip()) <= hint_min_chars:
+            hint = " ".join(parts)
         if len(hint.strip()) <= hint_min_chars:
             hint = ""
         why = "; ".join(dict.fromkeys(v.correction for v, c in zip(verdicts, is_correction) if c))
@@ -305,7 +332,8 @@ class RuleJudge:
         self.client = _NoClient()
 
     def decide(self, turn: TurnRecord) -> RuleDecision:
-        return decide(turn.next_state, hint_min_chars=self.settings.hint_min_chars)
+        """The verdict on what the user wrote (client envelopes such as timestamps removed)."""
+        return decide(judged_turn(turn).next_state, hint_min_chars=self.settings.hint_min_chars)
 
     async def judge(self, turn: TurnRecord, *, want_eval: bool = True, want_hints: bool = True, attempt: int = 0,
                     deadline_s: float | None = None,

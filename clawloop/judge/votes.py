@@ -3,7 +3,9 @@
 ``Judge.judge(turn)`` builds both prompts once, issues the 2m calls concurrently (the client bounds how many run
 at the same time; the embedded engine batches them), parses each answer as it arrives and hands every vote to
 ``on_vote`` immediately, so the store holds the raw judge texts even if the process dies before the turn is done.
-A per-turn deadline cancels the calls still running; they count as invalid votes with the reason recorded.
+A vote whose call timed out is tried again (up to ``timeout_retries`` times) while the turn's deadline leaves at
+least ``min_retry_s``; the deadline then cancels the calls still running, which count as invalid votes with the
+reason recorded. The judge reads the turn without client envelopes (``envelopes.judged_turn``).
 The result is the majority evaluative vote (0 when none is valid or votes tie) and the hint candidates.
 """
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clawloop.judge.client import Completion, JudgeClient
+from clawloop.judge.envelopes import judged_turn
 from clawloop.judge.parse import majority, parse_eval, parse_hint, select_candidates
 from clawloop.judge.prompts import answer_text, build_messages
 from clawloop.store import TurnRecord, VoteRecord
@@ -51,12 +54,16 @@ class JudgeSettings:
     hint_min_chars: int = 10
     max_candidates: int = 3
     max_section_chars: int = 3000
+    timeout_retries: int = 2
+    """Further tries of a vote whose call timed out (only while the turn's deadline leaves time)."""
+    min_retry_s: float = 5.0
+    """A timed-out vote is tried again only when at least this much of the turn's deadline remains."""
 
     @classmethod
     def from_config(cls, config: Any) -> "JudgeSettings":
         return cls(votes_m=config.prm_m, temperature=config.judge_temperature, max_tokens=config.judge_max_tokens,
                    judge_context=config.judge_context, hint_min_chars=config.hint_min_chars,
-                   max_candidates=config.max_candidates)
+                   max_candidates=config.max_candidates, timeout_retries=config.judge_retries)
 
 
 class Judge:
@@ -66,18 +73,32 @@ class Judge:
 
     def messages_for(self, kind: str, turn: TurnRecord) -> list[dict[str, str]]:
         s = self.settings
+        turn = judged_turn(turn)
         return build_messages(
             kind, request_messages=turn.messages, answer=answer_text(turn.assistant_message, turn.response_text),
             next_state=turn.next_state or [], judge_context=s.judge_context, max_context_chars=s.max_section_chars,
             max_answer_chars=s.max_section_chars, max_next_state_chars=s.max_section_chars)
 
-    async def _vote(self, kind: str, messages: list[dict[str, str]], turn_id: int, index: int,
-                    attempt: int) -> VoteRecord:
+    async def _call(self, messages: list[dict[str, str]]) -> Completion:
         try:
-            reply = await self.client.complete(messages, temperature=self.settings.temperature,
-                                               max_tokens=self.settings.max_tokens)
+            return await self.client.complete(messages, temperature=self.settings.temperature,
+                                              max_tokens=self.settings.max_tokens)
         except Exception as exc:  # noqa: BLE001 - clients should not raise; if one does, the vote is invalid
-            reply = Completion(text="", error=f"{type(exc).__name__}: {exc}")
+            return Completion(text="", error=f"{type(exc).__name__}: {exc}")
+
+    async def _vote(self, kind: str, messages: list[dict[str, str]], turn_id: int, index: int,
+                    attempt: int, deadline_at: float | None = None) -> VoteRecord:
+        start = time.monotonic()
+        reply = await self._call(messages)
+        tries = max(1, reply.attempts)  # a client that retries by itself (HTTP) has used its tries already
+        while (reply.error and "timed out" in reply.error and tries <= self.settings.timeout_retries
+               and (deadline_at is None or deadline_at - time.monotonic() >= self.settings.min_retry_s)):
+            reply = await self._call(messages)
+            tries += max(1, reply.attempts)
+        if tries > max(1, reply.attempts):
+            reply.latency_s = time.monotonic() - start
+            if reply.error:
+                reply.error = f"{reply.error} ({tries} tries in all)"
         parsed = parse_eval(reply.text) if kind == "eval" else parse_hint(reply.text)
         error = reply.error or parsed.error
         return VoteRecord(turn_id=turn_id, kind=kind, index=index, score=None if reply.error else parsed.score,
@@ -89,6 +110,7 @@ class Judge:
                     on_vote: Callable[[VoteRecord], None] | None = None) -> Judgement:
         """Run the votes asked for; never raises for judge failures (they become invalid votes)."""
         start = time.monotonic()
+        deadline_at = None if deadline_s is None else start + deadline_s
         turn_id = int(turn.id or 0)
         jobs: dict[asyncio.Task, tuple[str, int]] = {}
         for kind, wanted in (("eval", want_eval), ("hint", want_hints)):
@@ -96,7 +118,7 @@ class Judge:
                 continue
             messages = self.messages_for(kind, turn)
             for index in range(self.settings.votes_m):
-                task = asyncio.create_task(self._vote(kind, messages, turn_id, index, attempt))
+                task = asyncio.create_task(self._vote(kind, messages, turn_id, index, attempt, deadline_at))
                 jobs[task] = (kind, index)
         out = Judgement()
         pending = set(jobs)

@@ -7,7 +7,7 @@ cannot be trained are returned with a reason so the caller records it in the sto
 
 * ``empty_response`` — no response tokens;
 * ``too_long`` — more response tokens than ``max_response_tokens``, or prompt + response beyond the model's
-  context;
+  context or beyond ``max_train_tokens`` (the per-sample training memory budget, docs/training-memory.md);
 * ``bad_logprobs`` — the behaviour log-probs do not line up with the response ids;
 * ``bad_ids`` — token ids outside the model's vocabulary;
 * ``bad_targets`` — teacher tensors whose shapes do not fit the turn, ids outside the vocabulary, or a top-k row
@@ -15,7 +15,9 @@ cannot be trained are returned with a reason so the caller records it in the sto
 * ``stale`` — older than ``max_staleness`` versions with ``staleness_mode = drop``.
 
 Micro-batches are right-padded: positions after a sequence's end are masked out of attention and never read,
-so padding changes no trained value.
+so padding changes no trained value. A micro-batch holds at most ``micro_batch_size`` samples and at most
+``micro_batch_tokens`` padded tokens (samples × its longest sample), so its activation memory is bounded by
+the token budget whatever the batch; a sample longer than the budget goes alone.
 """
 
 from __future__ import annotations
@@ -127,6 +129,8 @@ def _check(sample: SampleRecord, turn: TurnRecord, config: Config, max_context: 
         return "too_long"
     if max_context is not None and len(turn.prompt_ids) + n > max_context:
         return "too_long"
+    if len(turn.prompt_ids) + n > config.max_train_tokens:
+        return "too_long"
     if len(turn.logprobs) != n:
         return "bad_logprobs"
     if vocab_size is not None:
@@ -178,8 +182,18 @@ def collate(items: list[TrainItem], device: torch.device | str = "cpu", pad_id: 
                       prompt_lens=[it.prompt_len for it in items], response_lens=[it.response_len for it in items])
 
 
-def micro_batches(items: list[TrainItem], size: int) -> list[list[TrainItem]]:
-    """Groups of at most ``size`` items, similar lengths together (less padding), order otherwise kept."""
+def micro_batches(items: list[TrainItem], size: int, max_tokens: int | None = None) -> list[list[TrainItem]]:
+    """Groups of at most ``size`` items and (with ``max_tokens``) at most ``max_tokens`` padded tokens
+    (group length × longest member), similar lengths together (less padding), order otherwise kept. An item
+    longer than ``max_tokens`` forms a group of its own."""
     order = sorted(range(len(items)), key=lambda i: int(items[i].input_ids_L.numel()))
-    groups = [[items[i] for i in order[s:s + size]] for s in range(0, len(order), size)]
+    groups: list[list[TrainItem]] = []
+    for i in order:
+        length = int(items[i].input_ids_L.numel())  # ascending: the newcomer is the group's longest
+        group = groups[-1] if groups else None
+        if group is not None and len(group) < size and \
+                (max_tokens is None or (len(group) + 1) * length <= max_tokens):
+            group.append(items[i])
+        else:
+            groups.append([items[i]])
     return groups

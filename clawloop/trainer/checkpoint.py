@@ -108,9 +108,13 @@ def save_checkpoint(run_dir: str | Path, step: int, policy_version: int, weights
 
     final = write_folder_atomically(root / name, write)
     pointer_tmp = root / f".{LATEST}-{uuid.uuid4().hex[:8]}"
-    pointer_tmp.write_text(name + "\n")
-    _fsync_file(pointer_tmp)
-    os.replace(pointer_tmp, root / LATEST)
+    try:
+        pointer_tmp.write_text(name + "\n")
+        _fsync_file(pointer_tmp)
+        os.replace(pointer_tmp, root / LATEST)
+    finally:  # a failed write (disk full) leaves no stray file; ``latest`` still names the previous checkpoint
+        if pointer_tmp.exists():
+            pointer_tmp.unlink(missing_ok=True)
     _fsync_dir(root)
     _prune(root, keep_last, protect=name)
     return final
@@ -134,7 +138,7 @@ def _prune(root: Path, keep_last: int, protect: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
     # Leftovers of a crash in the middle of a write.
     for path in root.iterdir():
-        if path.name.startswith((".tmp-", ".old-")):
+        if path.name.startswith((".tmp-", ".old-", f".{LATEST}-")):
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -111,6 +111,8 @@ class Trainer:
         self.policy_version = int(self.engine.policy_version)
         self.last_checkpoint_step = self.step
         self.needs_publish = False
+        self.checkpoint_error: str | None = None
+        """Why the last checkpoint write failed (None after a good one); a failed write is retried next step."""
         self.pending_version: int | None = None
         """An accepted version whose publication failed (retried before the next step)."""
         self.keep_checkpoints = keep_checkpoints
@@ -238,12 +240,13 @@ class Trainer:
             extra={"lora": self.models.lora, "model_dir": str(self.models.model_dir), "method": self.config.method},
             keep_last=self.keep_checkpoints)
         self.last_checkpoint_step = self.step
+        self.checkpoint_error = None
         return path
 
     def checkpoint_if_due(self, force: bool = False) -> Path | None:
         if self.step == self.last_checkpoint_step:
             return None
-        if force or self.step % self.config.checkpoint_every == 0:
+        if force or self.step % self.config.checkpoint_every == 0 or self.checkpoint_error is not None:
             return self.save_checkpoint()
         return None
 
@@ -264,7 +267,14 @@ class Trainer:
         """Give the current weights a new version number, keep them, record them and publish them."""
         version = self.store.next_version(at_least=max(self.policy_version, self.accepted.version) + 1)
         self.accepted = self._snapshot(version)
-        self._save_version(version, step, evidence)
+        try:
+            self._save_version(version, step, evidence)
+        except Exception as exc:  # noqa: BLE001 - OSError, or safetensors' own error for the same disk full
+            # The version is still served and kept in memory for the gate; only a later rollback to it is lost.
+            # Disk full must not turn an accepted step into a failed one (its samples are consumed).
+            evidence = {**evidence, "kept_on_disk": False, "keep_error": f"{type(exc).__name__}: {exc}"}
+            log.error("trainer: keeping version %d in %s failed (%s); it is served but cannot be rolled back to",
+                      version, self.run_dir, evidence["keep_error"])
         self.store.record_version(version, step, "accepted", evidence)
         self.pending_version = version
         self.unchecked_steps = []
@@ -365,10 +375,25 @@ class Trainer:
         self.store.commit_step(lease_id, step, self.policy_version, _jsonable(metrics), turn_ids)
         self.step = step  # only once the store agrees, so step numbers never skip
         self.last_metrics = metrics
-        self.metrics.write(metrics)
-        self.metrics.progress(metrics, int(metrics["waiting"]))
-        self.checkpoint_if_due()
+        self.after_commit(metrics)
         return metrics
+
+    def after_commit(self, metrics: dict[str, Any]) -> None:
+        """Bookkeeping of a committed step. The step stands whatever happens here (its samples are consumed in
+        the store), so a failure (disk full) is logged as what it is and never reported as a failed step."""
+        try:
+            self.metrics.write(metrics)
+            self.metrics.progress(metrics, int(metrics["waiting"]))
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            log.error("trainer: writing the metrics of step %d failed (%s: %s); the step stands", self.step,
+                      type(exc).__name__, exc)
+        try:
+            self.checkpoint_if_due()
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            self.checkpoint_error = f"{type(exc).__name__}: {exc}"
+            log.error("trainer: writing the checkpoint of step %d failed (%s); the step stands and its samples "
+                      "are consumed; the checkpoint is written again after the next step", self.step,
+                      self.checkpoint_error)
 
     def close(self) -> None:
         """Close the metrics and let go of the weights and optimizer state (see ``HFEngine._release``)."""

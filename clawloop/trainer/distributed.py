@@ -356,7 +356,7 @@ def distributed_train_step(models: TrainModels, optimizer: torch.optim.Optimizer
     n = len(items)
     mine = list(range(rank, n, world))
     reward_of = {id(items[i]): rewards[i] for i in mine}
-    groups = micro_batches([items[i] for i in mine], config.micro_batch_size)
+    groups = micro_batches([items[i] for i in mine], config.micro_batch_size, config.micro_batch_tokens)
     count = torch.tensor([len(groups)], dtype=torch.long, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     rounds = int(count.item())
@@ -668,19 +668,29 @@ def _broadcast(batch: Batch | None) -> Batch:
 
 
 def _save_checkpoint(models: TrainModels, optimizer: torch.optim.Optimizer, config: Config, run_dir: Path,
-                     step: int, version: int, gathered: bool, weights: dict[str, torch.Tensor] | None) -> None:
+                     step: int, version: int, gathered: bool, weights: dict[str, torch.Tensor] | None) -> bool:
     """Every rank (the gathers are collectives); rank 0 writes. With ``gathered`` the weights were gathered
-    already for publication (``weights``: rank 0's copy, None elsewhere)."""
+    already for publication (``weights``: rank 0's copy, None elsewhere). Returns on every rank whether the
+    write succeeded: a failed write (disk full) is logged and leaves the committed step standing."""
     if not gathered:
         weights = gather_weights(models)
     optimizer_state = gather_optimizer(models, optimizer)
+    ok = 1
     if dist.get_rank() == 0:
-        path = ckpt.save_checkpoint(
-            run_dir, step, version, _unshared(weights), optimizer_state,
-            extra={"lora": models.lora, "model_dir": str(models.model_dir), "method": config.method,
-                   "world_size": dist.get_world_size()},
-            keep_last=KEEP_CHECKPOINTS)
-        log.warning("checkpoint %s written", path.name)
+        try:
+            path = ckpt.save_checkpoint(
+                run_dir, step, version, _unshared(weights), optimizer_state,
+                extra={"lora": models.lora, "model_dir": str(models.model_dir), "method": config.method,
+                       "world_size": dist.get_world_size()},
+                keep_last=KEEP_CHECKPOINTS)
+            log.warning("checkpoint %s written", path.name)
+        except Exception as exc:  # noqa: BLE001 - the step is committed; the write is retried next step
+            ok = 0
+            log.error("writing the checkpoint of step %d failed (%s: %s); the step stands and its samples are "
+                      "consumed; the checkpoint is written again after the next step", step, type(exc).__name__,
+                      exc)
+    (ok,) = _broadcast_ints(ok)
+    return bool(ok)
 
 
 def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float = 600.0, poll_s: float = 2.0,
@@ -700,6 +710,7 @@ def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float
     plan = _start(models, optimizer, config, store, run_dir)
     step, version = plan.step, plan.version
     last_checkpoint_step = step  # nothing new to keep until a step is trained
+    checkpoint_failed = False
     if plan.republish_as is not None and report_weights:
         weights = gather_weights(models)
         if rank == 0:
@@ -761,9 +772,11 @@ def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float
                             len(items), version)
         step, version = _broadcast_ints(step, version)
         trained += 1
-        if step % max(1, int(config.checkpoint_every)) == 0:
-            _save_checkpoint(models, optimizer, config, run_dir, step, version, True, weights)
-            last_checkpoint_step = step
+        if step % max(1, int(config.checkpoint_every)) == 0 or checkpoint_failed:
+            checkpoint_failed = not _save_checkpoint(models, optimizer, config, run_dir, step, version, True,
+                                                     weights)
+            if not checkpoint_failed:
+                last_checkpoint_step = step
         del weights
     if step != last_checkpoint_step:  # a clean exit keeps everything trained so far
         _save_checkpoint(models, optimizer, config, run_dir, step, version, False, None)

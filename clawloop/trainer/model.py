@@ -15,6 +15,8 @@ Choices:
 * Logits are computed only at the response positions: the decoder runs over prompt + response, then the
   output head is applied to the hidden states that predict response tokens. Prompt logits are never
   materialised.
+* Attention is ``sdpa`` by default (``attn_implementation``): memory linear in the sequence length, forward and
+  backward; the reference copy shares the policy's attention kernel (docs/training-memory.md).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def load_train_models(config: Config, model_dir: str | Path | None = None) -> Tr
     """Load the policy for training as ``config`` says (``model``, ``lora*``, ``device``, ``kl_coef``)."""
     path = Path(model_dir) if model_dir is not None else resolve_model(config.model)
     device = resolve_device(config.device)
-    causal_lm = load_model(path, dtype="float32", device=device)
+    causal_lm = load_model(path, dtype="float32", device=device, attn_implementation=config.attn_implementation)
     causal_lm.eval()
     causal_lm.config.use_cache = False
     use_reference = config.kl_coef > 0

@@ -175,11 +175,15 @@ def _combine_teacher(item: TrainItem, t: dict[str, torch.Tensor], old_T: torch.T
 
 @torch.no_grad()
 def fill_old_side(models: TrainModels, items: list[TrainItem], config: Config, *,
-                  micro_batch_size: int | None = None, refresh: RefreshFn | None = None) -> None:
-    """Run the old-policy (and reference) forward over ``items`` in micro-batches and fill each item."""
+                  micro_batch_size: int | None = None, refresh: RefreshFn | None = None,
+                  micro_batch_tokens: int | None = None) -> None:
+    """Run the old-policy (and reference) forward over ``items`` in micro-batches and fill each item.
+
+    No gradient is kept here, so memory is one layer's activations at a time; the token budget still bounds
+    the padded batch."""
     size = micro_batch_size or config.micro_batch_size
     head = models.causal_lm.get_output_embeddings()
-    for group in micro_batches(items, size):
+    for group in micro_batches(items, size, micro_batch_tokens or config.micro_batch_tokens):
         mb = collate(group, models.device)
         hidden = response_hidden(models.causal_lm, mb.input_ids_B_L, mb.attention_mask_B_L, mb.prompt_lens,
                                  mb.response_lens)

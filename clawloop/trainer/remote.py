@@ -84,8 +84,15 @@ class RemoteStore:
         self._forget(lease_id)
         return released
 
-    def drop_leased_sample(self, turn_id: int, reason: str) -> None:
-        self._call("POST", "/v1/trainer/drop", {"turn_id": turn_id, "reason": reason})
+    def drop_leased_sample(self, turn_id: int, reason: str, lease_id: str | None = None) -> bool:
+        body: dict[str, Any] = {"turn_id": turn_id, "reason": reason}
+        if lease_id is not None:
+            body["lease_id"] = lease_id
+        try:
+            self._call("POST", "/v1/trainer/drop", body)
+        except LeaseLost:  # the sample is no longer leased: nothing was dropped
+            return False
+        return True
 
     def ready_count(self) -> int:
         """Samples waiting as of the last lease (no extra round trip per step)."""

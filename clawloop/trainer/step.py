@@ -9,7 +9,9 @@ Choices:
   only, its objective, and its own backward into the leaf. So at most one sample's ``[T, V]`` logits exist at a
   time; the decoder's backward runs once per micro-batch with the accumulated hidden-state gradient.
   Gradients accumulate over micro-batches (each loss is divided by the step's sample count), then one
-  optimizer update.
+  optimizer update. Micro-batches are bounded by ``micro_batch_tokens`` as well as ``micro_batch_size``, and a
+  long one recomputes its decoder activations in the backward (``gradient_checkpointing``,
+  ``clawloop.trainer.recompute``), so memory grows linearly with the tokens (docs/training-memory.md).
 * Old-policy side: with one update per batch (``steps_per_batch = 1``, the default) the old policy *is* the
   current policy before the update, so ℓ_old and the student top-k are read (detached) from the very logits
   the loss uses — one forward instead of two, and ρ = 1 exactly. With several PPO epochs a separate no-grad
@@ -33,10 +35,11 @@ import torch
 
 from clawloop.config import Config
 from clawloop.losses import MetricsAccumulator, ObjectiveSample, ObjectiveSettings, group_normalized_rewards, \
-    sample_objective
+    sample_objective, shape_advantages
 from clawloop.trainer.batch import TrainItem, collate, micro_batches
 from clawloop.trainer.model import TrainModels
 from clawloop.trainer.old_policy import RefreshFn, fill_old_side, fill_reference, old_side_from_logits
+from clawloop.trainer.recompute import checkpointed_layers, wants_checkpointing
 
 
 def make_optimizer(models: TrainModels, config: Config) -> torch.optim.Optimizer:
@@ -49,6 +52,16 @@ def make_optimizer(models: TrainModels, config: Config) -> torch.optim.Optimizer
 
 
 def rewards_for(items: list[TrainItem], config: Config) -> list[float]:
+    """Each sample's GRPO advantage: its reward (with ``group_norm``, normalised within groups of samples sharing a
+    prompt), then shaped across the batch by ``advantage_mode`` (docs/collapse-fix.md)."""
+    rewards = group_rewards(items, config)
+    _, w_opd = config.weights
+    hinted_B = torch.tensor([w_opd != 0.0 and bool(it.sample.hints) and it.teacher_tensors is not None
+                             for it in items], dtype=torch.bool)
+    return shape_advantages(torch.tensor(rewards, dtype=torch.float64), hinted_B, config.advantage_mode).tolist()
+
+
+def group_rewards(items: list[TrainItem], config: Config) -> list[float]:
     """Each sample's reward; with ``group_norm``, normalised within groups of samples sharing a prompt."""
     rewards = [float(it.sample.reward) for it in items]
     if not config.group_norm:
@@ -112,7 +125,8 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
 
     if not fuse:
         t0 = time.perf_counter()
-        fill_old_side(models, items, config, micro_batch_size=config.micro_batch_size, refresh=refresh)
+        fill_old_side(models, items, config, micro_batch_size=config.micro_batch_size, refresh=refresh,
+                      micro_batch_tokens=config.micro_batch_tokens)
         _sync(device)
         timings["time_old_forward_s"] += time.perf_counter() - t0
 
@@ -123,17 +137,21 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
     index = {id(it): i for i, it in enumerate(items)}
     head = models.causal_lm.get_output_embeddings()
     decoder = models.causal_lm.get_decoder()
+    checkpointed = 0
     for _ in range(epochs):
         optimizer.zero_grad(set_to_none=True)
         acc = MetricsAccumulator()
-        for group in micro_batches(items, config.micro_batch_size):
+        for group in micro_batches(items, config.micro_batch_size, config.micro_batch_tokens):
             mb = collate(group, device)
             if fuse and models.use_reference:
                 t0 = time.perf_counter()
                 fill_reference(models, group, mb)
                 timings["time_old_forward_s"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            out = decoder(input_ids=mb.input_ids_B_L, attention_mask=mb.attention_mask_B_L, use_cache=False)
+            recompute = wants_checkpointing(config.gradient_checkpointing, mb.input_ids_B_L.numel())
+            checkpointed += int(recompute)
+            with checkpointed_layers(decoder, recompute):
+                out = decoder(input_ids=mb.input_ids_B_L, attention_mask=mb.attention_mask_B_L, use_cache=False)
             hidden_B_L_H = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
             # Cut the graph here: each sample's head + loss runs (and is freed) on its own.
             leaf_B_L_H = hidden_B_L_H.detach().requires_grad_(True)
@@ -178,9 +196,13 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
     metrics["updates_skipped_nonfinite"] = float(skipped)
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])
     metrics["samples"] = float(n)
+    metrics["checkpointed_micro_batches"] = float(checkpointed) / epochs
+    metrics["max_sample_tokens"] = float(max(int(it.input_ids_L.numel()) for it in items))
     metrics["tokens"] = float(sum(it.response_len for it in items))
     metrics["step_time_s"] = time.perf_counter() - t_start
     metrics.update(_item_metrics(items))
+    metrics["advantage_mean"] = sum(rewards) / n
+    metrics["advantage_negative_mean"] = sum(min(a, 0.0) for a in rewards) / n
     return metrics
 
 

@@ -10,6 +10,8 @@ import httpx
 import openai
 import pytest
 
+# Raw bodies carry the JSON content type: clawloop refuses other bodies (415) before reading them.
+JSON_TYPE = {"Content-Type": "application/json"}
 URL = "/v1/chat/completions"
 OK = {"model": "clawloop", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -94,10 +96,10 @@ def test_bad_bodies_get_400_naming_the_field(http, body, param, code):
 
 
 def test_bad_bytes_and_headers(http, server):
-    assert_error(http.post(URL, content=b"{not json"), 400, code="invalid_json")
-    assert_error(http.post(URL, content=b""), 400, code="invalid_body")
-    assert_error(http.post(URL, content=b"\xff\xfe{}"), 400, code="invalid_json")
-    assert_error(http.post(URL, content=b"[" * 100_000), 400, code="invalid_json")
+    assert_error(http.post(URL, content=b"{not json", headers=JSON_TYPE), 400, code="invalid_json")
+    assert_error(http.post(URL, content=b"", headers=JSON_TYPE), 400, code="invalid_body")
+    assert_error(http.post(URL, content=b"\xff\xfe{}", headers=JSON_TYPE), 400, code="invalid_json")
+    assert_error(http.post(URL, content=b"[" * 100_000, headers=JSON_TYPE), 400, code="invalid_json")
     assert_error(http.post(URL, json=OK, headers={"X-Turn-Type": "other"}), 400, "X-Turn-Type")
     assert_error(http.post(URL, json=OK, headers={"X-Session-Done": "perhaps"}), 400, "X-Session-Done")
     assert_error(http.post(URL, json=OK, headers={"X-Session-Id": "x" * 300}), 400, "X-Session-Id")
@@ -135,7 +137,7 @@ def test_body_too_large_by_header_and_by_actual_size(make_server):
             for i in range(0, len(data), 1000):
                 yield data[i:i + 1000]
 
-        assert_error(c.post(URL, content=chunks()), 413, code="request_too_large")
+        assert_error(c.post(URL, content=chunks(), headers=JSON_TYPE), 413, code="request_too_large")
         assert c.post(URL, json=OK).status_code == 200
 
 
@@ -202,7 +204,7 @@ def test_fuzzed_bodies_never_get_a_500(http):
     rng = random.Random(20240607)
     statuses = []
     for body in _mutations(rng):
-        r = http.post(URL, content=json.dumps(body, allow_nan=True).encode())
+        r = http.post(URL, content=json.dumps(body, allow_nan=True).encode(), headers=JSON_TYPE)
         assert r.status_code < 500, (body, r.text)
         if r.status_code != 200:
             assert_error(r, r.status_code)
@@ -210,7 +212,7 @@ def test_fuzzed_bodies_never_get_a_500(http):
     raw = [b"", b"null", b"0", b"{", b"}", b'{"messages": [', b"\x00\x01", b'{"messages": "\xff"}', b"[]" * 1000,
            b'{"messages": [{"role": "user", "content": "a"}]}' * 2]
     for blob in raw:
-        r = http.post(URL, content=blob)
+        r = http.post(URL, content=blob, headers=JSON_TYPE)
         assert 400 <= r.status_code < 500
         assert_error(r, r.status_code)
     assert statuses.count(400) > 100 and 200 in statuses  # the fuzz covered both sides

@@ -16,7 +16,7 @@ from clawloop.sim.data.questions import POOLS
 from clawloop.sim.personas import PERSONAS
 from clawloop.store import TurnRecord
 
-CASES = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "judge_cases.jsonl"
+CASES = Path(__file__).resolve().parents[2] / "clawloop" / "judge" / "data" / "judge_cases.jsonl"
 
 
 def user(text):
@@ -51,17 +51,32 @@ def test_approval_is_plus_one_without_hint(reply):
 
 
 @pytest.mark.parametrize("reply, hint", [
-    ("That's too long. Please answer in one short sentence.", "That's too long. Answer in one short sentence."),
-    ("Could you say that in French? I only speak French.", "Say that in French. I only speak French."),
+    # A correction's hint is the instruction it implies, in imperative form: the teacher reads it as one.
+    ("That's too long. Please answer in one short sentence.", "Answer in one short sentence."),
+    ("Too long, answer in one sentence.", "Answer in one sentence."),
+    ("Could you say that in French? I only speak French.", "Answer in French."),
     ("Thanks, but please answer in French.", "Answer in French."),  # thanks does not rescue a change request
-    ('Start with "In short," next time, please.', 'Start with "In short,".'),
+    ("Again in English... please always reply to me in French.", "Always answer in French."),
+    ('Start with "In short," next time, please.', 'Begin every answer with "In short,".'),
+    ('You forgot the "In short," at the start. Always begin with it.', 'Begin every answer with "In short,".'),
+    ('Where is my "In short,"? Please start your answers with it.', 'Begin every answer with "In short,".'),
+    ('I like answers that open with "In short,". Can you do that?', 'Begin every answer with "In short,".'),
+    ('Please end your answers with "Hope this helps".', 'End every answer with "Hope this helps".'),
+    ("Shorter, please. One sentence is enough for me.", "Answer in one sentence."),
+    ("Please be brief: a single sentence of at most 25 words.", "Answer in one sentence of at most 25 words."),
+    ("Way too long. Keep it under 50 words.", "Answer in at most 50 words."),
+    ("One short sentence, please.", "Answer in one short sentence."),
+    # A sentence count that is only mentioned is not a length request.
+    ("Two sentences contradict each other. Fix it.", "Two sentences contradict each other. Fix it."),
+    ("In Spanish, please! No hablo inglés.", "Answer in Spanish."),
+    ("Please use bullet points.", "Answer in bullet points."),
+    ("You didn't answer what I asked: What is a volcano?", "Answer the question: What is a volcano?"),
+    ("That's not a haiku. It must be 5-7-5. Fix it. And make it rhyme.", "Make it 5-7-5. Make it rhyme."),
+    ("You need sudo for that file.", "Use sudo for that file."),
+    ("You should cite your sources.", "Cite your sources."),
+    # No instruction to extract: the user's words (stripped of filler) are the hint.
     ("No, I said descending. Largest first.", "I said descending. Largest first."),
-    ("Shorter, please. One sentence is enough for me.", "Shorter. One sentence is enough."),
-    ("In Spanish, please! No hablo inglés.", "In Spanish! No hablo inglés."),
-    ("You didn't answer what I asked: What is a volcano?", "You didn't answer what I asked: What is a volcano?"),
     ("Wrong, it was Jane Austen.", "Wrong, it was Jane Austen."),
-    ("That's not a haiku. It must be 5-7-5. Fix it. And make it rhyme.",  # at most three sentences
-     "That's not a haiku. It must be 5-7-5. Fix it."),
 ])
 def test_correction_is_minus_one_with_an_instruction_hint(reply, hint):
     d = decide(user(reply))
@@ -95,7 +110,7 @@ def test_tool_results():
     # A user's correction after a failing tool gives the user's words as the hint.
     both = decide([{"role": "tool", "content": "PermissionError: app.log"},
                    {"role": "user", "content": "You need sudo for that file."}])
-    assert both.score == -1 and both.hint == "You need sudo for that file."
+    assert both.score == -1 and both.hint == "Use sudo for that file."
 
 
 def test_every_persona_reply_reads_as_the_persona_meant_it():
@@ -123,6 +138,18 @@ def test_agreement_with_the_labelled_judge_cases():
     assert sum(hints) / len(hints) >= 0.9
 
 
+def test_every_persona_correction_becomes_its_preference_as_an_instruction():
+    """Each simulated user's corrections give the persona's own preference in imperative form (not a narrated
+    complaint), which is what the teacher follows."""
+    expected = {"inshort": 'Begin every answer with "In short,".', "french": "in French.",
+                "spanish": "in Spanish.", "brief": "sentence"}
+    for name, persona in PERSONAS.items():
+        for text in persona.corrections:
+            hint = decide(user(text)).hint
+            assert expected[name] in hint, (text, hint)
+            assert not hint.lower().startswith(("you ", "that's", "i ", "where")), (text, hint)
+
+
 def test_as_instruction():
     assert as_instruction("Could you please write it in Spanish?") == "Write it in Spanish."
     assert as_instruction("Hmm, no, please use bullets") == "Use bullets."
@@ -135,14 +162,14 @@ def test_votes_look_like_an_llm_judges_and_the_pipeline_builds_it():
     assert isinstance(judge, RuleJudge)
     seen = []
     out = asyncio.run(judge.judge(turn(user("Too long. Please answer in one sentence.")), on_vote=seen.append))
-    assert out.reward == -1 and out.candidates == ["Too long. Answer in one sentence."]
+    assert out.reward == -1 and out.candidates == ["Answer in one sentence."]
     assert len(out.eval_votes) == 3 and len(out.hint_votes) == 3 and len(seen) == 6
     assert [v.index for v in out.eval_votes] == [0, 1, 2]
     for v in out.eval_votes:
         assert v.turn_id == 3 and parse_eval(v.raw_text).score == -1 and "too much or too little" in v.raw_text
     for v in out.hint_votes:
         parsed = parse_hint(v.raw_text)
-        assert parsed.score == 1 and parsed.hint == v.hint == "Too long. Answer in one sentence."
+        assert parsed.score == 1 and parsed.hint == v.hint == "Answer in one sentence."
 
     good = asyncio.run(judge.judge(turn(user("Thanks!")), want_hints=False))
     assert good.reward == 1 and good.hint_votes == [] and good.candidates == []

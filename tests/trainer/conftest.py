@@ -1,7 +1,8 @@
 """Fixtures for trainer tests (helpers that are not fixtures live in ``trainer_helpers``).
 
 * ``make_config(**overrides)`` — a validated ``Config`` for the tiny model on CPU, small batches, lr 1e-3,
-  8-token probe answers for the publication gate, run folder under the test's ``tmp_path``.
+  run folder under the test's ``tmp_path``, publication gate off (these tests are about what a step does; the
+  gate's own tests turn it on).
 * ``base_model`` — a fresh copy of the tiny model (plays the serving policy and the frozen teacher when test
   samples are made).
 """
@@ -24,7 +25,7 @@ def make_config(tiny_model_path, tmp_path):
     def make(**overrides) -> Config:
         values = dict(model=str(tiny_model_path), device="cpu", run_dir=str(tmp_path / "run"),
                       rollout_batch_size=2, micro_batch_size=2, checkpoint_every=1000, lr=1e-3,
-                      metrics_backends=["jsonl"], gate_probe_tokens=8)  # the gate checks every step: keep it cheap
+                      metrics_backends=["jsonl"], gate=False)
         values.update(overrides)
         return Config.from_dict(values)
 

@@ -57,7 +57,7 @@ def test_a_broken_candidate_is_rejected_and_never_served(make_config, base_model
                                                          lora):
     # The tiny random model's own answers are not language, so few probes count for the guard here; the KL bound
     # is set to 1 nat/token (healthy steps of this test measure ~0.01).
-    config = make_config(method="rl", lora=lora, lr=1e-3, gate_probe_tokens=16, gate_max_kl=1.0)
+    config = make_config(method="rl", lora=lora, lr=1e-3, gate_probe_tokens=16, gate_max_kl=1.0, gate=True)
     store = Store(tmp_path / "store.sqlite")
     for i in range(2):
         add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i else -1.0)
@@ -148,7 +148,7 @@ def test_a_broken_candidate_is_rejected_and_never_served(make_config, base_model
 
 def test_rollback_serves_the_earlier_version_exactly_and_numbers_go_on(make_config, base_model, tiny_tokenizer,
                                                                        tmp_path, engine):
-    config = make_config(method="rl", lora=True, lr=1e-2, gate_probe_tokens=8)
+    config = make_config(method="rl", lora=True, lr=1e-2, gate_probe_tokens=8, gate=True)
     store = Store(tmp_path / "store.sqlite")
     for i in range(6):
         add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i % 2 else -1.0)
@@ -186,7 +186,7 @@ def test_rollback_serves_the_earlier_version_exactly_and_numbers_go_on(make_conf
 
 
 def test_version_numbers_stay_unique_across_restarts(make_config, base_model, tiny_tokenizer, tmp_path):
-    config = make_config(method="rl", lora=True, lr=1e-2, checkpoint_every=1, gate_probe_tokens=8)
+    config = make_config(method="rl", lora=True, lr=1e-2, checkpoint_every=1, gate_probe_tokens=8, gate=True)
     db = tmp_path / "store.sqlite"
     store = Store(db)
     for i in range(10):

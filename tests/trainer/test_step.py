@@ -158,3 +158,26 @@ def test_anchor_mode_trains_an_rl_sample_stored_without_targets(make_config, bas
     assert metrics["anchor_missing"] == 1.0
     assert metrics["opd_applied"] == pytest.approx(0.5)
     assert store.count_samples() == {TurnState.CONSUMED: 2}
+
+
+@pytest.mark.parametrize("mode,want", [("raw", [-1.0, -1.0, -1.0]), ("balanced", [0.0, 0.0, 0.0]),
+                                       ("hinted_opd", [0.0, 0.0, -1.0])])
+def test_advantage_mode_shapes_an_all_negative_batch(make_config, base_model, tiny_tokenizer, tmp_path, mode, want):
+    """Where every vote is −1, the default (balanced) trains no GRPO term; raw keeps the original's A = r;
+    hinted_opd leaves only the turn without a hint to GRPO."""
+    from clawloop.trainer.batch import prepare_items
+    from clawloop.trainer.step import rewards_for
+
+    config = make_config(method="hybrid", advantage_mode=mode, rollout_batch_size=3)
+    store = Store(tmp_path / "store.sqlite")
+    add_sample(store, base_model, tiny_tokenizer, 0, reward=-1.0, hints=HINTS)
+    add_sample(store, base_model, tiny_tokenizer, 1, reward=-1.0, hints=HINTS[:1])
+    add_sample(store, base_model, tiny_tokenizer, 2, reward=-1.0)
+    _, samples = store.lease_samples(3)
+    items, _, _ = prepare_items(store, samples, config, 0)
+    by_hints = sorted(zip((len(it.sample.hints) for it in items), rewards_for(items, config)), reverse=True)
+    assert [r for _, r in by_hints] == want
+
+
+def test_default_advantage_mode_is_balanced(make_config):
+    assert make_config().advantage_mode == "balanced"

@@ -1,0 +1,165 @@
+"""Does the hint's wording change how hard the teacher pulls? Narrated complaint vs imperative instruction.
+
+    python benchmarks/hint_wording.py                    # default model, all held-out questions, greedy follow
+    python benchmarks/hint_wording.py --questions 4 --no-follow --threads 1
+
+The teacher is the frozen base model reading the turn's prompt with the hint appended exactly as
+``clawloop.teacher.inject_hint`` does it. For each persona correction the simulated users send, two hints are
+compared on the persona's held-out questions (never seen in training):
+
+* **narrated** — the correction as the rule judge used to pass it on: the user's sentences with politeness removed
+  ("You forgot the "In short," at the start. Always begin with it.");
+* **imperative** — what the rule judge writes now (``clawloop.judge.rules.decide``): the instruction the
+  correction implies ("Begin every answer with "In short,".").
+
+Printed side by side:
+
+1. for the ``inshort`` persona (whose preference fixes the first tokens): the teacher's probability of the first
+   token "In" at the first response position, whether it is in the teacher's top-k (k = ``topk``, the width the
+   distillation uses) and its rank, and the probability of the whole opening "In short," (teacher-forced),
+   averaged over the held-out questions, per correction;
+2. unless ``--no-follow``: for every persona, how often the teacher's greedy answer under each hint follows the
+   preference (the persona's own checker), i.e. how often the distillation target shows the student the
+   preferred behaviour.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from clawloop.config import Config  # noqa: E402
+from clawloop.engines import model_files  # noqa: E402
+from clawloop.judge.rules import as_instruction, decide, split_sentences  # noqa: E402
+from clawloop.pipeline import chat_render_fn  # noqa: E402
+from clawloop.sim.personas import PERSONAS  # noqa: E402
+from clawloop.teacher import inject_hint  # noqa: E402
+
+
+def narrated_hint(correction: str) -> str:
+    """The correction's sentences with politeness stripped: the rule judge's hint before it wrote instructions."""
+    return " ".join(p for p in (as_instruction(s) for s in split_sentences(correction)) if p)
+
+
+def imperative_hint(correction: str) -> str:
+    return decide([{"role": "user", "content": correction}]).hint
+
+
+@torch.no_grad()
+def opening_stats(model: Any, render: Any, tokenizer: Any, question: str, hint: str, opening: str,
+                  k: int) -> dict[str, float]:
+    """P(first token of ``opening``), its rank, top-k membership and P(whole ``opening``) under the hinted prompt."""
+    prompt_ids = render(inject_hint([{"role": "user", "content": question}], hint), None)
+    target_ids = tokenizer(opening, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([prompt_ids + target_ids])
+    logprobs_T_V = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    start = len(prompt_ids) - 1  # the position that predicts the first response token
+    first_V = logprobs_T_V[start]
+    first = target_ids[0]
+    rank = int((first_V > first_V[first]).sum()) + 1
+    seq_lp = sum(float(logprobs_T_V[start + i, t]) for i, t in enumerate(target_ids))
+    return {"p_first": float(first_V[first].exp()), "rank": rank, "in_topk": float(rank <= k),
+            "p_opening": float(torch.tensor(seq_lp).exp())}
+
+
+@torch.no_grad()
+def greedy(model: Any, render: Any, tokenizer: Any, question: str, hint: str, max_tokens: int) -> str:
+    prompt_ids = render(inject_hint([{"role": "user", "content": question}], hint), None)
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
+                         pad_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, len(prompt_ids):], skip_special_tokens=True)
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default", help="Teacher model (default SmolLM2-135M-Instruct, or tiny).")
+    ap.add_argument("--questions", type=int, default=0, help="Held-out questions per persona (0 = all).")
+    ap.add_argument("--threads", type=int, default=2, help="Torch threads.")
+    ap.add_argument("--no-follow", action="store_true", help="Skip the greedy follow-rate table.")
+    ap.add_argument("--no-opening", action="store_true", help="Skip the \"In short,\" opening table.")
+    ap.add_argument("--max-tokens", type=int, default=48, help="Greedy answer length for the follow rate.")
+    ap.add_argument("--follow-questions", type=int, default=4, help="Held-out questions per persona for the "
+                    "follow rate (0 = all; every one costs a greedy answer per distinct hint).")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, args.threads))
+    path = model_files.resolve_model(args.model)
+    tokenizer = model_files.load_tokenizer(path)
+    model = model_files.load_model(path, device="cpu")
+    render = chat_render_fn(tokenizer)
+    k = Config().topk
+
+    def questions(persona: Any) -> list[str]:
+        qs = list(persona.heldout_questions)
+        return qs[: args.questions] if args.questions else qs
+
+    if not args.no_opening:
+        opening_table(model, render, tokenizer, questions(PERSONAS["inshort"]), k, args.model)
+    if not args.no_follow:
+        follow_table(model, render, tokenizer, args.follow_questions, args.max_tokens)
+    return 0
+
+
+def opening_table(model: Any, render: Any, tokenizer: Any, qs: list[str], k: int, model_name: str) -> None:
+    inshort = PERSONAS["inshort"]
+    print(f"Teacher pull toward the opening \"In short,\" ({model_name}, {len(qs)} held-out questions, top-k={k})")
+    header = (f"{'correction (narrated hint -> imperative hint)':62} | {'P(In)':>13} | {'in top-k':>11} | "
+              f"{'rank':>9} | {'P(In short,)':>15}")
+    print(header)
+    print("-" * len(header))
+    totals: dict[str, list[dict[str, float]]] = {"narrated": [], "imperative": []}
+    for correction in inshort.corrections:
+        hints = {"narrated": narrated_hint(correction), "imperative": imperative_hint(correction)}
+        stats = {name: [opening_stats(model, render, tokenizer, q, h, "In short,", k) for q in qs]
+                 for name, h in hints.items()}
+        for name in stats:
+            totals[name].extend(stats[name])
+        row = {name: {key: mean([s[key] for s in stats[name]]) for key in stats[name][0]} for name in stats}
+        n, i = row["narrated"], row["imperative"]
+        print(f"{hints['narrated'][:62]:62} | {n['p_first']:5.1%} -> {i['p_first']:5.1%} | "
+              f"{n['in_topk']:4.0%} -> {i['in_topk']:4.0%} | {n['rank']:3.0f} -> {i['rank']:3.0f} | "
+              f"{n['p_opening']:6.2%} -> {i['p_opening']:6.2%}")
+        print(f"{'  -> ' + hints['imperative']:62} |")
+    n = {key: mean([s[key] for s in totals["narrated"]]) for key in totals["narrated"][0]}
+    i = {key: mean([s[key] for s in totals["imperative"]]) for key in totals["imperative"][0]}
+    print("-" * len(header))
+    print(f"{'mean over all corrections':62} | {n['p_first']:5.1%} -> {i['p_first']:5.1%} | "
+          f"{n['in_topk']:4.0%} -> {i['in_topk']:4.0%} | {n['rank']:3.0f} -> {i['rank']:3.0f} | "
+          f"{n['p_opening']:6.2%} -> {i['p_opening']:6.2%}")
+
+
+def follow_table(model: Any, render: Any, tokenizer: Any, n_questions: int, max_tokens: int) -> None:
+    print()
+    print(f"Teacher's greedy answer follows the preference ({max_tokens} tokens; persona checker; "
+          f"every correction x held-out question)", flush=True)
+    print(f"{'persona':10} | {'narrated':>16} | {'imperative':>16}")
+    for name, persona in PERSONAS.items():
+        qs = list(persona.heldout_questions)
+        qs = qs[:n_questions] if n_questions else qs
+        counts = {"narrated": 0, "imperative": 0}
+        total = 0
+        followed: dict[tuple[str, str], bool] = {}  # greedy is deterministic: one answer per (question, hint)
+        for correction in persona.corrections:
+            hints = {"narrated": narrated_hint(correction), "imperative": imperative_hint(correction)}
+            for q in qs:
+                total += 1
+                for key, hint in hints.items():
+                    if (q, hint) not in followed:
+                        answer = greedy(model, render, tokenizer, q, hint, max_tokens)
+                        followed[(q, hint)] = bool(persona.judge(answer, q).satisfied)
+                    counts[key] += followed[(q, hint)]
+        print(f"{name:10} | {counts['narrated'] / total:6.1%} ({counts['narrated']:3d}/{total:3d}) | "
+              f"{counts['imperative'] / total:6.1%} ({counts['imperative']:3d}/{total:3d})", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Corrections rewritten as instructions: the rule judge's hint wording.
+
+The teacher reads a hint appended to the user's message as an instruction (``[user's hint / instruction]``). A
+narrated complaint ("You forgot the "In short," at the start.") is a poor instruction: the teacher has to infer
+what to do, and a small model mostly does not. The same preference written as an imperative ("Begin every answer
+with "In short,".") is followed far more often (see docs/judge.md for the measurement). ``imperative_hint``
+therefore turns the sentences of a correction into instructions:
+
+1. sentences that state a *kind* of preference are written in one canonical imperative form: a fixed opening or
+   closing ("start with "X"", "you forgot "X" at the start", "I like answers that open with "X"" → ``Begin every
+   answer with "X".``), a language ("in French, please", "I only speak French" → ``Answer in French.``), a length
+   ("too long", "one short sentence is enough" → ``Answer in one short sentence.``), a format (bullet points, a
+   list) or an unanswered question ("that doesn't answer my question" → ``Answer the question: ...``);
+2. other sentences that are already imperative ("Fix it.", "Use sudo for that file.") are kept, and a few
+   statements of what the answer must be ("It must be 5-7-5.") are made imperative ("Make it 5-7-5.");
+3. complaints and narration ("That's too long.", "Again in English...") are dropped once an instruction exists.
+
+One instruction per kind is kept (the most specific: "one short sentence" beats "shorter"), in the user's order.
+When no sentence yields an instruction (e.g. "Wrong, it was Jane Austen."), the caller keeps the user's words.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_QUOTE_RE = re.compile(r"\"([^\"]{1,80})\"|\u201c([^\u201d]{1,80})\u201d|'([^']{1,40}[^'\w\s][^']{0,40})'")
+_LANGS = ("english", "french", "spanish", "german", "italian", "portuguese", "dutch", "chinese", "japanese",
+          "korean", "russian", "arabic", "hindi", "polish", "swedish", "turkish", "greek")
+_LANG = "(" + "|".join(_LANGS) + ")"
+_LANG_ASK_RES = [
+    re.compile(r"\b(reply|answer|write|respond|say|speak|talk|translate|explain|tell|give)\b[^.!?]*?\b(in|into)\s+"
+               + _LANG + r"\b"),
+    re.compile(r"^(always\s+|only\s+|just\s+)?(in|into)\s+" + _LANG + r"\b"),
+    re.compile(r"\bi\s+(only\s+)?(speak|read|understand)\s+(only\s+)?" + _LANG + r"\b"),
+    re.compile(r"\b" + _LANG + r"\s+only\b"),
+]
+_OPEN_RE = re.compile(r"\b(begin|start|open)(s|ing)?\b(?!\s+(over|again))")
+_CLOSE_RE = re.compile(r"\b(end|finish|close|sign off)(s|ing)?\b")
+_MISSING_RE = re.compile(r"\b(forgot|forgotten|forget|missing|left out|leave out|where is|where's|without)\b")
+_AT_START_RE = re.compile(r"\b(at the (start|beginning|top)|first|begin|start|open)\b")
+# A sentence count asked for ("in one short sentence", "one sentence is enough", "One sentence, please.") and
+# not merely mentioned ("Two sentences contradict each other.").
+_COUNT = r"(?P<n>one|a single|1|two|2|three|3)\s+(?P<short>short\s+|brief\s+)?sentences?\b"
+_LIMIT = (r"(\s+(of|with|in|under)\s+(at most|no more than|fewer than|less than|under|max(imum)?)\s+"
+          r"(?P<words>\d+)\s+words)?")
+_SENTENCE_COUNT_RES = [
+    re.compile(r"(?:\b(?:in|to|into|for|just|only|give me|with|use|write|keep it to|at most|max(?:imum)?"
+               r"|limit(?: it)? to)\s+|[:,;]\s*)" + _COUNT + _LIMIT),
+    re.compile(_COUNT + r"\s+(is|are|will be|would be)\s+(enough|plenty|fine|sufficient)"),
+    re.compile(r"^\s*(just\s+|only\s+)?" + _COUNT + _LIMIT + r"(,?\s*(only|max(imum)?|please))?\s*[.!]*\s*$"),
+]
+_WORD_LIMIT_RE = re.compile(r"\b(at most|no more than|fewer than|less than|under|max(imum)?)\s+(\d+)\s+words\b")
+_SHORTER_RE = re.compile(r"\b(too (long|wordy|verbose|many words|much text)|shorter|be (brief|concise)|briefer"
+                         r"|more concise|keep it (short|brief)|that short)\b")
+_FORMAT_RE = re.compile(r"\b(as|in|with|use)\s+(a\s+)?(bullet(ed)?\s+points|bullets|a numbered list|numbered list"
+                        r"|list|table|markdown|json|code block)\b")
+_UNANSWERED_RE = re.compile(r"\b(didn't|did not|doesn't|does not|don't|do not|never)\s+answer"
+                            r"(ed)?\s+(what i asked|my question|the question)\b|\banswer my question\b")
+_MUST_BE_RE = re.compile(r"^(it|that|this|the answer|your answer|the reply|the code)\s+(must|should|has to|needs to)"
+                         r"\s+be\s+(.+?)[.!]?$", re.IGNORECASE)
+_YOU_SHOULD_RE = re.compile(r"^you\s+(should|must|have to|need to|ought to)\s+(.+?)[.!]?$", re.IGNORECASE)
+_YOU_NEED_RE = re.compile(r"^you\s+need\s+(?!to\b)(.+?)[.!]?$", re.IGNORECASE)
+# Instructions that say nothing on their own ("Do that.", "Try again."): kept only when nothing better exists.
+_VAGUE_RE = re.compile(r"^(just\s+)?(do|fix|try|redo|change|answer)\s+(that|it|this|again|properly|better)"
+                       r"(\s+(again|properly|now))?[.!]$", re.IGNORECASE)
+_REPEAT_RE = re.compile(r"\brepeating yourself\b")
+
+# Base-form verbs that open an instruction ("Fix it.", "Use bullets."); words that may precede them.
+_VERBS = frozenset("""
+answer reply respond write say use give keep be make start begin open end finish close stop fix add remove include
+explain tell show list put sort translate try do don't never avoid speak check read run call follow return print
+format spell skip mention focus cite provide describe summarize summarise stick talk switch change replace convert
+delete drop rewrite rephrase redo shorten simplify split merge name count calculate compute define compare lead
+""".split())
+_PRE_VERB = frozenset({"always", "just", "only", "please", "now", "also", "then", "simply"})
+
+
+@dataclass(frozen=True)
+class Instruction:
+    text: str
+    kind: str
+    """What the instruction is about (``opening``, ``language``, ``length`` ... or ``other``); one per kind."""
+    specificity: int = 0
+    """Higher wins among instructions of the same kind."""
+    consumes_next: bool = False
+    """The instruction carries the next sentence (the question after "Answer my question:")."""
+
+
+def quoted(text: str) -> list[str]:
+    """Phrases in double (or curly) quotes, in order."""
+    return [next(g for g in m.groups() if g is not None) for m in _QUOTE_RE.finditer(text)]
+
+
+def _standing(low: str) -> bool:
+    return bool(re.search(r"\b(always|every time|from now on|every answer|all (your )?answers)\b", low))
+
+
+def _finish(text: str) -> str:
+    text = re.sub(r"\s+", " ", text).strip(" ,;")
+    if not text:
+        return ""
+    text = text[0].upper() + text[1:]
+    if text[-1] not in ".!?:":
+        text += "."
+    return text
+
+
+def is_imperative(sentence: str) -> bool:
+    """Whether a sentence opens with a base-form verb, optionally after "always", "just" ..."""
+    words = re.findall(r"[a-z']+", sentence.lower().replace("\u2019", "'"))
+    while words and words[0] in _PRE_VERB:
+        words = words[1:]
+    return bool(words) and (words[0] in _VERBS or (words[0] == "do" and len(words) > 1 and words[1] == "not"))
+
+
+def rewrite(sentence: str, message_quotes: Sequence[str] = (), message_low: str = "",
+            next_sentence: str = "") -> Instruction | None:
+    """``sentence`` (already stripped of politeness) as an instruction, or None when it only narrates.
+
+    ``message_quotes`` are the quoted phrases of the whole message (so "Always begin with it." can refer to an
+    earlier sentence's "In short,"); ``message_low`` is the whole message in lower case; ``next_sentence`` is
+    the sentence after this one (the question an unanswered-question complaint repeats)."""
+    low = sentence.lower().replace("\u2019", "'")
+    own = quoted(sentence)
+    phrase = own[-1] if own else (message_quotes[-1] if message_quotes else "")
+    refers = bool(own) or bool(re.search(r"\bwith (it|that|this)\b", low))
+    if phrase and refers and _OPEN_RE.search(low) and re.search(r"\bwith\b", low):
+        return Instruction(f'Begin every answer with "{phrase}".', "opening", 2)
+    if phrase and refers and _CLOSE_RE.search(low) and re.search(r"\bwith\b", low):
+        return Instruction(f'End every answer with "{phrase}".', "closing", 2)
+    if own and _MISSING_RE.search(low):
+        if _AT_START_RE.search(low) or _OPEN_RE.search(message_low):
+            return Instruction(f'Begin every answer with "{own[-1]}".', "opening", 1)
+        return Instruction(f'Include "{own[-1]}".', "include", 1)
+    for regex in _LANG_ASK_RES:
+        found = regex.search(low)
+        if found:
+            lang = next(g for g in reversed(found.groups()) if g in _LANGS)
+            if lang != "english" or "english" not in re.sub(r"\bin english\b", "", message_low):
+                prefix = "Always answer" if _standing(low) else "Answer"
+                return Instruction(f"{prefix} in {lang.capitalize()}.", "language", 2)
+    count = next((m for m in (r.search(low) for r in _SENTENCE_COUNT_RES) if m), None)
+    if count:
+        number = {"a single": "one", "1": "one", "2": "two", "3": "three"}.get(count["n"], count["n"])
+        short = "short " if (count["short"] or "").strip() in ("short", "brief") else ""
+        noun = "sentence" if number == "one" else "sentences"
+        words = count.groupdict().get("words")
+        limit = f" of at most {words} words" if words else ""
+        return Instruction(f"Answer in {number} {short}{noun}{limit}.", "length", 3)
+    limit = _WORD_LIMIT_RE.search(low)
+    if limit:
+        return Instruction(f"Answer in at most {limit.group(3)} words.", "length", 2)
+    if _SHORTER_RE.search(low):
+        return Instruction("Answer briefly.", "length", 1)
+    fmt = _FORMAT_RE.search(low)
+    if fmt:
+        what = fmt.group(3)
+        what = "bullet points" if what.startswith("bullet") else ("a " + what if what in ("list", "table") else what)
+        return Instruction(f"Answer with {what}." if what.startswith("a ") else f"Answer in {what}.", "format", 2)
+    if _UNANSWERED_RE.search(low):
+        question = next_sentence.strip() if next_sentence.strip().endswith("?") else ""
+        return Instruction(f"Answer the question: {question}" if question else "Answer the question asked.",
+                           "unanswered", 2, consumes_next=bool(question))
+    if _REPEAT_RE.search(low):
+        return Instruction("Do not repeat yourself.", "repeat", 1)
+    must = _MUST_BE_RE.match(sentence.strip())
+    if must:
+        return Instruction(_finish(f"Make it {must.group(3)}"), "other")
+    should = _YOU_SHOULD_RE.match(sentence.strip())
+    if should:
+        return Instruction(_finish(should.group(2)), "other")
+    need = _YOU_NEED_RE.match(sentence.strip())
+    if need:
+        return Instruction(_finish(f"Use {need.group(1)}"), "other")
+    if is_imperative(sentence):
+        text = sentence.strip()
+        joined = text.endswith(":") and bool(next_sentence.strip())
+        if joined:
+            text = f"{text} {next_sentence.strip()}"
+        text = _finish(re.sub(r"^(please|now|also|then)\s+", "", text, flags=re.IGNORECASE))
+        return Instruction(text, "vague" if _VAGUE_RE.match(text) else "other", consumes_next=joined)
+    return None
+
+
+def imperative_hint(sentences: Sequence[str], max_sentences: int = 3) -> str:
+    """The instructions in a correction's sentences (see the module docstring), joined; '' when there are none.
+
+    ``sentences`` are the correction's sentences in the user's order, already stripped of politeness."""
+    message = " ".join(sentences)
+    message_low = message.lower().replace("\u2019", "'")
+    quotes: list[str] = []
+    found: list[tuple[int, Instruction]] = []
+    skip = False
+    for i, sentence in enumerate(sentences):
+        quotes.extend(quoted(sentence))
+        if skip:  # already part of the previous instruction
+            skip = False
+            continue
+        nxt = sentences[i + 1] if i + 1 < len(sentences) else ""
+        ins = rewrite(sentence, quotes, message_low, nxt)
+        if ins is not None:
+            found.append((i, ins))
+            skip = ins.consumes_next
+    best: dict[str, tuple[int, Instruction]] = {}
+    others: list[tuple[int, Instruction]] = []
+    for i, ins in found:
+        if ins.kind in ("other", "vague"):
+            others.append((i, ins))
+        elif ins.kind not in best or ins.specificity > best[ins.kind][1].specificity:
+            best[ins.kind] = (i, ins)
+    if best or any(ins.kind == "other" for _, ins in others):
+        others = [(i, ins) for i, ins in others if ins.kind != "vague"]
+    chosen = sorted(list(best.values()) + others, key=lambda pair: pair[0])
+    texts = list(dict.fromkeys(ins.text for _, ins in chosen))
+    return " ".join(texts[:max_sentences])

@@ -1,0 +1,222 @@
+"""Replays of real OpenClaw 2026.9.6 traffic (tests/data/openclaw, see its README) through session inference and
+housekeeping recognition: stock OpenClaw sends no session or turn-type headers, so this is all clawloop has."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import gzip
+import json
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from clawloop.api.client_traffic import (COMPACTED_HISTORY_PREFIX, COMPACTION_SUMMARY, INTERNAL_CONTEXT_BEGIN,
+                                         MEMORY_FLUSH, SESSION_TITLE, conversation_messages, housekeeping_kind,
+                                         is_compacted_history, is_ephemeral)
+from clawloop.api.schemas import parse_chat_request
+from clawloop.api.sessions import SessionManager
+from clawloop.store import Store, TurnRecord, TurnState
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "openclaw"
+
+
+def load(name: str) -> dict:
+    with gzip.open(DATA / f"{name}.json.gz", "rt", encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def messages_of(body: dict) -> list[dict]:
+    return parse_chat_request(body).messages  # normalised exactly as the server does
+
+
+def _turn(messages: list[dict], answer: dict) -> TurnRecord:
+    return TurnRecord(session_id="", messages=messages, prompt_ids=[1, 2, 3], response_ids=[7, 8],
+                      logprobs=[-0.1, -0.2], temperature=1.0, top_p=1.0, policy_version=0,
+                      response_text=answer.get("content") or "", assistant_message=answer)
+
+
+def replay(store: Store, requests: list[tuple[list[dict], dict]]) -> list[tuple[str, str, int | None]]:
+    """Feed (messages, answer) pairs through a SessionManager the way the server does for a stock client.
+    Returns (turn type, session id, stored turn id) per request."""
+    out: list[tuple[str, str, int | None]] = []
+
+    async def run() -> None:
+        m = SessionManager(store)
+        for messages, answer in requests:
+            if housekeeping_kind(messages):
+                out.append(("side", m.resolve_side(None, messages), None))
+                continue
+            ctx = await m.begin_main(None, messages)
+            try:
+                turn_id = await ctx.commit(_turn(messages, answer))
+            finally:
+                ctx.release()
+            out.append(("main", ctx.session_id, turn_id))
+
+    asyncio.run(run())
+    return out
+
+
+def test_run_b_conversations_pair_and_housekeeping_is_side(tmp_path):
+    reqs = load("runB")["requests"]
+    assert [r["file"] for r in reqs] == [f"req-{i:03d}.json" for i in range(1, 15)]
+    kinds = [housekeeping_kind(messages_of(r["body"])) for r in reqs]
+    # req 1-6: people typing; 7-8: pre-compaction memory flush; 9-14: compaction summaries.
+    assert kinds == [""] * 6 + [MEMORY_FLUSH] * 2 + [COMPACTION_SUMMARY] * 6
+    store = Store(tmp_path / "store.sqlite")
+    result = replay(store, [(messages_of(r["body"]), r["answer"]) for r in reqs])
+    types = [t for t, _, _ in result]
+    assert types == ["main"] * 6 + ["side"] * 8
+    sessions = [s for _, s, _ in result]
+    # OpenClaw session ocl-B2 is requests 1, 2, 3, 5, 6; ocl-B3 (a one-turn conversation) is request 4.
+    assert len({sessions[i] for i in (0, 1, 2, 4, 5)}) == 1
+    assert sessions[3] != sessions[0]
+    turn_ids = [t for _, _, t in result[:6]]
+    t = {i + 1: store.get_turn(turn_ids[i]) for i in range(6)}
+    assert [t[i].state for i in (1, 2, 3, 5)] == [TurnState.JUDGEABLE] * 4
+    assert [m["content"] for m in t[1].next_state] == ["[Mon 2026-11-23 20:00 UTC] Too long, answer in one sentence."]
+    assert [m["content"] for m in t[2].next_state] == ["[Mon 2026-11-23 20:01 UTC] Thanks, that's all."]
+    assert t[4].state == TurnState.AWAITING_NEXT and t[6].state == TurnState.AWAITING_NEXT
+    assert len(store.turns(TurnState.AWAITING_NEXT)) == 2
+
+
+def test_run_a_is_one_session_with_paired_next_states(tmp_path):
+    reqs = load("runA")["requests"]
+    store = Store(tmp_path / "store.sqlite")
+    result = replay(store, [(messages_of(r["body"]), r["answer"]) for r in reqs])
+    assert [t for t, _, _ in result] == ["main"] * 3
+    assert len({s for _, s, _ in result}) == 1
+    first, second = (store.get_turn(t) for _, _, t in result[:2])
+    assert first.next_state[-1]["content"].endswith("Too long, answer in one sentence.")
+    assert second.next_state[-1]["content"].endswith("Thanks, that's all.")
+
+
+def _with_internal_context(body: dict, text: str) -> dict:
+    """Copy of a captured default-tools request whose trailing internal-context message carries ``text``."""
+    out = copy.deepcopy(body)
+    tail = out["messages"][-1]
+    assert is_ephemeral(tail)
+    tail["content"][0]["text"] = tail["content"][0]["text"].replace("none", text, 1)
+    return out
+
+
+def test_internal_context_message_neither_splits_the_session_nor_enters_the_next_state(tmp_path):
+    """With OpenClaw's default tools every request ends with an internal-context message that the next request
+    leaves out of its history (captured in readme.request.json); the follow-ups are built the same way."""
+    captured = next(r for r in load("readme-config")["requests"] if r["name"] == "readme")["body"]
+    assert captured["messages"][-1]["content"][0]["text"].startswith(INTERNAL_CONTEXT_BEGIN)
+    answer1 = {"role": "assistant", "content": "Paris."}
+    answer2 = {"role": "assistant", "content": "Paris is the capital."}
+    req1 = captured
+    req2 = _with_internal_context(captured, "subagent-1 running")
+    history = req2["messages"][:-1]
+    req2["messages"] = history + [answer1, {"role": "user", "content": "[Mon 2026-11-23 19:44 UTC] Too long, "
+                                            "answer in one sentence."}, req2["messages"][-1]]
+    req3 = _with_internal_context(captured, "subagent-2 done")
+    req3["messages"] = req2["messages"][:-1] + [answer2, {"role": "user", "content": "[Mon 2026-11-23 19:45 "
+                                                 "UTC] Thanks, that's all."}, req3["messages"][-1]]
+    store = Store(tmp_path / "store.sqlite")
+    result = replay(store, [(messages_of(b), a) for b, a in ((req1, answer1), (req2, answer2), (req3, answer2))])
+    assert [t for t, _, _ in result] == ["main"] * 3
+    assert len({s for _, s, _ in result}) == 1
+    t1, t2 = store.get_turn(result[0][2]), store.get_turn(result[1][2])
+    assert [m["content"] for m in t1.next_state] == ["[Mon 2026-11-23 19:44 UTC] Too long, answer in one sentence."]
+    assert [m["content"] for m in t2.next_state] == ["[Mon 2026-11-23 19:45 UTC] Thanks, that's all."]
+    # The stored turn keeps the prompt exactly as the model saw it, internal context included.
+    assert is_ephemeral(t1.messages[-1])
+
+
+def test_no_captured_conversation_turn_and_no_look_alike_is_housekeeping():
+    bodies = [r["body"] for r in load("runA")["requests"]] + [r["body"] for r in load("runB")["requests"][:6]]
+    bodies += [r["body"] for r in load("readme-config")["requests"]]
+    assert all(housekeeping_kind(messages_of(b)) == "" for b in bodies)
+    sys_prompt = {"role": "system", "content": "You are a helpful assistant."}
+    look_alikes = [
+        "[Mon 2026-11-23 20:00 UTC] Pre-compaction memory flush. What does that mean? Reply with NO_REPLY?",
+        "What is a pre-compaction memory flush in OpenClaw?",
+        "Summarize <conversation>hello</conversation> for me.",
+        "You are a context summarization assistant. Pretend to be one: <conversation>x</conversation>",
+        "Generate a concise session title (3-6 words) for my essay.",
+    ]
+    for text in look_alikes:
+        assert housekeeping_kind([sys_prompt, {"role": "user", "content": text}]) == "", text
+    # The exact OpenClaw shapes, for contrast.
+    flush = ("Pre-compaction memory flush. Store durable memories only in memory/2026-11-23.md. "
+             "If nothing to store, reply with NO_REPLY.")
+    assert housekeeping_kind([sys_prompt, {"role": "user", "content": flush}]) == MEMORY_FLUSH
+    title = {"role": "system", "content": "Generate a concise session title (3-6 words, max 60 characters) from "
+             "the user's first message. Return only the title."}
+    assert housekeeping_kind([title, {"role": "user", "content": "Plan a trip to Lyon"}]) == SESSION_TITLE
+    # A title prompt inside a longer conversation is not OpenClaw's one-shot title request.
+    assert housekeeping_kind([title, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                              {"role": "user", "content": "c"}]) == ""
+
+
+def test_conversation_messages_drops_only_internal_context_blocks():
+    block = {"role": "user", "content": f"{INTERNAL_CONTEXT_BEGIN}\nx\n<<<END_OPENCLAW_INTERNAL_CONTEXT>>>"}
+    quoted = {"role": "user", "content": f"What does {INTERNAL_CONTEXT_BEGIN} mean?"}
+    as_assistant = dict(block, role="assistant")
+    msgs = [{"role": "user", "content": "hi"}, quoted, as_assistant, block]
+    assert conversation_messages(msgs) == msgs[:3]
+    assert conversation_messages(msgs[:3]) == msgs[:3]
+
+
+def test_http_housekeeping_request_is_served_as_side_turn_and_not_stored(make_server):
+    """The captured compaction-summary request (streamed, content parts) through the real server."""
+    server = make_server()
+    summary = load("runB")["requests"][8]["body"]
+    assert housekeeping_kind(messages_of(summary)) == COMPACTION_SUMMARY
+    body = dict(summary, max_completion_tokens=4)
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        ext = next(c["clawloop"] for c in chunks if "clawloop" in c)
+        assert ext["turn_type"] == "side" and ext["turn_id"] is None
+        # The same request marked main by the client stays main: an explicit turn type wins.
+        r = http.post("/v1/chat/completions", json=dict(body, stream=False), headers={"X-Turn-Type": "main"})
+        assert r.status_code == 200 and r.json()["clawloop"]["turn_type"] == "main"
+        status = http.get("/v1/status").json()
+    assert sum(status["turns_by_state"].values()) == 1
+
+
+def test_context_overflow_is_explained_in_the_server_log(make_server, caplog):
+    server = make_server()
+    long_text = "word " * 3000
+    with httpx.Client(base_url=server.base_url, timeout=120) as http, caplog.at_level("WARNING"):
+        r = http.post("/v1/chat/completions", json={"model": "clawloop", "max_completion_tokens": 1,
+                                                    "messages": [{"role": "user", "content": long_text}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    msgs = [rec.getMessage() for rec in caplog.records if rec.name == "clawloop.api"]
+    assert any("does not fit the served context of 2048 tokens" in m and "openclaw-config" in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize("name", ["runA", "runB", "readme-config"])
+def test_replay_data_holds_no_secret(name):
+    text = json.dumps(load(name))
+    assert not re.search(r"\bsk-[A-Za-z0-9_-]{16,}", text) and "Bearer " not in text
+    assert set(re.findall(r'"apiKey": "([^"]*)"', text)) <= {"${CLAWLOOP_API_KEY}"}
+
+
+def test_compacted_history_continues_the_session_by_its_last_answer(tmp_path):
+    """Real OpenClaw requests (default tools, compaction forced every turn): each request replaces the older
+    history with a summary, so only the previous answer links it to its session."""
+    data = load("compacted-default-tools")
+    reqs = [(r["messages"], r["answer"]) for r in data["requests"]]
+    assert [is_compacted_history(m) for m, _ in reqs] == [False, True, True]
+    assert all(is_ephemeral(m[-1]) for m, _ in reqs)
+    store = Store(tmp_path / "store.sqlite")
+    result = replay(store, reqs)
+    assert [t for t, _, _ in result] == ["main"] * 3 and len({s for _, s, _ in result}) == 1
+    t1, t2 = (store.get_turn(t) for _, _, t in result[:2])
+    assert [m["content"] for m in t1.next_state] == [reqs[1][0][-2]["content"]]
+    assert t1.next_state[0]["content"].endswith("Too long, answer in one sentence.")
+    assert t2.next_state[0]["content"].endswith("Thanks, that's all.")
+    # Without the summary message the same answer alone does not join a session.
+    other = Store(tmp_path / "other.sqlite")
+    plain = [reqs[0], ([m for m in reqs[1][0] if not m["content"].startswith(COMPACTED_HISTORY_PREFIX)], reqs[1][1])]
+    assert len({s for _, s, _ in replay(other, plain)}) == 2
