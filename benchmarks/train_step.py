@@ -18,8 +18,9 @@ the steady state.
     .venv/bin/python benchmarks/train_step.py                       # 4 samples x 256 tokens, 2 steps, full + LoRA
     .venv/bin/python benchmarks/train_step.py --samples 8 --tokens 512 --variants full,lora,full-sep
 
-Long prompts (``--lengths``): one sample per step with a prompt of each given length (an OpenClaw-sized agent
-prompt is 3-13k tokens) and a 128-token response, full and LoRA, under each ``--approaches`` entry:
+Long prompts (``--lengths``): one sample per step of each given length in tokens (an OpenClaw-sized agent prompt
+is 3-13k tokens): a 128-token response after a prompt of the rest, full and LoRA, under each ``--approaches``
+entry:
 
 * ``today``  — the step as it was before the memory work: sdpa attention, every activation kept for the
   backward (no checkpointing), no token budget;
@@ -137,8 +138,8 @@ APPROACHES = {
 LONG_RESPONSE_TOKENS = 128
 
 
-def child_long(variant: str, approach: str, prompt_tokens: int, threads: int) -> dict:
-    """One training step on one sample with a ``prompt_tokens``-token prompt (see the module docstring)."""
+def child_long(variant: str, approach: str, sample_tokens: int, threads: int) -> dict:
+    """One training step on one sample of ``sample_tokens`` tokens, prompt + response (see the module docstring)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -151,6 +152,7 @@ def child_long(variant: str, approach: str, prompt_tokens: int, threads: int) ->
     model_dir = default_model_dir()
     tokenizer = load_tokenizer(model_dir)
     T = LONG_RESPONSE_TOKENS
+    prompt_tokens = sample_tokens - T
     with tempfile.TemporaryDirectory() as tmp:
         config = Config.from_dict(dict(model=str(model_dir), device="cpu", run_dir=tmp, method="hybrid",
                                        lora=VARIANTS[variant]["lora"], rollout_batch_size=1,
@@ -182,12 +184,14 @@ def child_long(variant: str, approach: str, prompt_tokens: int, threads: int) ->
         trainer = Trainer(config, store, LocalVersion(), console=None)
         rss_loaded_kib = _status_kib("VmRSS")
         lease, leased = store.lease_samples(1)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         metrics = trainer.run_batch(lease, leased)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         trainer.close()
         store.close()
-    return {"variant": variant, "approach": approach, "prompt_tokens": len(prompt), "wall_s": wall,
+    if metrics is None:
+        raise RuntimeError(f"the sample was not trained: {store.drop_reasons()}")
+    return {"variant": variant, "approach": approach, "sample_tokens": len(prompt) + T, "wall_s": wall, "cpu_s": cpu,
             "step_time_s": metrics["step_time_s"], "loss": metrics["loss"],
             "checkpointed": metrics.get("checkpointed_micro_batches", 0.0),
             "rss_after_load_mib": rss_loaded_kib / 1024, "peak_rss_mib": _status_kib("VmHWM") / 1024}
@@ -208,7 +212,8 @@ def run_long_case(variant: str, approach: str, length: int, args: argparse.Names
     cmd = [sys.executable, __file__, "--child-long", f"{variant}:{approach}:{length}", "--threads", str(args.threads)]
     cap_mib = args.cap_gb * 1024
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, text=True)
+        err = tempfile.TemporaryFile("w+")
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
         peak = 0.0
         while proc.poll() is None:
             rss = _rss_mib(proc.pid)
@@ -216,21 +221,24 @@ def run_long_case(variant: str, approach: str, length: int, args: argparse.Names
             if rss > cap_mib:
                 proc.kill()
                 proc.wait()
-                return {"variant": variant, "approach": approach, "prompt_tokens": length, "stopped": True,
+                return {"variant": variant, "approach": approach, "sample_tokens": length, "stopped": True,
                         "peak_rss_mib": peak}
             time.sleep(0.05)
         out.seek(0)
         lines = out.read().strip().splitlines()
+        err.seek(0)
+        tail = err.read()[-2000:]
     if proc.returncode != 0 or not lines:
-        return {"variant": variant, "approach": approach, "prompt_tokens": length, "failed": proc.returncode,
-                "peak_rss_mib": peak}
+        return {"variant": variant, "approach": approach, "sample_tokens": length, "failed": proc.returncode,
+                "peak_rss_mib": peak, "stderr": tail}
     return json.loads(lines[-1])
 
 
 def report_long(results: list[dict], args: argparse.Namespace, approaches: list[str]) -> None:
-    print(f"\nOne training step on SmolLM2-135M-Instruct, CPU, {args.threads} threads: one sample, prompt of L tokens "
-          f"+ {LONG_RESPONSE_TOKENS} response tokens, method hybrid (2 hint candidates, k=4); watchdog cap "
-          f"{args.cap_gb:g} GB\n")
+    print(f"\nOne training step on SmolLM2-135M-Instruct, CPU, {args.threads} threads: one sample of L tokens "
+          f"({LONG_RESPONSE_TOKENS} of them the response), method hybrid (2 hint candidates, k=4); watchdog cap "
+          f"{args.cap_gb:g} GB. Peak = peak resident memory of the whole process; time = step wall time (process "
+          f"CPU seconds); ratios use wall time.\n")
 
     def cell(r: dict | None) -> tuple[str, str]:
         if r is None:
@@ -239,11 +247,12 @@ def report_long(results: list[dict], args: argparse.Namespace, approaches: list[
             return f"> {args.cap_gb:g} GB (stopped)", "-"
         if "failed" in r:
             return f"failed ({r['failed']})", "-"
-        return f"{r['peak_rss_mib'] / 1024:.2f} GB", f"{r['step_time_s']:.1f} s"
+        return f"{r['peak_rss_mib'] / 1024:.2f} GB", f"{r['step_time_s']:.0f} s ({r['cpu_s']:.0f})"
 
-    by = {(r["variant"], r["approach"], r["prompt_tokens"]): r for r in results}
-    lengths = sorted({r["prompt_tokens"] for r in results})
-    header = f"{'variant':<6} {'L':>6} " + " ".join(f"{a + ' peak':>22} {a + ' time':>11}" for a in approaches)
+    approaches = [a for a in APPROACHES if a in approaches]  # today, eager, new: the new one last
+    by = {(r["variant"], r["approach"], r["sample_tokens"]): r for r in results}
+    lengths = sorted({r["sample_tokens"] for r in results})
+    header = f"{'variant':<6} {'L':>6} " + " ".join(f"{a + ' peak':>22} {a + ' s (cpu s)':>16}" for a in approaches)
     if "new" in approaches and "today" in approaches:
         header += f" {'peak new/today':>15} {'time new/today':>15}"
     print(header)
@@ -252,7 +261,7 @@ def report_long(results: list[dict], args: argparse.Namespace, approaches: list[
         for L in lengths:
             row = f"{variant:<6} {L:>6} "
             cells = [cell(by.get((variant, a, L))) for a in approaches]
-            row += " ".join(f"{m:>22} {t:>11}" for m, t in cells)
+            row += " ".join(f"{m:>22} {t:>16}" for m, t in cells)
             if "new" in approaches and "today" in approaches:
                 new, old = by.get((variant, "new", L)), by.get((variant, "today", L))
                 if new and old and "step_time_s" in new and "step_time_s" in old:
@@ -311,9 +320,12 @@ def main() -> None:
     parser.add_argument("--lengths", default="",
                         help="Comma-separated prompt lengths in tokens (e.g. 1024,4096,8192): run the long-prompt "
                              "memory comparison instead of the throughput table.")
-    parser.add_argument("--approaches", default="today,eager,new", help="For --lengths: today, eager, new.")
+    parser.add_argument("--approaches", default="new,today,eager", help="For --lengths: new, today, eager.")
     parser.add_argument("--cap-gb", type=float, default=10.0,
                         help="For --lengths: kill a case whose resident memory passes this many GB.")
+    parser.add_argument("--results", default="",
+                        help="For --lengths: a JSON-lines file each finished case is appended to; cases already "
+                             "in it are not run again (a long comparison can be run in parts).")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-long", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -327,12 +339,26 @@ def main() -> None:
     if args.lengths:
         approaches = [a.strip() for a in args.approaches.split(",") if a.strip()]
         variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+        done = {}
+        if args.results and Path(args.results).exists():
+            for line in Path(args.results).read_text().splitlines():
+                if line.strip():
+                    r = json.loads(line)
+                    if "failed" not in r:
+                        done[(r["variant"], r["approach"], r["sample_tokens"])] = r
         results = []
-        for variant in variants:
-            for length in [int(x) for x in args.lengths.split(",") if x.strip()]:
+        # Longest prompts first: they answer the question this comparison asks, and take longest.
+        for length in sorted(lengths, reverse=True):
+            for variant in variants:
                 for approach in approaches:
-                    r = run_long_case(variant, approach, length, args)
-                    print(json.dumps(r), file=sys.stderr, flush=True)
+                    r = done.get((variant, approach, length))
+                    if r is None:
+                        r = run_long_case(variant, approach, length, args)
+                        print(json.dumps(r), file=sys.stderr, flush=True)
+                        if args.results:
+                            with open(args.results, "a") as f:
+                                f.write(json.dumps(r) + "\n")
                     results.append(r)
         report_long(results, args, approaches)
         if args.json:

@@ -196,8 +196,8 @@ class Config:
     tis_cap: float = _f(2.0, "Upper cap of truncated importance weights.")
     max_response_tokens: int = _f(2048, "Longest response trained on (longer ones are dropped with a reason).")
     max_train_tokens: int = _f(8192, "Longest sample (prompt + response tokens) trained on; longer ones are "
-                               "dropped with reason too_long. Training memory grows linearly with it: 8192 "
-                               "keeps a full-weight step of the default model near 3 GB "
+                               "dropped with reason too_long. Training memory grows linearly with it: at 8192 "
+                               "a full-weight step of the default model peaks at 3.2 GB "
                                "(docs/training-memory.md).")
     micro_batch_tokens: int = _f(8192, "Most padded tokens (samples x longest sample) in one forward/backward: "
                                  "a micro-batch holds up to micro_batch_size samples within this budget; a "

@@ -33,6 +33,7 @@ import torch
 
 from clawloop.config import Config
 from clawloop.engines.model_files import load_model, resolve_device, resolve_model
+from clawloop.trainer.allocator import release_large_frees
 
 
 @dataclass
@@ -70,6 +71,7 @@ def load_train_models(config: Config, model_dir: str | Path | None = None) -> Tr
     """Load the policy for training as ``config`` says (``model``, ``lora*``, ``device``, ``kl_coef``)."""
     path = Path(model_dir) if model_dir is not None else resolve_model(config.model)
     device = resolve_device(config.device)
+    release_large_frees()  # long steps would otherwise keep freed activations resident (docs/training-memory.md)
     causal_lm = load_model(path, dtype="float32", device=device, attn_implementation=config.attn_implementation)
     causal_lm.eval()
     causal_lm.config.use_cache = False

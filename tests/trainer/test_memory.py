@@ -124,3 +124,12 @@ def test_checkpointing_on_and_off_give_the_same_loss_and_update(make_config, bas
     assert m_on["grad_norm"] == pytest.approx(m_off["grad_norm"], rel=1e-4)
     for a, b in zip(p_on, p_off):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("values", [dict(gradient_checkpointing="sometimes"), dict(attn_implementation="flash"),
+                                    dict(max_train_tokens=0), dict(micro_batch_tokens=0)])
+def test_memory_settings_are_validated(make_config, values):
+    from clawloop.config import ConfigError
+
+    with pytest.raises(ConfigError):
+        make_config(**values)
