@@ -71,6 +71,9 @@ PRESET_NOTES: dict[str, str] = {
                     "interactions in the runs above; 72 fits the 20-minute budget of a 2-core CPU.",
     "default_temperature": "left at 0.6: sampling at 1.0 (more exploration) did not tip seed 0 within 48 "
                            "interactions (0.07) and cost guard passes on the way (0.57 at 24).",
+    "advantage_mode": "left at the default, balanced: with raw (A = r) 'inshort' got only -1 votes and the "
+                      "policy degenerated (guard 1.00 -> 0.00); balanced kept guard >= 0.93 there and 'brief' "
+                      "still learnt (0.00 -> 1.00, seed 0). docs/collapse-fix.md.",
     "judge_backend": "the rule judge (see EMBEDDED_JUDGE_NOTE and the judge line of the output).",
     "prm_m": "the rule judge is deterministic: one vote of each kind says what m votes would.",
     "checkpoint_every": "no intermediate checkpoints in a demo (the final one is still written at shutdown).",
