@@ -1,4 +1,4 @@
-"""The training objectives of clawloop (SPEC §4): pure functions on tensors, no I/O, no model.
+"""The training objectives of clawloop (docs/method.md, section 4): pure functions on tensors, no I/O, no model.
 
 Notation for one sample with T response tokens (shape suffixes: T tokens, V vocabulary, K top-k width,
 C hint candidates, N gathered ids per token):
@@ -418,7 +418,7 @@ class TopKTargets:
     """Everything the top-k objectives need about the old policy and the C hint candidates of one sample.
 
     Student side (the old policy's own top-k, K ids per position) and teacher side (each candidate's own top-k,
-    K' ids per position; SPEC uses K' = K) are both stored with the log-probs of the *other* side at the same
+    K' ids per position; clawloop uses K' = K) are both stored with the log-probs of the *other* side at the same
     ids, so every subset mode is a pure gather. All log-probs are full-vocabulary, temperature-scaled.
     """
 
@@ -745,7 +745,7 @@ def _tail_kl_metrics(kl_T: Tensor, student_T_K: Tensor, teacher_T_K: Tensor,
 
 @dataclass
 class ObjectiveSettings:
-    """The objective's settings (SPEC §5 names). ``w_rl`` / ``w_opd`` = None take the method's preset."""
+    """The objective's settings (named as in clawloop.config). ``w_rl`` / ``w_opd`` = None take the method's preset."""
 
     method: str = "hybrid"
     w_rl: float | None = None

@@ -1,4 +1,4 @@
-"""From judgeable turn to durable training sample (SPEC §1 steps 4-6), off the request path.
+"""From judgeable turn to durable training sample (docs/method.md, section 1, steps 4-6), off the request path.
 
 ``Pipeline`` is one asyncio component. It claims judgeable turns from the store (compare-and-set to ``judging``,
 so no turn is taken twice), runs at most ``concurrency`` of them at a time, and for each:
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 
 def sample_kind(reward: int, has_hints: bool) -> str | None:
-    """The SPEC §2/issue 4 assembly rule; None means no training signal."""
+    """The sample rule of docs/method.md, section 2; None means no training signal."""
     if has_hints:
         return "rl+opd" if reward != 0 else "opd"
     return "rl" if reward != 0 else None

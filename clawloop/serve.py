@@ -115,7 +115,7 @@ class Server:
         self.service = ChatService(self.config, self.engine, self.store, self.sessions, tokenizer=self.tokenizer,
                                    metrics=ServingMetrics())
         self.app = create_app(self.service, lifespan=self._lifespan)
-        mount_trainer_routes(self.app, self.store, self.engine, self.config)  # remote trainers (issue 7)
+        mount_trainer_routes(self.app, self.store, self.engine, self.config)  # remote trainers lease batches here
         return self.app
 
     def _start_fleet(self) -> None:

@@ -1,4 +1,4 @@
-"""Hint injection and the teacher's top-k targets per hint candidate (SPEC §3).
+"""Hint injection and the teacher's top-k targets per hint candidate (docs/method.md, section 3).
 
 Hint injection: the turn's request messages are copied, the **last user message** gets
 ``"\\n\\n[user's hint / instruction]\\n" + hint`` appended to its text (when there is no user message, one user

@@ -1,4 +1,4 @@
-"""The one Config: SPEC defaults, aliases of the original, precedence, and loud failures."""
+"""The one Config: the documented defaults, aliases of the original, precedence, and loud failures."""
 
 import argparse
 import json

@@ -1,6 +1,6 @@
 """The vLLM servers a run uses, from its ``Config``: started and supervised here, or attached to.
 
-Roles (SPEC §7), each its own server:
+Roles (docs/method.md, section 5), each its own server:
 
 * **policy** (``engine = "vllm"``): serves the API's requests. ``policy_url`` attaches to a running server;
   otherwise one is started from ``vllm_policy`` with LoRA serving when ``lora`` (new adapters are hot-loaded by

@@ -1,4 +1,4 @@
-"""Reading judge texts: boxed votes, hints, the majority vote and the hint candidates (SPEC §2).
+"""Reading judge texts: boxed votes, hints, the majority vote and the hint candidates (docs/method.md, section 2).
 
 Choices, all deliberate:
 

@@ -1,4 +1,4 @@
-"""The two judge prompts of SPEC §2: the evaluative vote and the hindsight-hint vote.
+"""The two judge prompts (docs/method.md, section 2): the evaluative vote and the hindsight-hint vote.
 
 Each prompt is a system message (the task, the role semantics of the next state, the output format) and one user
 message with the evidence in labelled sections:

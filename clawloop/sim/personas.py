@@ -140,7 +140,7 @@ class Persona:
         return Reply(rng.choice(self.thanks).format(question=next_question), "thanks", verdict)
 
     def instruct(self, question: str) -> str:
-        """``question`` with the preference appended the way the teacher's hint is (SPEC §3)."""
+        """``question`` with the preference appended the way the teacher's hint is (docs/method.md, section 3)."""
         return f"{question}\n\n[user's hint / instruction]\n{self.preference}"
 
 
