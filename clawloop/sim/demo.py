@@ -289,7 +289,8 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
         key = f"eval_{phase}" if phase != "during" else f"eval_{state.interactions:04d}"
         eval_results[key] = result
         (run_dir / f"{key}.json").write_text(json.dumps(result.to_dict(), indent=1, ensure_ascii=False))
-        moved = "" if (step, version) == (step_after, version_after) else f" (weights moved from v{version})"
+        # Only a publication changes what the evaluation talked to; a step the gate has not yet checked does not.
+        moved = "" if version == version_after else f" (weights moved from v{version})"
         out(f"[eval] after {state.interactions:>3} interactions | step {step_after} | v{version_after}{moved} | "
             f"score {result.score:.2f} | guard {result.guard_pass_rate:.2f} | checker {result.satisfied_rate:.2f} | "
             f"{time.monotonic() - t:.0f}s")
