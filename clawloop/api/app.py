@@ -168,6 +168,7 @@ class ChatService:
         context = int(self.engine.max_context)
         at_least = self.renderer.token_lower_bound(req.messages, req.tools)
         if at_least >= context:  # refused before the CPU goes into tokenising a huge prompt
+            warn_context_overflow(at_least, context, req.max_tokens)
             raise bad_request(f"This model's maximum context length is {context} tokens; the messages take at "
                               f"least {at_least} tokens. Shorten the messages.", "messages",
                               "context_length_exceeded")
@@ -180,17 +181,14 @@ class ChatService:
         room = context - prompt_len
         if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
             warn_context_overflow(prompt_len, context, req.max_tokens)
-        if room < 1:
-            raise bad_request(f"This model's maximum context length is {context} tokens; the messages take "
-                              f"{prompt_len} tokens. Shorten the messages.", "messages", "context_length_exceeded")
-        if req.max_tokens is not None:
-            if req.max_tokens > room:
+            if room < 1:
                 raise bad_request(f"This model's maximum context length is {context} tokens; the messages take "
-                                  f"{prompt_len} tokens and {req.max_tokens} were requested for the completion.",
-                                  "max_tokens", "context_length_exceeded")
-            max_tokens = req.max_tokens
-        else:
-            max_tokens = min(self.config.default_max_tokens, room)
+                                  f"{prompt_len} tokens. Shorten the messages.", "messages",
+                                  "context_length_exceeded")
+            raise bad_request(f"This model's maximum context length is {context} tokens; the messages take "
+                              f"{prompt_len} tokens and {req.max_tokens} were requested for the completion.",
+                              "max_tokens", "context_length_exceeded")
+        max_tokens = req.max_tokens if req.max_tokens is not None else min(self.config.default_max_tokens, room)
         temperature = self.config.default_temperature if req.temperature is None else req.temperature
         return SamplingParams(
             temperature=float(temperature),

@@ -320,14 +320,13 @@ class Trainer:
                              f"lora={self.models.lora}")
         previous = self.policy_version
         load_trainable_state_dict(self.models, stored.weights)
+        self.optimizer = make_optimizer(self.models, self.config)
         if stored.optimizer is not None:
-            self.optimizer = make_optimizer(self.models, self.config)
             self.optimizer.load_state_dict(stored.optimizer)
-            for group in self.optimizer.param_groups:
+            for group in self.optimizer.param_groups:  # the configured lr wins over the saved one
                 group["lr"] = self.config.learning_rate
             optimizer = "restored"
         else:
-            self.optimizer = make_optimizer(self.models, self.config)
             optimizer = "reset (not kept for full fine-tuning)"
         self.policy_version = publish_weights(self.engine, self.models, version=version)
         self.needs_publish, self.pending_version = False, None

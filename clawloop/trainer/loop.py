@@ -35,14 +35,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from clawloop.config import Config
-from clawloop.trainer.rollback import ROLLBACK_META
 from clawloop.memory import trim_heap
 from clawloop.store import Store
 from clawloop.trainer.core import Trainer, make_refresh
+from clawloop.trainer.rollback import ROLLBACK_META
 from clawloop.trainer.model import TrainModels
 
 log = logging.getLogger(__name__)
-
 
 
 class OnlineTrainer:
