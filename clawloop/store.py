@@ -14,7 +14,8 @@ acknowledges them with the optimizer step that used them. ``requeue_after_step(n
 steps after the checkpoint a run resumes from, so no sample is trained twice or skipped.
 
 Nothing is ever deleted or truncated: the store is the record. ``export_jsonl`` appends to files. Steps whose
-weights were lost in a crash move whole to ``requeued_steps`` on resume; ``versions`` indexes the published
+weights were lost in a crash stay in ``steps`` and are marked by a copy in ``requeued_steps`` on resume (step
+numbers are never reused); ``versions`` indexes the published
 versions (their weights are in ``RUN_DIR/versions``) and ``events`` records gate decisions, rollbacks and
 requeues with their evidence. Tables are only ever added, so an older store opens as it is.
 """
@@ -598,8 +599,9 @@ class Store:
 
     def requeue_after_step(self, step: int) -> int:
         """Resume support: samples consumed by steps after ``step`` (whose weights were lost) become ready
-        again. Those steps leave ``steps`` (the steps whose updates live in the weights) for ``requeued_steps``,
-        whole and with the time of the requeue, and a ``requeue`` event records it: nothing is deleted."""
+        again. Those steps keep their rows in ``steps`` (step numbers are never reused: the resumed trainer goes
+        on after the last recorded step) and are marked requeued by a copy in ``requeued_steps`` with the time
+        of the requeue; a ``requeue`` event records it. Nothing is deleted."""
         now = time.time()
         with self._tx() as db:
             ids = [r["turn_id"] for r in db.execute(
@@ -607,18 +609,20 @@ class Store:
             for tid in ids:
                 db.execute("UPDATE samples SET state=?, consumed_step=NULL WHERE turn_id=?", (TurnState.READY, tid))
                 db.execute("UPDATE turns SET state=? WHERE id=?", (TurnState.READY, tid))
-            lost = [r["step"] for r in db.execute("SELECT step FROM steps WHERE step > ? ORDER BY step", (step,))]
+            not_yet_requeued = (" FROM steps s WHERE s.step > ? AND NOT EXISTS (SELECT 1 FROM requeued_steps r"
+                                " WHERE r.step = s.step AND r.created_at = s.created_at)")
+            lost = [r["step"] for r in db.execute("SELECT s.step" + not_yet_requeued + " ORDER BY s.step", (step,))]
             db.execute("INSERT INTO requeued_steps (step, created_at, policy_version, metrics, turn_ids, requeued_at,"
-                       " resumed_from_step) SELECT step, created_at, policy_version, metrics, turn_ids, ?, ? FROM steps"
-                       " WHERE step > ?", (now, step, step))
-            db.execute("DELETE FROM steps WHERE step > ?", (step,))  # moved whole to requeued_steps just above
+                       " resumed_from_step) SELECT s.step, s.created_at, s.policy_version, s.metrics, s.turn_ids, ?, ?"
+                       + not_yet_requeued, (now, step, step))
             if ids or lost:
                 db.execute("INSERT INTO events (created_at, kind, step, version, detail) VALUES (?,?,?,?,?)",
                            (now, "requeue", step, None, json.dumps({"steps": lost, "turn_ids": ids})))
         return len(ids)
 
     def requeued_steps(self) -> list[dict[str, Any]]:
-        """Steps whose weights were lost in a crash and whose samples were trained again after a resume."""
+        """Steps whose weights were lost in a crash and whose samples were trained again after a resume (a copy
+        made at the requeue; stores written before step rows were kept have them only here)."""
         with self._lock:
             rows = self._db.execute("SELECT * FROM requeued_steps ORDER BY id").fetchall()
         return [{"step": r["step"], "created_at": r["created_at"], "policy_version": r["policy_version"],
@@ -705,11 +709,16 @@ class Store:
             row = self._db.execute("SELECT * FROM steps ORDER BY step DESC LIMIT 1").fetchone()
         return None if row is None else (row["step"], json.loads(row["metrics"]))
 
-    def steps(self) -> list[dict[str, Any]]:
+    def steps(self, *, in_weights_only: bool = False) -> list[dict[str, Any]]:
+        """Every recorded step in order. ``requeued`` is True for a step whose weights were lost in a crash (its
+        samples were trained again by a later step after a resume); ``in_weights_only`` leaves those out."""
         with self._lock:
-            rows = self._db.execute("SELECT * FROM steps ORDER BY step").fetchall()
+            rows = self._db.execute(
+                "SELECT s.*, EXISTS (SELECT 1 FROM requeued_steps r WHERE r.step = s.step AND r.created_at = "
+                "s.created_at) AS requeued FROM steps s ORDER BY s.step").fetchall()
         return [{"step": r["step"], "created_at": r["created_at"], "policy_version": r["policy_version"],
-                 "metrics": json.loads(r["metrics"]), "turn_ids": json.loads(r["turn_ids"])} for r in rows]
+                 "metrics": json.loads(r["metrics"]), "turn_ids": json.loads(r["turn_ids"]),
+                 "requeued": bool(r["requeued"])} for r in rows if not (in_weights_only and r["requeued"])]
 
     # ---- export ----------------------------------------------------------------------------------------
     def iter_export(self) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -107,8 +107,10 @@ def test_lease_commit_expire_and_requeue(tmp_path):
     # Resuming from the checkpoint of step 1 makes the samples of step 2 trainable again, and only those.
     assert store.requeue_after_step(1) == 2
     assert store.count_samples() == {"consumed": 4, "ready": 2}
-    assert [s["step"] for s in store.steps()] == [1]
-    # Nothing is deleted: the lost step is kept whole with the requeue, and the requeue is an event.
+    # Nothing is deleted: the lost step keeps its row, marked requeued, a copy records the requeue, and the
+    # requeue is an event.
+    assert [(s["step"], s["requeued"]) for s in store.steps()] == [(1, False), (2, True)]
+    assert [s["step"] for s in store.steps(in_weights_only=True)] == [1]
     (lost,) = store.requeued_steps()
     assert lost["step"] == 2 and sorted(lost["turn_ids"]) == sorted(s.turn_id for s in batch3)
     assert lost["resumed_from_step"] == 1

@@ -23,9 +23,10 @@ Ordering and crash safety:
   version label and publication is retried before the next step.
 * The store commit marks the samples consumed by this step number. A crash after it but before the next
   checkpoint is repaired on resume by ``store.requeue_after_step(checkpoint step)``: every sample trains into
-  the resumed weights exactly once.
-* Step numbers continue the store's: starting without ``resume`` in a run that already has steps continues
-  the numbering (with fresh weights, as asked). Version numbers likewise come from the store.
+  the resumed weights exactly once. The lost steps keep their rows (marked requeued) and their numbers.
+* Step numbers continue the store's and are never reused: starting without ``resume`` in a run that already has
+  steps continues the numbering (with fresh weights, as asked), and so does a resume past lost steps. Version
+  numbers likewise come from the store.
 * Rollback (``rollback(version)``) loads a kept version's weights (and its optimizer state when kept, else a
   fresh optimizer), serves it under its own number and training continues from it.
 """
@@ -106,8 +107,7 @@ class Trainer:
         self.refresh = refresh
         self.models = models if models is not None else load_train_models(config)
         self.optimizer = make_optimizer(self.models, config)
-        last = store.last_step()
-        self.step = last[0] if last else 0
+        self.step = self._last_recorded_step()  # step numbers go on across restarts, with or without resume
         self.policy_version = int(self.engine.policy_version)
         self.last_checkpoint_step = self.step
         self.needs_publish = False
@@ -197,16 +197,16 @@ class Trainer:
         found = ckpt.load_latest(self.run_dir, map_location=self.models.device)
         if found is None:
             requeued = self.store.requeue_after_step(0)
-            self.step = 0
+            self.step = self._last_recorded_step()
             self.last_checkpoint_step = 0
-            log.warning("trainer: no checkpoint in %s; %d consumed samples requeued, starting at step 0",
-                        self.run_dir, requeued)
+            log.warning("trainer: no checkpoint in %s; %d consumed samples requeued, training again from the "
+                        "starting weights as step %d on", self.run_dir, requeued, self.step + 1)
             return {"step": 0, "requeued": requeued}
         if bool(found.state.get("lora", self.models.lora)) != self.models.lora:
             raise RuntimeError(f"checkpoint {found.path} was written with lora={found.state.get('lora')}, "
                                f"this run has lora={self.models.lora}")
         requeued = self.store.requeue_after_step(found.step)
-        self.step = found.step
+        self.step = max(found.step, self._last_recorded_step())  # lost steps keep their numbers and rows
         self.last_checkpoint_step = found.step
         self.policy_version = found.policy_version
         if history.has_version(self.run_dir, found.policy_version):
@@ -232,6 +232,10 @@ class Trainer:
         log.warning("trainer: resumed from %s (step %d, version %d); %d samples requeued", found.path.name,
                     found.step, self.policy_version, requeued)
         return {"step": found.step, "requeued": requeued, "policy_version": self.policy_version}
+
+    def _last_recorded_step(self) -> int:
+        last = self.store.last_step()
+        return last[0] if last else 0
 
     def save_checkpoint(self) -> Path:
         path = ckpt.save_checkpoint(

@@ -60,9 +60,9 @@ Choices:
 
   - store at the checkpoint's step: continue from there;
   - store ahead of the checkpoint (a crash after a commit but before the next checkpoint): a local store
-    requeues the samples of the steps after the checkpoint and forgets those steps
+    requeues the samples of the steps after the checkpoint and marks those steps requeued
     (``store.requeue_after_step``), exactly as the in-process ``Trainer.resume`` does, so every sample trains
-    into the resumed weights once. A store without ``requeue_after_step`` (today the API's routes) cannot do
+    into the resumed weights once; step numbers go on after the store's last step. A store without ``requeue_after_step`` (today the API's routes) cannot do
     that: a warning names the steps whose samples are missing from the weights, and training continues from
     the checkpoint's weights with the store's counters (step numbers never repeat);
   - no checkpoint but steps in the store: a warning; training starts from the starting weights and continues

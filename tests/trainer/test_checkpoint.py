@@ -47,7 +47,8 @@ def test_resume_restores_state_and_accounting_is_exact(make_config, base_model, 
     second = Trainer(config, store, LocalVersion(), console=None)
     resumed = second.resume()
     assert resumed == {"step": 2, "requeued": 2, "policy_version": 2}
-    assert second.step == 2 and second.policy_version == 2 and second.engine.policy_version == 2
+    # The weights are step 2's; the numbering goes on after the lost step 3, whose row stays (marked requeued).
+    assert second.step == 3 and second.policy_version == 2 and second.engine.policy_version == 2
     for a, b in zip(at_checkpoint, second.models.trainable_parameters()):
         torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
     for a, b in zip(optimizer_at_checkpoint, _optimizer_tensors(second.optimizer)):
@@ -62,20 +63,22 @@ def test_resume_restores_state_and_accounting_is_exact(make_config, base_model, 
     second.checkpoint_if_due(force=True)
 
     steps = store.steps()
-    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
-    trained = [tid for s in steps for tid in s["turn_ids"]]
+    assert [(s["step"], s["requeued"]) for s in steps] == [(1, False), (2, False), (3, True), (4, False),
+                                                           (5, False), (6, False)]
+    assert steps[2]["turn_ids"] == lost  # the lost step's record is kept
+    trained = [tid for s in store.steps(in_weights_only=True) for tid in s["turn_ids"]]
     assert sorted(trained) == sorted(turn_ids)  # every sample exactly once: none twice, none skipped
     assert store.count_samples() == {TurnState.CONSUMED: 10}
     # Version 3 was served by the lost step's weights: it names those weights forever, so the resumed run's
     # versions go on from 4.
-    assert [s["policy_version"] for s in steps] == [1, 2, 4, 5, 6]
+    assert [s["policy_version"] for s in steps] == [1, 2, 3, 4, 5, 6]
     # Only the newest two checkpoints are kept; latest names the final one.
     names = sorted(p.name for p in ckpt.checkpoints_dir(config.run_dir).iterdir() if p.name.startswith("step_"))
-    assert names == ["step_4", "step_5"]
+    assert names == ["step_4", "step_6"]  # due two steps after the resumed checkpoint, then the final one
     state = json.loads((ckpt.latest_checkpoint_path(config.run_dir) / "state.json").read_text())
-    assert state["step"] == 5 and state["policy_version"] == 6 and state["lora"] == lora
-    # metrics.jsonl is append-only: the lost step 3 stays recorded, followed by the resumed steps.
-    assert [m["step"] for m in read_metrics(config.run_dir)] == [1, 2, 3, 3, 4, 5]
+    assert state["step"] == 6 and state["policy_version"] == 6 and state["lora"] == lora
+    # metrics.jsonl is append-only and every step number appears once: the lost step 3, then the resumed ones.
+    assert [m["step"] for m in read_metrics(config.run_dir)] == [1, 2, 3, 4, 5, 6]
 
 
 def test_resume_without_a_checkpoint_requeues_everything(make_config, base_model, tiny_tokenizer, tmp_path):
@@ -88,7 +91,8 @@ def test_resume_without_a_checkpoint_requeues_everything(make_config, base_model
     second = Trainer(config, store, LocalVersion(), console=None)
     assert second.step == 1  # without resume, numbering continues the store's
     assert second.resume() == {"step": 0, "requeued": 2}
-    assert store.ready_count() == 4 and store.steps() == []
+    assert store.ready_count() == 4 and second.step == 1  # the numbering still goes on
+    assert [(s["step"], s["requeued"]) for s in store.steps()] == [(1, True)]
 
 
 def test_a_half_written_checkpoint_is_never_loaded(tmp_path):

@@ -260,16 +260,17 @@ def test_resumed_trainer_continues_weights_optimizer_and_counters(make_config, b
         ["step_1", "step_2"]
 
     # A crash after step 2 was committed but before its checkpoint: the newest checkpoint is step 1's, the store
-    # is ahead. The local store gives step 2's samples back, so they train into the resumed weights once, and
-    # step 2 is trained again to the same weights under the same numbers.
+    # is ahead. The local store gives step 2's samples back, so they train into the resumed weights once: as
+    # step 3, version 3, to the same weights (step 2's row stays, marked requeued; no number is used twice).
     (run_dir / "checkpoints" / "latest").write_text("step_1\n")
     _run_trainer([sys.executable], store_file, run_dir, tiny_model_path, settings, max_steps=1)
     store = Store(store_file)
     steps = store.steps()
-    assert [(s["step"], s["policy_version"]) for s in steps] == [(1, 1), (2, 2)]
-    assert sorted(steps[1]["turn_ids"]) == sorted(s.turn_id for s in samples[3:])
+    assert [(s["step"], s["policy_version"], s["requeued"]) for s in steps] == \
+        [(1, 1, False), (2, 2, True), (3, 3, False)]
+    assert sorted(steps[2]["turn_ids"]) == sorted(s.turn_id for s in samples[3:])
     assert store.count_samples() == {"consumed": 6}
     store.close()
-    weights = load_file(str(run_dir / "weights" / "v2" / "model.safetensors"))
+    weights = load_file(str(run_dir / "weights" / "v3" / "model.safetensors"))
     _assert_same_update(weights, expected_weights, lr)
-    assert load_latest(run_dir).step == 2
+    assert load_latest(run_dir).step == 3

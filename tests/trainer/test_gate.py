@@ -231,4 +231,6 @@ def test_version_numbers_stay_unique_across_restarts(make_config, base_model, ti
     # Resume kept the lost step's record, and said so.
     assert [s["step"] for s in store.requeued_steps()] == [4]
     assert [e["detail"]["steps"] for e in store.events("requeue")] == [[4]]
-    assert [s["step"] for s in store.steps()] == [1, 2, 3, 4]
+    steps = store.steps()
+    assert [(s["step"], s["requeued"]) for s in steps] == [(1, False), (2, False), (3, False), (4, True), (5, False)]
+    assert [s["policy_version"] for s in steps] == [1, 2, 3, 4, 5]
