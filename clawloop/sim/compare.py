@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--table-only", action="store_true", help="Only aggregate the cells already run.")
     parser.add_argument("--force", action="store_true", help="Run even if the settings differ from the "
                         "folder's settings.json.")
+    parser.add_argument("--eval-each-version", action=argparse.BooleanOptionalAction, default=True,
+                        help="Also score the held-out questions whenever a new version is being served, so the "
+                        "table's lowest served guard covers the versions served between evaluation points.")
     parser.add_argument("--max-cells", type=int, default=0, help="Stop after running this many new cells "
                         "(0 = all).")
 
@@ -99,7 +102,11 @@ def load_cells(out_dir: Path) -> list[dict[str, Any]]:
 
 
 def interactions_to_target(curve: Iterable[Mapping[str, Any]], target: float) -> int | None:
+    """The first scheduled evaluation (every ``--eval-every`` interactions) reaching ``target``. Points scored
+    because a new version was served are left out, so every cell is read at the same resolution."""
     for point in curve:
+        if point.get("phase") == "version":
+            continue
         if point["score"] >= target:
             return int(point["interactions"])
     return None
@@ -134,15 +141,30 @@ def aggregate(cells: list[dict[str, Any]], target: float) -> list[dict[str, Any]
             "interactions_to_target_mean": statistics.fmean(hit) if hit else None,
             "reached_target": len(hit),
             "steps_mean": statistics.fmean(c["steps"] for c in runs),
+            "served_guard_lowest": _lowest_served_guard(runs),
+            "served_versions_scored": [len((c.get("served_guard") or {}).get("by_version") or {}) for c in runs],
+            "gate_rejections": [int((c.get("gate") or {}).get("rejections", 0)) for c in runs],
+            "rollbacks": [int((c.get("gate") or {}).get("rollbacks", 0)) for c in runs],
             "minutes_mean": statistics.fmean(c["timings_s"]["total_s"] for c in runs) / 60.0,
         })
     return rows
 
 
+def _lowest_served_guard(runs: list[dict[str, Any]]) -> float:
+    """The lowest held-out guard rate of any scored served version over the seeds (cells run before versions were
+    scored on publication only have their evaluation points)."""
+    lows = []
+    for c in runs:
+        served = (c.get("served_guard") or {}).get("lowest")
+        lows.append(served if served is not None else min(p["guard_pass_rate"] for p in c["curve"]))
+    return min(lows)
+
+
 def markdown_table(rows: list[dict[str, Any]], target: float, interactions: int | None = None) -> str:
     head = ("| persona | method | seeds | score before | final score, mean ± sd (min–max) | "
-            f"interactions to {target:g} (seeds reaching it) | guard before → after | steps | min/run |\n"
-            "|---|---|---|---|---|---|---|---|---|\n")
+            f"interactions to {target:g} (seeds reaching it) | guard before → after | lowest guard of a served "
+            "version (versions scored) | gate rejections per seed | rollbacks | steps | min/run |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         reach = (f"{r['interactions_to_target_mean']:.0f} ({r['reached_target']}/{r['n']})"
@@ -151,6 +173,8 @@ def markdown_table(rows: list[dict[str, Any]], target: float, interactions: int 
             f"| {r['persona']} | {r['method']} | {','.join(map(str, r['seeds']))} | {r['score_before_mean']:.2f} | "
             f"{r['final_score_mean']:.2f} ± {r['final_score_sd']:.2f} ({r['final_score_min']:.2f}–"
             f"{r['final_score_max']:.2f}) | {reach} | {r['guard_before_mean']:.2f} → {r['guard_after_mean']:.2f} | "
+            f"{r['served_guard_lowest']:.2f} ({sum(r['served_versions_scored'])}) | "
+            f"{','.join(map(str, r['gate_rejections']))} | {sum(r['rollbacks'])} | "
             f"{r['steps_mean']:.0f} | {r['minutes_mean']:.1f} |")
     return head + "\n".join(lines) + "\n"
 
@@ -195,7 +219,7 @@ def main_from_args(args: argparse.Namespace, cli: dict[str, Any], out: Callable[
         else:
             settings_path.write_text(json.dumps(shared, indent=1, default=str))
         options = LoopOptions(interactions=args.interactions, eval_every=args.eval_every, heldout_n=args.heldout_n,
-                              user_url=args.user_url, user_model=args.user_model,
+                              eval_each_version=args.eval_each_version, user_url=args.user_url, user_model=args.user_model,
                               user_api_key_env=args.user_api_key_env)
         ran = 0
         for persona in _split(args.personas):

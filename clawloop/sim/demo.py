@@ -141,6 +141,10 @@ class LoopOptions:
     eval_concurrency: int = 16
     heldout_n: int = 0
     """Held-out questions to score (0 = all of the persona's)."""
+    eval_each_version: bool = False
+    """Also score the held-out questions after any session at whose end a version is served that was not scored
+    yet (phase ``version``), so that the guard rate of (nearly) every version users were served is measured, not
+    only of those served at the ``eval_every`` points. Costs one evaluation per publication."""
     sim_max_tokens: int = 64
     catch_up_timeout_s: float = 900.0
     label: str = ""
@@ -196,7 +200,7 @@ class CurvePoint:
     satisfied_rate: float
     elapsed_s: float
     phase: str
-    """before, during or after."""
+    """before, during, after, or version (scored because a new version was served; ``eval_each_version``)."""
 
 
 @dataclass
@@ -269,6 +273,7 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
         f"{state.timings['start_s']:.0f}s")
     http = httpx.Client(timeout=60.0)
     eval_results: dict[str, EvalResult] = {}
+    scored_versions: set[int] = set()
     user = None
 
     def trainer_step() -> tuple[int, int]:
@@ -286,7 +291,8 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
                            score=result.score, guard_pass_rate=result.guard_pass_rate,
                            satisfied_rate=result.satisfied_rate, elapsed_s=time.monotonic() - t_start, phase=phase)
         state.curve.append(point)
-        key = f"eval_{phase}" if phase != "during" else f"eval_{state.interactions:04d}"
+        scored_versions.add(version_after)
+        key = f"eval_{phase}" if phase not in ("during", "version") else f"eval_{state.interactions:04d}"
         eval_results[key] = result
         (run_dir / f"{key}.json").write_text(json.dumps(result.to_dict(), indent=1, ensure_ascii=False))
         # Only a publication changes what the evaluation talked to; a step the gate has not yet checked does not.
@@ -331,6 +337,11 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
                 score("during")
                 eval_time += time.monotonic() - t
                 next_eval += options.eval_every
+            elif options.eval_each_version and version not in scored_versions \
+                    and state.interactions < options.interactions:
+                t = time.monotonic()
+                score("version")
+                eval_time += time.monotonic() - t
         state.timings["simulation_s"] = time.monotonic() - t_sim - eval_time
         state.timings["eval_during_s"] = eval_time
 
@@ -348,6 +359,7 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
         sample_states = store.count_samples()
         drops = store.drop_reasons()
         steps = store.steps()
+        rollbacks = len(store.events("rollback"))
     finally:
         http.close()
         if user is not None:
@@ -373,6 +385,7 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
                                                                "grad_norm", "samples", "step_time_s")}}
                          for st in steps],
         "curve": [asdict(p) for p in state.curve],
+        "served_guard": served_guard(state.curve),
         "sessions": state.sessions,
         "samples_by_kind": dict(samples),
         "samples_by_state": sample_states,
@@ -384,7 +397,7 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
         "preset": DEMO_PRESET,
         "options": asdict(options),
         "timings_s": {k: round(v, 1) for k, v in state.timings.items()},
-        "gate": gate_summary(config, gate_log),
+        "gate": {**gate_summary(config, gate_log), "rollbacks": rollbacks},
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False, default=str))
     try:
@@ -417,6 +430,16 @@ def gate_summary(config: Config, events: list[dict[str, Any]]) -> dict[str, Any]
             "rejections": sum(e.get("kind") == "gate_rejected" for e in events),
             "seconds_per_check": round(sum(seconds) / len(seconds), 2) if seconds else None,
             "decisions": decisions}
+
+
+def served_guard(curve: list[CurvePoint]) -> dict[str, Any]:
+    """The held-out guard rate of each served version that was scored (its lowest score when scored more than
+    once) and the lowest of them: the number that says whether users were ever served a degenerate policy."""
+    by_version: dict[int, float] = {}
+    for p in curve:
+        by_version[p.policy_version] = min(p.guard_pass_rate, by_version.get(p.policy_version, 1.0))
+    return {"by_version": {str(v): g for v, g in sorted(by_version.items())},
+            "lowest": min(by_version.values()) if by_version else None}
 
 
 def _point_summary(p: CurvePoint) -> dict[str, Any]:
@@ -467,6 +490,10 @@ def print_result(summary: dict[str, Any], out: Callable[[str], None] = print) ->
         f"simulation {t.get('simulation_s', 0):.0f}s, evaluations "
         f"{t.get('eval_before_s', 0) + t.get('eval_during_s', 0) + t.get('eval_after_s', 0):.0f}s, "
         f"catch-up {t.get('catch_up_s', 0):.0f}s)")
+    served = summary.get("served_guard") or {}
+    if served.get("lowest") is not None:
+        out(f"  lowest held-out guard pass rate among the {len(served['by_version'])} served versions scored: "
+            f"{served['lowest']:.2f}")
     g = summary.get("gate") or {}
     if g.get("on"):
         out(f"  publication gate: {g['checks']} checks (every {g['every']} steps), {g['rejections']} rejected, "

@@ -149,3 +149,30 @@ def test_user_flags_are_checked(tmp_path, flags, message, capsys):
     for command in ("demo", "eval"):
         assert main([command, "--model", "tiny", "--run-dir", str(tmp_path / command), *flags]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_version_scored_between_evaluation_points_does_not_change_interactions_to_target():
+    curve = [{"interactions": 0, "score": 0.0, "phase": "before"},
+             {"interactions": 8, "score": 0.6, "phase": "version"},  # read off-schedule: not comparable
+             {"interactions": 16, "score": 0.5, "phase": "during"}]
+    assert compare.interactions_to_target(curve, 0.5) == 16
+
+
+def test_lowest_served_guard_counts_every_scored_version():
+    from clawloop.sim.demo import CurvePoint, served_guard
+
+    def point(interactions, version, guard, phase):
+        return CurvePoint(interactions=interactions, step=version, policy_version=version, score=0.0,
+                          guard_pass_rate=guard, satisfied_rate=0.0, elapsed_s=0.0, phase=phase)
+
+    curve = [point(0, 0, 1.0, "before"), point(8, 1, 0.79, "version"), point(24, 2, 0.93, "during"),
+             point(40, 2, 1.0, "version"), point(72, 3, 1.0, "after")]
+    served = served_guard(curve)
+    assert served == {"by_version": {"0": 1.0, "1": 0.79, "2": 0.93, "3": 1.0}, "lowest": 0.79}
+
+    # The comparison table reports it, with each seed's gate rejections and the rollbacks.
+    cells = [{**_fake_summary("hybrid", "brief", seed, [0.0, 0.6]), "served_guard": served if seed else None,
+              "gate": {"rejections": seed + 1, "rollbacks": 0}} for seed in (0, 1)]
+    (row,) = compare.aggregate(cells, 0.5)
+    assert row["served_guard_lowest"] == 0.79 and row["gate_rejections"] == [1, 2] and row["rollbacks"] == [0, 0]
+    assert "| 0.79 (4) | 1,2 | 0 |" in compare.markdown_table([row], 0.5)
