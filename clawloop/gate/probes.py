@@ -21,5 +21,16 @@ PROBES: tuple[str, ...] = (
     "What does the Python function len() return?",
     "Why do bicycles have gears?",
     "How many minutes are there in three hours?",
+    # Short "what is" questions: the commonest everyday request, and where a slightly shifted small model first
+    # falls into greedy loops ("A tree is a tree, a tree, …") long before it collapses elsewhere.
+    "What is a telescope?",
+    "What is a violin?",
+    "What is a kettle?",
+    "What is a ladder?",
+    "What is a tractor?",
+    "What is an umbrella?",
+    "What is a helmet?",
+    "What is a canoe?",
 )
-"""Twelve probes: enough to see a collapse (it shows on almost every prompt), few enough to check cheaply."""
+"""Twenty probes: a collapse shows on almost every one; the early signs (loops on simple definitions) on a few,
+so the definitions are a larger share than in everyday traffic. Few enough to check in one batch."""
