@@ -251,10 +251,17 @@ def find_store(run_dir: str | Path) -> Path:
 class Store:
     """Thread-safe access to the run's SQLite file. Every public method is one short transaction."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, readonly: bool = False):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
+        if readonly:
+            # A reader beside the process that writes the run (or of a finished run): SQLite's read-only mode, no
+            # schema or journal changes, and a lock of its own, so reads never queue behind the writer's lock.
+            self._db = sqlite3.connect(self.path.resolve().as_uri() + "?mode=ro", uri=True, check_same_thread=False,
+                                       isolation_level=None, timeout=30.0)
+            self._db.row_factory = sqlite3.Row
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -505,6 +512,41 @@ class Store:
             targets=None if row["targets"] is None else st_load(row["targets"]),
             teacher_version=row["teacher_version"], info=json.loads(row["info"]), state=row["state"],
             lease_id=row["lease_id"], consumed_step=row["consumed_step"], created_at=row["created_at"])
+
+    def get_sample(self, turn_id: int) -> SampleRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM samples WHERE turn_id=?", (int(turn_id),)).fetchone()
+        return None if row is None else self._sample_from_row(row)
+
+    def latest_sample_id(self) -> int | None:
+        """The turn id of the newest sample with teacher targets, else of the newest sample (None: no sample)."""
+        with self._lock:
+            row = self._db.execute("SELECT turn_id FROM samples ORDER BY targets IS NOT NULL DESC, turn_id DESC"
+                                   " LIMIT 1").fetchone()
+        return None if row is None else int(row["turn_id"])
+
+    def session_summaries(self, limit: int = 200) -> list[dict[str, Any]]:
+        """The most recently active sessions, newest first: turn count, time span and turns by state."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT session_id, COUNT(*) AS turns, MIN(created_at) AS started_at, MAX(updated_at) AS updated_at,"
+                " MAX(id) AS last_turn_id, GROUP_CONCAT(state) AS states FROM turns GROUP BY session_id"
+                " ORDER BY last_turn_id DESC LIMIT ?", (int(limit),)).fetchall()
+        out = []
+        for r in rows:
+            states: dict[str, int] = {}
+            for s in (r["states"] or "").split(","):
+                states[s] = states.get(s, 0) + 1
+            out.append({"session_id": r["session_id"], "turns": r["turns"], "started_at": r["started_at"],
+                        "updated_at": r["updated_at"], "last_turn_id": r["last_turn_id"], "states": states})
+        return out
+
+    def turn_activity(self, since: float) -> dict[str, float]:
+        """Turns stored since ``since`` (epoch seconds) and their response tokens."""
+        with self._lock:
+            row = self._db.execute("SELECT COUNT(*) AS n, SUM(LENGTH(response_ids)) AS b FROM turns WHERE created_at"
+                                   " >= ?", (float(since),)).fetchone()
+        return {"turns": int(row["n"] or 0), "response_tokens": int(row["b"] or 0) // array("i").itemsize}
 
     def ready_count(self) -> int:
         with self._lock:
