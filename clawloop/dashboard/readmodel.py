@@ -101,7 +101,7 @@ class RunView:
         self.live = live
 
     # ---- plumbing ---------------------------------------------------------------------------------------
-    def _open(self) -> Store:
+    def open_store(self) -> Store:
         """A read-only handle on the store for one view (closed after it: a stopped server keeps no file open, and
         a live run may create its store after the dashboard started)."""
         path = self.store_path if self.store_path is not None else find_store(self.run_dir)
@@ -110,7 +110,7 @@ class RunView:
         return Store(path, readonly=True)
 
     def _read(self, fn: Callable[..., Any], *args: Any) -> Any:
-        store = self._open()
+        store = self.open_store()
         try:
             return fn(store, *args)
         finally:
