@@ -114,6 +114,18 @@ class BrowserTabs:
         self.pw.stop()
 
 
+def dashboard_calls(server: Server) -> int:
+    """Dashboard API requests the server has answered (from its own request counters)."""
+    return int(sum(n for labels, n in server.service.metrics.requests.items()
+                   if dict(labels).get("route", "").startswith("/dashboard/api")))
+
+
+def dashboard_time_s(server: Server) -> float:
+    """Total seconds the server spent answering dashboard API requests (its latency histogram's sums)."""
+    hist = server.service.metrics.latency
+    return float(sum(v for labels, v in hist.sums.items() if dict(labels).get("route", "").startswith("/dashboard/api")))
+
+
 def summary(xs: list[float]) -> dict[str, float]:
     ordered = sorted(xs)
     return {"n": len(xs), "p50": statistics.median(ordered), "p95": ordered[int(0.95 * (len(ordered) - 1))],
@@ -146,8 +158,8 @@ def measure(mode: str, server: Server, args: argparse.Namespace, counter: list[i
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=60, help="Chat requests per condition.")
-    parser.add_argument("--blocks", type=int, default=3, help="Alternations of closed / open.")
+    parser.add_argument("--requests", type=int, default=90, help="Chat requests per condition.")
+    parser.add_argument("--blocks", type=int, default=6, help="Alternations of closed / open.")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--tabs", type=int, default=3, help="Dashboard tabs open (pages or HTTP pollers).")
     parser.add_argument("--poll-ms", type=float, default=2000, help="Interval of the HTTP pollers (the page's: 2000).")
@@ -180,14 +192,18 @@ def main() -> int:
               f"stored before")
         print(f"{'mode':<8} {'condition':<22} {'n':>4} {'p50 ms':>8} {'p95 ms':>8} {'mean ms':>8}")
         for mode in modes:
+            calls_before, busy_before, t0 = dashboard_calls(server), dashboard_time_s(server), time.perf_counter()
             closed, opened = measure(mode, server, args, counter)
+            calls, seconds = dashboard_calls(server) - calls_before, time.perf_counter() - t0
+            busy_ms = 1000 * (dashboard_time_s(server) - busy_before) / max(1, calls)
             c, o = summary(closed), summary(opened)
             label = f"open ({args.tabs} tabs, {args.poll_ms:g} ms)" if mode == "http" else f"open ({args.tabs} tabs)"
             for name, s in (("closed", c), (label, o)):
                 print(f"{mode:<8} {name:<22} {s['n']:>4} {1000 * s['p50']:>8.1f} {1000 * s['p95']:>8.1f} "
                       f"{1000 * s['mean']:>8.1f}")
             print(f"{mode:<8} ratio open/closed: p50 {o['p50'] / c['p50']:.3f}  p95 {o['p95'] / c['p95']:.3f}  "
-                  f"mean {o['mean'] / c['mean']:.3f}")
+                  f"mean {o['mean'] / c['mean']:.3f}  ({calls} dashboard requests in {seconds:.0f} s, "
+                  f"{busy_ms:.1f} ms each on average)")
     finally:
         server.stop()
     return 0
