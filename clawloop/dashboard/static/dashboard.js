@@ -247,7 +247,7 @@
     const width = Math.max(280, box.clientWidth - 24);
     const opts = { width, height: 180, legend: { show: true },
       scales: { x: { time: false }, y: { range: (u, lo, hi) => (lo === hi ? [lo - 1, hi + 1] : uPlot.rangeNum(lo, hi, 0.1, true)) } },
-      axes: [{ label: "step", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000] }, { size: 64 }],
+      axes: [{ label: "step", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000] }, { size: 64, values: (u, splits) => splits.map((v) => (v === null ? "" : v !== 0 && Math.abs(v) < 0.01 ? v.toExponential(1) : String(+v.toPrecision(3)))) }],
       series: [{ label: "step" }, ...named.map(([name], i) => ({ label: name, stroke: COLOURS[i % COLOURS.length], width: 2, points: { show: true, size: 6 } }))] };
     state.charts.push(new uPlot(opts, [xs, ...named.map(([, ys]) => ys)], box));
   }
