@@ -241,14 +241,14 @@
   ];
   const COLOURS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2"];
   function destroyCharts() { state.charts.forEach((c) => c.destroy()); state.charts = []; }
-  function chart(host, title, xs, named, testid) {
+  function chart(host, title, xs, named, testid, xlabel = "step") {
     const box = el("div", { class: "panel chart", "data-testid": testid, "data-points": xs.length, "data-x": xs.join(",") }, el("h3", { text: title }));
     host.append(box);
     const width = Math.max(280, box.clientWidth - 24);
     const opts = { width, height: 180, legend: { show: true },
       scales: { x: { time: false }, y: { range: (u, lo, hi) => (lo === hi ? [lo - 1, hi + 1] : uPlot.rangeNum(lo, hi, 0.1, true)) } },
-      axes: [{ label: "step", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000] }, { size: 64, values: (u, splits) => splits.map((v) => (v === null ? "" : v !== 0 && Math.abs(v) < 0.01 ? v.toExponential(1) : String(+v.toPrecision(3)))) }],
-      series: [{ label: "step" }, ...named.map(([name], i) => ({ label: name, stroke: COLOURS[i % COLOURS.length], width: 2, points: { show: true, size: 6 } }))] };
+      axes: [{ label: xlabel, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000] }, { size: 64, values: (u, splits) => splits.map((v) => (v === null ? "" : v !== 0 && Math.abs(v) < 0.01 ? v.toExponential(1) : String(+v.toPrecision(3)))) }],
+      series: [{ label: xlabel }, ...named.map(([name], i) => ({ label: name, stroke: COLOURS[i % COLOURS.length], width: 2, points: { show: true, size: 6 } }))] };
     state.charts.push(new uPlot(opts, [xs, ...named.map(([, ys]) => ys)], box));
   }
   function renderTraining(d) {
@@ -263,7 +263,7 @@
     }
     const ev = d.evaluations || [];
     if (ev.length) {
-      chart(host, "Held-out evaluation (demo)", ev.map((_, i) => i), [["score", ev.map((e) => e.score)], ["guard_pass_rate", ev.map((e) => e.guard_pass_rate)]], "chart-eval");
+      chart(host, "Held-out evaluation (demo)", ev.map((_, i) => i), [["score", ev.map((e) => e.score)], ["guard_pass_rate", ev.map((e) => e.guard_pass_rate)]], "chart-eval", "evaluation");
       host.lastChild.append(el("p", { class: "small muted", text: `x = evaluation #: ${ev.map((e, i) => `${i} ${e.name}`).join(", ")}` }));
     }
     const i = d.steps.length - 1;
