@@ -123,7 +123,8 @@ def dashboard_calls(server: Server) -> int:
 def dashboard_time_s(server: Server) -> float:
     """Total seconds the server spent answering dashboard API requests (its latency histogram's sums)."""
     hist = server.service.metrics.latency
-    return float(sum(v for labels, v in hist.sums.items() if dict(labels).get("route", "").startswith("/dashboard/api")))
+    return float(sum(v for labels, v in hist.sums.items()
+                     if dict(labels).get("route", "").startswith("/dashboard/api")))
 
 
 def summary(xs: list[float]) -> dict[str, float]:

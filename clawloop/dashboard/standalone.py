@@ -64,7 +64,8 @@ def build_app(run_dir: str | Path, config: Config, *, model: str | None = None) 
     return app, view
 
 
-def serve_dashboard(run_dir: str | Path, config: Config, *, model: str | None = None, log_level: str = "warning") -> None:
+def serve_dashboard(run_dir: str | Path, config: Config, *, model: str | None = None,
+                    log_level: str = "warning") -> None:
     import uvicorn
 
     app, _ = build_app(run_dir, config, model=model)

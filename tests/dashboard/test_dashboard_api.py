@@ -117,7 +117,8 @@ def test_the_browser_guard_covers_the_dashboard(make_server, known):
     srv = make_server(run_dir=run_dir)
     with httpx.Client(base_url=srv.base_url, timeout=60) as c:
         own = srv.base_url
-        assert c.get("/dashboard/api/sessions", headers={"Origin": own, "Sec-Fetch-Site": "same-origin"}).status_code == 200
+        same_origin = {"Origin": own, "Sec-Fetch-Site": "same-origin"}
+        assert c.get("/dashboard/api/sessions", headers=same_origin).status_code == 200
         assert c.get("/dashboard/api/sessions", headers={"Sec-Fetch-Site": "same-origin"}).status_code == 200
         for headers in ({"Origin": "https://evil.example"}, {"Sec-Fetch-Site": "cross-site"}, {"Origin": "null"}):
             r = c.get("/dashboard/api/sessions", headers=headers)

@@ -34,8 +34,10 @@ def run(tmp_path_factory):
 def browser():
     exe = chromium_path()
     if exe is None:
-        pytest.skip("no Chromium on this machine (run scripts/setup_chromium.sh or `make test-dashboard`)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[dev]')")
+        pytest.skip("no Chromium found (CLAWLOOP_CHROMIUM, or chromium on PATH): run scripts/setup_chromium.sh "
+                    "or `make test-dashboard`, which installs it where it can")
+    sync_api = pytest.importorskip("playwright.sync_api",
+                                   reason="playwright is not installed (pip install -e '.[dev]')")
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
         yield b
