@@ -260,6 +260,7 @@ class Store:
             self._db = sqlite3.connect(self.path.resolve().as_uri() + "?mode=ro", uri=True, check_same_thread=False,
                                        isolation_level=None, timeout=30.0)
             self._db.row_factory = sqlite3.Row
+            self._stand_in_for_missing_tables()
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
@@ -278,6 +279,15 @@ class Store:
                 raise RuntimeError(f"{self.path} has schema {row['value']}, this clawloop reads {SCHEMA_VERSION}")
 
     # ---- plumbing -------------------------------------------------------------------------------------
+    def _stand_in_for_missing_tables(self) -> None:
+        """Read-only handle on a store older than this code: the tables it lacks read as empty (connection-local
+        TEMP tables; the file is not touched)."""
+        have = {r["name"] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        for statement in _SCHEMA.split(";"):
+            head = statement.split("(", 1)[0].split()
+            if head[:5] == ["CREATE", "TABLE", "IF", "NOT", "EXISTS"] and head[5] not in have:
+                self._db.execute(statement.replace("CREATE TABLE", "CREATE TEMP TABLE", 1))
+
     _ADDED_COLUMNS = (("turns", "owner", "TEXT NOT NULL DEFAULT ''"),)
     """Columns newer than a store file may be; added in place on open (old rows get the default)."""
 
@@ -359,7 +369,8 @@ class Store:
     @staticmethod
     def _turn_from_row(row: sqlite3.Row) -> TurnRecord:
         return TurnRecord(
-            id=row["id"], session_id=row["session_id"], owner=row["owner"], turn_index=row["turn_index"],
+            id=row["id"], session_id=row["session_id"], owner=row["owner"] if "owner" in row.keys() else "",
+            turn_index=row["turn_index"],
             state=row["state"],
             reason=row["reason"], created_at=row["created_at"], updated_at=row["updated_at"],
             messages=json.loads(row["messages"]), tools=json.loads(row["tools"]) if row["tools"] else None,

@@ -197,3 +197,19 @@ def test_clawloop_dashboard_refuses_a_folder_without_a_run(tmp_path):
     out = subprocess.run([sys.executable, "-m", "clawloop.cli", "dashboard", str(tmp_path)], capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert out.returncode == 2 and "holds no store" in out.stderr
+
+
+def test_a_store_older_than_the_code_is_shown_as_it_is(known):
+    """A run recorded before versions, events and per-user owners existed: read as it is, nothing added to it."""
+    run_dir, _ = known
+    db = sqlite3.connect(run_dir / "store.sqlite")
+    db.executescript("DROP TABLE events; DROP TABLE versions; DROP TABLE requeued_steps; "
+                     "ALTER TABLE turns DROP COLUMN owner;")
+    db.close()
+    before = digest(run_dir / "store.sqlite")
+    view = view_for_run_dir(run_dir)
+    assert view.overview()["rollbacks"] == 0 and view.versions()["versions"] == []
+    assert view.session("s1")["turns"][0]["fate"]["text"] == "trained at step 1"
+    assert view.training()["steps"] == [1]
+    tables = {r[0] for r in sqlite3.connect(run_dir / "store.sqlite").execute("SELECT name FROM sqlite_master")}
+    assert "events" not in tables and digest(run_dir / "store.sqlite") == before
