@@ -5,7 +5,7 @@
     GET /dashboard/api/overview             version, steps, samples waiting, turns, judge, gate, throughput
     GET /dashboard/api/sessions             sessions, newest first
     GET /dashboard/api/sessions/{id}        one session's turns: answer, next state, votes, hints, fate
-    GET /dashboard/api/samples/latest       the newest sample with teacher targets, token by token
+    GET /dashboard/api/samples/latest       the newest sample with teacher targets, token by token (null: none)
     GET /dashboard/api/samples/{turn_id}    one sample token by token
     GET /dashboard/api/training             per-step metric series and the demo's evaluations
     GET /dashboard/api/versions             published versions, gate decisions and rollbacks
@@ -65,8 +65,8 @@ def install(app: FastAPI, view: RunView, config: Any) -> None:
     async def latest_sample(request: Request) -> Any:
         require_admin(request, config)
         turn_id = await asyncio.to_thread(view.latest_sample_turn)
-        if turn_id is None:
-            raise APIError(404, "No sample has been built yet.", "invalid_request_error", None, "not_found")
+        if turn_id is None:  # not an error: the page says that no sample exists yet
+            return JSONResponse(None, headers=NO_STORE)
         return await read(request, view.sample_tokens, turn_id)
 
     async def sample(request: Request, turn_id: int) -> Any:

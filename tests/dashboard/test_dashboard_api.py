@@ -213,3 +213,28 @@ def test_a_store_older_than_the_code_is_shown_as_it_is(known):
     assert view.training()["steps"] == [1]
     tables = {r[0] for r in sqlite3.connect(run_dir / "store.sqlite").execute("SELECT name FROM sqlite_master")}
     assert "events" not in tables and digest(run_dir / "store.sqlite") == before
+
+
+def test_a_fresh_server_shows_an_empty_run(make_server):
+    srv = make_server()
+    with httpx.Client(base_url=srv.base_url + "/dashboard/api", timeout=60) as c:
+        ov = c.get("overview").json()
+        assert ov["turns_total"] == 0 and ov["steps"] == 0 and ov["judge"]["invalid_rate"] is None
+        assert c.get("sessions").json() == {"sessions": []}
+        latest = c.get("samples/latest")
+        assert latest.status_code == 200 and latest.json() is None
+        assert c.get("training").json()["steps"] == [] and c.get("versions").json()["versions"] == []
+
+
+def test_a_running_run_is_read_beside_its_server(make_server, known):
+    """`clawloop dashboard RUN_DIR` on a run whose server is up: the server keeps writing, the view sees it."""
+    run_dir, _ = known
+    srv = make_server(run_dir=run_dir)
+    view = view_for_run_dir(run_dir)
+    assert [s["session_id"] for s in view.sessions()["sessions"]] == ["s2", "s1"]
+    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        r = c.post("/v1/chat/completions", headers={"X-Session-Id": "later"},
+                   json={"model": "clawloop", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert r.status_code == 200
+    assert view.sessions()["sessions"][0]["session_id"] == "later"
+    assert view.overview()["turns_total"] == 4 and not view.overview()["live"]

@@ -137,3 +137,25 @@ def test_pages_update_live_after_a_new_turn(page, run):
     page.wait_for_selector("#version-list [data-version]", timeout=10000)
     assert "trained by step" in page.inner_text("#version-list")
     no_errors(page)
+
+
+def test_every_page_of_an_empty_run_renders_without_errors(browser, make_server):
+    srv = make_server()
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    pg.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+    try:
+        pg.goto(f"{srv.base_url}/dashboard/")
+        pg.wait_for_function("document.getElementById('status-text').textContent.includes('live')", timeout=10000)
+        expected = {"overview": "[data-testid='ov-steps']", "conversations": "#session-list li.muted",
+                    "sample": "#sample-meta p", "training": "#charts p", "versions": "#version-list p"}
+        for view, selector in expected.items():
+            pg.click(f"#tabs a[data-view='{view}']")
+            pg.wait_for_selector(selector, timeout=10000)
+        assert "No conversation yet" in pg.inner_text("#session-list")
+        assert "No optimizer step yet" in pg.inner_text("#charts")
+        assert errors == [], errors
+    finally:
+        context.close()
