@@ -4,7 +4,7 @@ PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 STAMP   := .venv/.installed
 
-.PHONY: demo test test-vllm test-openclaw bench clean-venv
+.PHONY: demo test test-vllm test-openclaw test-dashboard bench clean-venv
 
 $(PY):
 	python3 -m venv .venv
@@ -20,7 +20,7 @@ $(STAMP): $(PY) pyproject.toml
 
 # The real-vLLM tests need their own virtualenv (.venv-vllm) and run in `make test-vllm`.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not vllm and not openclaw"
+	$(PY) -m pytest -q -m "not vllm and not openclaw and not browser"
 
 test-vllm: $(STAMP)
 	bash scripts/setup_vllm_venv.sh
@@ -30,6 +30,11 @@ test-vllm: $(STAMP)
 test-openclaw: $(STAMP)
 	bash scripts/setup_openclaw.sh
 	$(PY) -m pytest -q -m openclaw tests/openclaw
+
+# The dashboard in headless Chromium (the distribution's package, installed when missing and possible).
+test-dashboard: $(STAMP)
+	bash scripts/setup_chromium.sh
+	$(PY) -m pytest -q -m browser tests/dashboard
 
 demo: $(STAMP)
 	$(PY) -m clawloop.cli demo

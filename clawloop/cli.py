@@ -8,6 +8,7 @@
     clawloop judge check [--backend rules|engine | --judge-url URL --judge-model M --judge-api-key-env VAR]
     clawloop openclaw-config [--url http://127.0.0.1:30000] [--out ~/.openclaw/openclaw.json]
     clawloop rollback RUN_DIR --to N [--url http://127.0.0.1:30000] [--admin-key KEY]
+    clawloop dashboard RUN_DIR [--host 127.0.0.1] [--port 30100] [--admin-key KEY]
 """
 
 from __future__ import annotations
@@ -172,6 +173,21 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     return rollback_command(args.run_dir, args.to, url=args.url, admin_key=args.admin_key)
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from clawloop.config import Config
+    from clawloop.dashboard.standalone import serve_dashboard
+
+    run_dir = Path(args.run_dir)
+    try:
+        find_store(run_dir)
+    except FileNotFoundError as exc:
+        print(f"clawloop: {exc}", file=sys.stderr)
+        return 2
+    cli = {"host": args.host, "port": args.port, "admin_key": args.admin_key}
+    serve_dashboard(run_dir, Config.load(cli=cli), model=args.model, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clawloop", description="Train an LLM agent online from its own "
                                      "conversations.")
@@ -289,6 +305,20 @@ def build_parser() -> argparse.ArgumentParser:
     rollback.add_argument("--admin-key", default=None, help="Admin key of that server (default: the "
                           "CLAWLOOP_ADMIN_KEY environment variable).")
     rollback.set_defaults(func=cmd_rollback)
+
+    dash = sub.add_parser("dashboard", help="Watch a finished or running run in the browser (read-only).",
+                          description="Serve the dashboard of RUN_DIR (its store opened read-only) at "
+                          "http://HOST:PORT/dashboard/. A running `clawloop serve` has the same page at /dashboard.")
+    dash.add_argument("run_dir", metavar="RUN_DIR", help="The run folder (holding store.sqlite).")
+    dash.add_argument("--host", default=None, help="Address to bind (default 127.0.0.1 or CLAWLOOP_HOST).")
+    dash.add_argument("--port", type=int, default=30100, help="Port to bind.")
+    dash.add_argument("--admin-key", default=None, help="Key the page's data needs (default: CLAWLOOP_ADMIN_KEY; "
+                      "without one only loopback callers on a loopback address may read it).")
+    dash.add_argument("--model", default=None, help="Model whose tokenizer shows token texts (default: the run's, "
+                      "else the default model).")
+    dash.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                      help="Log level.")
+    dash.set_defaults(func=cmd_dashboard)
     return parser
 
 

@@ -252,10 +252,18 @@ def find_store(run_dir: str | Path) -> Path:
 class Store:
     """Thread-safe access to the run's SQLite file. Every public method is one short transaction."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, readonly: bool = False):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
+        if readonly:
+            # A reader beside the process that writes the run (or of a finished run): SQLite's read-only mode, no
+            # schema or journal changes, and a lock of its own, so reads never queue behind the writer's lock.
+            self._db = sqlite3.connect(self.path.resolve().as_uri() + "?mode=ro", uri=True, check_same_thread=False,
+                                       isolation_level=None, timeout=30.0)
+            self._db.row_factory = sqlite3.Row
+            self._stand_in_for_missing_tables()
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30.0)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -272,6 +280,15 @@ class Store:
                 raise RuntimeError(f"{self.path} has schema {row['value']}, this clawloop reads {SCHEMA_VERSION}")
 
     # ---- plumbing -------------------------------------------------------------------------------------
+    def _stand_in_for_missing_tables(self) -> None:
+        """Read-only handle on a store older than this code: the tables it lacks read as empty (connection-local
+        TEMP tables; the file is not touched)."""
+        have = {r["name"] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        for statement in _SCHEMA.split(";"):
+            head = statement.split("(", 1)[0].split()
+            if head[:5] == ["CREATE", "TABLE", "IF", "NOT", "EXISTS"] and head[5] not in have:
+                self._db.execute(statement.replace("CREATE TABLE", "CREATE TEMP TABLE", 1))
+
     _ADDED_COLUMNS = (("turns", "owner", "TEXT NOT NULL DEFAULT ''"),)
     """Columns newer than a store file may be; added in place on open (old rows get the default)."""
 
@@ -353,7 +370,8 @@ class Store:
     @staticmethod
     def _turn_from_row(row: sqlite3.Row) -> TurnRecord:
         return TurnRecord(
-            id=row["id"], session_id=row["session_id"], owner=row["owner"], turn_index=row["turn_index"],
+            id=row["id"], session_id=row["session_id"], owner=row["owner"] if "owner" in row.keys() else "",
+            turn_index=row["turn_index"],
             state=row["state"],
             reason=row["reason"], created_at=row["created_at"], updated_at=row["updated_at"],
             messages=json.loads(row["messages"]), tools=json.loads(row["tools"]) if row["tools"] else None,
@@ -506,6 +524,41 @@ class Store:
             targets=None if row["targets"] is None else st_load(row["targets"]),
             teacher_version=row["teacher_version"], info=json.loads(row["info"]), state=row["state"],
             lease_id=row["lease_id"], consumed_step=row["consumed_step"], created_at=row["created_at"])
+
+    def get_sample(self, turn_id: int) -> SampleRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM samples WHERE turn_id=?", (int(turn_id),)).fetchone()
+        return None if row is None else self._sample_from_row(row)
+
+    def latest_sample_id(self) -> int | None:
+        """The turn id of the newest sample with teacher targets, else of the newest sample (None: no sample)."""
+        with self._lock:
+            row = self._db.execute("SELECT turn_id FROM samples ORDER BY targets IS NOT NULL DESC, turn_id DESC"
+                                   " LIMIT 1").fetchone()
+        return None if row is None else int(row["turn_id"])
+
+    def session_summaries(self, limit: int = 200) -> list[dict[str, Any]]:
+        """The most recently active sessions, newest first: turn count, time span and turns by state."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT session_id, COUNT(*) AS turns, MIN(created_at) AS started_at, MAX(updated_at) AS updated_at,"
+                " MAX(id) AS last_turn_id, GROUP_CONCAT(state) AS states FROM turns GROUP BY session_id"
+                " ORDER BY last_turn_id DESC LIMIT ?", (int(limit),)).fetchall()
+        out = []
+        for r in rows:
+            states: dict[str, int] = {}
+            for s in (r["states"] or "").split(","):
+                states[s] = states.get(s, 0) + 1
+            out.append({"session_id": r["session_id"], "turns": r["turns"], "started_at": r["started_at"],
+                        "updated_at": r["updated_at"], "last_turn_id": r["last_turn_id"], "states": states})
+        return out
+
+    def turn_activity(self, since: float) -> dict[str, float]:
+        """Turns stored since ``since`` (epoch seconds) and their response tokens."""
+        with self._lock:
+            row = self._db.execute("SELECT COUNT(*) AS n, SUM(LENGTH(response_ids)) AS b FROM turns WHERE created_at"
+                                   " >= ?", (float(since),)).fetchone()
+        return {"turns": int(row["n"] or 0), "response_tokens": int(row["b"] or 0) // array("i").itemsize}
 
     def ready_count(self) -> int:
         with self._lock:

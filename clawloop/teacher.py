@@ -17,7 +17,11 @@ temperature ``train_temperature(config, turn)`` that the trainer also uses for t
   judging time. The trainer recomputes the old policy's top-k at training time; where that differs it asks again
   through ``Teacher.teacher_at_ids``;
 * ``teacher_at_student_C_T_K`` — the teacher's log-probs at those provisional student ids;
-* ``hint_lens_C`` — each candidate's length in characters (0 for the un-hinted anchor candidate).
+* ``hint_lens_C`` — each candidate's length in characters (0 for the un-hinted anchor candidate);
+* ``student_logprobs_T_K``, ``student_token_logprobs_T`` and ``teacher_token_logprobs_C_T`` — the provisional
+  student's log-probs at its top-k and at the sampled tokens, and each candidate teacher's at the sampled tokens.
+  The trainer does not read them (it recomputes the old policy); they let a reader of the record (the dashboard)
+  show the per-token teacher-minus-student signal of each sample as it was at judging time.
 
 Ids are int64, log-probs float32. With ``opd_on_unhinted = anchor`` an RL-only sample gets one candidate: the
 un-hinted stored prompt itself.
@@ -71,7 +75,8 @@ def inject_hint(messages: Sequence[dict[str, Any]], hint: str) -> list[dict[str,
 @dataclass
 class TeacherTargets:
     tensors: dict[str, torch.Tensor]
-    """student_ids_T_K, teacher_ids_C_T_K, teacher_logprobs_C_T_K, teacher_at_student_C_T_K, hint_lens_C."""
+    """student_ids_T_K, teacher_ids_C_T_K, teacher_logprobs_C_T_K, teacher_at_student_C_T_K, hint_lens_C and the
+    record-only student_logprobs_T_K, student_token_logprobs_T, teacher_token_logprobs_C_T (module docstring)."""
     teacher_version: int
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -125,6 +130,9 @@ class Teacher:
             "teacher_logprobs_C_T_K": torch.stack([r.topk_logprobs_T_K.float().cpu() for r in results]),
             "teacher_at_student_C_T_K": torch.stack([_at_ids(r).float().cpu() for r in results]),
             "hint_lens_C": torch.tensor([len(h) for h in candidates], dtype=torch.int64),
+            "student_logprobs_T_K": student.topk_logprobs_T_K.float().cpu().contiguous(),
+            "student_token_logprobs_T": student.logprobs_T.float().cpu().contiguous(),
+            "teacher_token_logprobs_C_T": torch.stack([r.logprobs_T.float().cpu() for r in results]),
         }
         info = {
             "render_matches": matches,

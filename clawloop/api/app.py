@@ -565,6 +565,9 @@ def create_app(service: ChatService, lifespan: Any = None) -> FastAPI:
     app.add_api_route("/v1/status", status, methods=["GET"])
     app.add_api_route("/healthz", healthz, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    from clawloop.dashboard.routes import install_for_service  # the read-only /dashboard (docs/dashboard.md)
+
+    install_for_service(app, service)
     app.add_middleware(CatchAll)
     app.add_middleware(RequestMetricsMiddleware, metrics=service.metrics)
     app.add_middleware(BrowserGuard, config=config)  # outermost: refused requests reach no route

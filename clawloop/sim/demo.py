@@ -271,6 +271,7 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
     base_url = runtime.server.base_url
     out(f"model ready in {state.timings['model_ready_s']:.0f}s, server up on {base_url} in "
         f"{state.timings['start_s']:.0f}s")
+    out(f"dashboard: {base_url}/dashboard/ (live while the demo runs; afterwards: clawloop dashboard {run_dir})")
     http = httpx.Client(timeout=60.0)
     eval_results: dict[str, EvalResult] = {}
     scored_versions: set[int] = set()

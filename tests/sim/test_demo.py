@@ -4,6 +4,7 @@ settings precedence, and ``clawloop eval``'s table and resumable cells."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -26,6 +27,7 @@ def test_demo_runs_trains_and_writes_its_report(tmp_path, tiny_model_path, capsy
     assert "publication gate: on, checking every 1 step(s)" in printed
     assert printed.count("[gate] step ") == 3 and "[gate] step 1: accepted, serving v1" in printed
     assert "judge: rule judge" in printed  # says which judge and why
+    assert re.search(r"dashboard: http://127\.0\.0\.1:\d+/dashboard/ ", printed)  # where to watch it learn
     assert "[session   1] turns 3" in printed and "[session   2] turns 3" in printed
     assert "before: preference score" in printed and "after:  preference score" in printed
 

@@ -1,0 +1,78 @@
+"""A run folder whose records are known exactly, written through the store's own API (the way serving, the judge
+and the trainer write them), for the dashboard's JSON tests.
+
+Session ``s1``: turn 1 judged -1 with two hint candidates, trained at step 1; turn 2 dropped (no next state).
+Session ``s2``: turn 3 still awaiting its next message. Versions: v1 accepted at step 1, v2 accepted then rolled
+back to v1. ``eval_before.json`` is a demo evaluation.
+
+The teacher targets of turn 1 make the dashboard's numbers checkable by hand: candidate 1 shares every student
+top-k id (overlap 2 at each of the 3 tokens) and candidate 0 only the first token's, so ``sequence_optimal``
+picks candidate 1; with student log-probs (-1, -1, -2.5) at the sampled tokens and candidate 1's (-0.5, -3, -2),
+the clipped (±1) advantages are (0.5, -1.0, 0.5).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from clawloop.store import SampleRecord, Store, TurnRecord, VoteRecord
+
+RESPONSE_IDS = [10, 11, 12]
+HINTS = ["Be brief.", "Answer in one short sentence."]
+EXPECTED_ADVANTAGES = [0.5, -1.0, 0.5]
+EVAL_RAW = "The user says it is wrong.\n\\boxed{-1}"
+
+
+def turn(session: str, index: int, text: str) -> TurnRecord:
+    return TurnRecord(session_id=session, messages=[{"role": "user", "content": f"question {session}/{index}"}],
+                      prompt_ids=[1, 2, 3], response_ids=list(RESPONSE_IDS), logprobs=[-1.0, -1.2, -2.4],
+                      temperature=1.0, top_p=1.0, policy_version=0, response_text=text,
+                      assistant_message={"role": "assistant", "content": text}, turn_index=index)
+
+
+def targets() -> dict[str, torch.Tensor]:
+    student_ids_T_K = torch.tensor([[10, 20], [11, 21], [12, 22]])
+    teacher_ids_C_T_K = torch.stack([torch.tensor([[10, 20], [40, 41], [50, 51]]), student_ids_T_K])
+    return {
+        "student_ids_T_K": student_ids_T_K,
+        "student_logprobs_T_K": torch.tensor([[-1.0, -2.0], [-1.0, -2.0], [-2.5, -3.0]]),
+        "teacher_ids_C_T_K": teacher_ids_C_T_K,
+        "teacher_logprobs_C_T_K": torch.full((2, 3, 2), -1.5),
+        "teacher_at_student_C_T_K": torch.full((2, 3, 2), -1.5),
+        "hint_lens_C": torch.tensor([len(h) for h in HINTS]),
+        "student_token_logprobs_T": torch.tensor([-1.0, -1.0, -2.5]),
+        "teacher_token_logprobs_C_T": torch.tensor([[-1.0, -1.0, -1.0], [-0.5, -3.0, -2.0]]),
+    }
+
+
+def write_known_run(run_dir: Path) -> dict[str, int]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(run_dir / "store.sqlite")
+    try:
+        t1 = store.add_turn(turn("s1", 0, "Paris is a city."))
+        t2 = store.add_turn(turn("s1", 1, "Sorry: Paris."))
+        t3 = store.add_turn(turn("s2", 0, "Seven."))
+        assert store.set_next_state(t1, [{"role": "user", "content": "That is wrong, be brief."}])
+        assert store.drop_turn(t2, "no_next_state")
+        (claimed,) = store.claim_judgeable()
+        assert claimed.id == t1
+        store.add_votes([VoteRecord(turn_id=t1, kind="eval", index=0, score=-1, raw_text=EVAL_RAW),
+                         VoteRecord(turn_id=t1, kind="hint", index=0, score=1, hint=HINTS[1],
+                                    raw_text=f"[HINT_START]{HINTS[1]}[HINT_END] \\boxed{{1}}")])
+        assert store.put_sample(SampleRecord(turn_id=t1, reward=-1.0, kind="rl+opd", hints=list(HINTS),
+                                             targets=targets(), info={"kind_reason": "hint(s) and a ±1 vote"}))
+        lease, leased = store.lease_samples(4)
+        assert [s.turn_id for s in leased] == [t1]
+        store.commit_step(lease, 1, 1, {"loss": 0.5, "opd_loss": 0.4, "grpo_loss": 0.1, "grad_norm": 2.0,
+                                        "opd_overlap_at_h_star": 2.0}, [t1])
+        store.record_version(1, 1, "accepted", {"accepted": True, "guard_pass": 1.0, "kl": 0.01})
+        store.record_event("gate_accepted", {"accepted": True, "guard_pass": 1.0, "kl": 0.01}, step=1, version=1)
+        store.record_version(2, 1, "accepted", {"accepted": True, "guard_pass": 0.95, "kl": 0.02})
+        store.record_rollback(1, 2, {"reason": "test rollback"})
+    finally:
+        store.close()
+    (run_dir / "eval_before.json").write_text(json.dumps({"score": 0.25, "guard_pass_rate": 1.0, "n": 4}))
+    return {"t1": t1, "t2": t2, "t3": t3}

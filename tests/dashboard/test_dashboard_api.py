@@ -1,0 +1,240 @@
+"""The dashboard's JSON views against a run whose records are known (tests/dashboard/known_run.py): the content a
+person sees, the admin rule, the browser guard, read-only access, and ``clawloop dashboard RUN_DIR``."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from clawloop.dashboard.readmodel import view_for_run_dir
+from known_run import EVAL_RAW, EXPECTED_ADVANTAGES, HINTS, write_known_run
+
+ROOT = Path(__file__).resolve().parents[2]
+ADMIN_KEY = "dash-admin-4b1e"
+USER_KEY = "dash-user-90ac"
+VIEWS = ["overview", "sessions", "sessions/s1", "samples/latest", "samples/1", "training", "versions"]
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def known(tmp_path):
+    run_dir = tmp_path / "run"
+    ids = write_known_run(run_dir)
+    return run_dir, ids
+
+
+def test_views_show_the_known_run(make_server, known):
+    run_dir, ids = known
+    srv = make_server(run_dir=run_dir)
+    with httpx.Client(base_url=srv.base_url + "/dashboard/api", timeout=60) as c:
+        ov = c.get("overview").json()
+        assert ov["live"] and ov["policy_version"] == 0 and ov["policy_version_from"] == "served now"
+        assert ov["steps"] == 1 and ov["last_step"]["loss"] == 0.5
+        assert ov["turns_by_state"] == {"consumed": 1, "dropped": 1, "awaiting_next": 1}
+        assert ov["drop_reasons"] == {"no_next_state": 1} and ov["samples_waiting"] == 0
+        assert ov["judge"]["votes"] == 2 and ov["judge"]["invalid_rate"] == 0.0
+        assert ov["rollbacks"] == 1 and ov["gate"]["events_by_kind"] == {"gate_accepted": 1, "rollback": 1}
+        assert ov["serving"]["live_sessions"] == 1  # s2 waits for its next message
+
+        sessions = c.get("sessions").json()["sessions"]
+        assert [s["session_id"] for s in sessions] == ["s2", "s1"]  # most recently active first
+        assert sessions[1]["turns"] == 2 and sessions[1]["states"] == {"consumed": 1, "dropped": 1}
+
+        s1 = c.get("sessions/s1").json()["turns"]
+        first, second = s1
+        assert first["answer"] == "Paris is a city." and first["next_state"][0]["content"] == "That is wrong, be brief."
+        assert [(v["kind"], v["score"]) for v in first["votes"]] == [("eval", -1), ("hint", 1)]
+        assert first["votes"][0]["raw_text"] == EVAL_RAW
+        assert first["sample"]["hints"] == HINTS
+        assert first["sample"]["chosen_hint"] == {"index": 1, "hint": HINTS[1], "selection": "sequence_optimal"}
+        assert first["fate"] == {"fate": "trained", "step": 1, "text": "trained at step 1"}
+        assert second["fate"]["fate"] == "dropped" and second["fate"]["reason"] == "no_next_state"
+        assert c.get("sessions/nobody").status_code == 404
+
+        sample = c.get("samples/latest").json()
+        assert sample == c.get(f"samples/{ids['t1']}").json()
+        assert [t["advantage"] for t in sample["tokens"]] == pytest.approx(EXPECTED_ADVANTAGES)
+        assert [t["hint_index"] for t in sample["tokens"]] == [1, 1, 1]
+        assert [t["overlap"] for t in sample["tokens"]] == [2, 2, 2]
+        tok = sample["tokens"][0]
+        assert [e["id"] for e in tok["student_topk"]] == [10, 20] and all(e["shared"] for e in tok["teacher_topk"])
+        assert tok["text"] == srv.engine.tokenizer.convert_ids_to_tokens(10)  # this id's piece is plain text
+        assert sample["grpo"]["reward"] == -1.0 and sample["grpo"]["votes"][0]["raw_text"] == EVAL_RAW
+        unjudged = c.get(f"samples/{ids['t3']}").json()
+        assert unjudged["grpo"] is None and not unjudged["has_targets"] and "advantage" not in unjudged["tokens"][0]
+        assert c.get("samples/999").status_code == 404
+
+        training = c.get("training").json()
+        assert training["steps"] == [1] and training["series"]["loss"] == [0.5]
+        assert training["series"]["opd_overlap_at_h_star"] == [2.0]
+        assert [(e["name"], e["score"]) for e in training["evaluations"]] == [("before", 0.25)]
+
+        versions = c.get("versions").json()
+        assert [(v["version"], v["status"]) for v in versions["versions"]] == [(1, "accepted"), (2, "rolled_back")]
+        assert versions["versions"][0]["steps"] == [1] and versions["versions"][0]["samples"] == 1
+        assert [e["kind"] for e in versions["timeline"]] == ["gate_accepted", "rollback"]
+
+
+def test_the_data_needs_the_admin_key_and_the_page_holds_none(make_server, known):
+    run_dir, _ = known
+    srv = make_server(run_dir=run_dir, api_key=USER_KEY, admin_key=ADMIN_KEY)
+    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        for view in VIEWS:
+            for headers in ({}, {"Authorization": f"Bearer {USER_KEY}"}, {"Authorization": "Bearer wrong"}):
+                r = c.get(f"/dashboard/api/{view}", headers=headers)
+                assert r.status_code == 401, (view, headers, r.text)
+            ok = c.get(f"/dashboard/api/{view}", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+            assert ok.status_code == 200, (view, ok.text)
+        page = c.get("/dashboard/")
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+        assert "s1" not in page.text and "Paris" not in page.text
+        assert c.get("/dashboard/static/vendor/uplot/uPlot.iife.min.js").status_code == 200
+        assert c.get("/dashboard", follow_redirects=False).headers["location"] == "/dashboard/"
+
+
+def test_user_keys_without_an_admin_key_close_the_data(make_server, known):
+    run_dir, _ = known
+    srv = make_server(run_dir=run_dir, api_key=USER_KEY)
+    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        r = c.get("/dashboard/api/sessions", headers={"Authorization": f"Bearer {USER_KEY}"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
+
+
+def test_the_browser_guard_covers_the_dashboard(make_server, known):
+    run_dir, _ = known
+    srv = make_server(run_dir=run_dir)
+    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        own = srv.base_url
+        same_origin = {"Origin": own, "Sec-Fetch-Site": "same-origin"}
+        assert c.get("/dashboard/api/sessions", headers=same_origin).status_code == 200
+        assert c.get("/dashboard/api/sessions", headers={"Sec-Fetch-Site": "same-origin"}).status_code == 200
+        for headers in ({"Origin": "https://evil.example"}, {"Sec-Fetch-Site": "cross-site"}, {"Origin": "null"}):
+            r = c.get("/dashboard/api/sessions", headers=headers)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden_origin", headers
+        r = c.get("/dashboard/", headers={"Host": "rebind.example"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden_host"
+
+
+def test_the_dashboard_changes_nothing(make_server, known):
+    run_dir, _ = known
+    srv = make_server(run_dir=run_dir)
+    store_file = run_dir / "store.sqlite"
+    before = [tuple(r) for r in sqlite3.connect(store_file).iterdump()]
+    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        for view in VIEWS:
+            assert c.get(f"/dashboard/api/{view}").status_code == 200
+            for method in ("POST", "PUT", "DELETE", "PATCH"):
+                r = c.request(method, f"/dashboard/api/{view}", json={})
+                assert r.status_code == 405, (method, view)
+    assert [tuple(r) for r in sqlite3.connect(store_file).iterdump()] == before
+    # The views' own handle is SQLite's read-only mode: even a write slipped in would be refused.
+    view = view_for_run_dir(run_dir)
+    handle = view.open_store()
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            handle.set_meta("x", "y")
+    finally:
+        handle.close()
+
+
+def free_port() -> int:
+    for port in range(31100, 31200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 31100-31199")
+
+
+def test_clawloop_dashboard_serves_a_finished_run(known, tiny_tokenizer):
+    run_dir, ids = known
+    before = digest(run_dir / "store.sqlite")
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CLAWLOOP_ADMIN_KEY": ADMIN_KEY}
+    proc = subprocess.Popen([sys.executable, "-m", "clawloop.cli", "dashboard", str(run_dir), "--port", str(port),
+                             "--model", "tiny"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{base}/dashboard/", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the dashboard did not come up"
+            time.sleep(0.2)
+        auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        assert httpx.get(f"{base}/dashboard/api/overview", timeout=30).status_code == 401
+        ov = httpx.get(f"{base}/dashboard/api/overview", headers=auth, timeout=30).json()
+        assert not ov["live"] and ov["policy_version"] == 1  # v2 was rolled back
+        sample = httpx.get(f"{base}/dashboard/api/samples/{ids['t1']}", headers=auth, timeout=30).json()
+        assert [t["advantage"] for t in sample["tokens"]] == pytest.approx(EXPECTED_ADVANTAGES)
+        texts = [t["text"] for t in sample["tokens"]]  # from the tokenizer of --model, not bare ids
+        assert texts == tiny_tokenizer.convert_ids_to_tokens([t["id"] for t in sample["tokens"]])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert digest(run_dir / "store.sqlite") == before
+
+
+def test_clawloop_dashboard_refuses_a_folder_without_a_run(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "clawloop.cli", "dashboard", str(tmp_path)], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert out.returncode == 2 and "holds no store" in out.stderr
+
+
+def test_a_store_older_than_the_code_is_shown_as_it_is(known):
+    """A run recorded before versions, events and per-user owners existed: read as it is, nothing added to it."""
+    run_dir, _ = known
+    db = sqlite3.connect(run_dir / "store.sqlite")
+    db.executescript("DROP TABLE events; DROP TABLE versions; DROP TABLE requeued_steps; "
+                     "ALTER TABLE turns DROP COLUMN owner;")
+    db.close()
+    before = digest(run_dir / "store.sqlite")
+    view = view_for_run_dir(run_dir)
+    assert view.overview()["rollbacks"] == 0 and view.versions()["versions"] == []
+    assert view.session("s1")["turns"][0]["fate"]["text"] == "trained at step 1"
+    assert view.training()["steps"] == [1]
+    tables = {r[0] for r in sqlite3.connect(run_dir / "store.sqlite").execute("SELECT name FROM sqlite_master")}
+    assert "events" not in tables and digest(run_dir / "store.sqlite") == before
+
+
+def test_a_fresh_server_shows_an_empty_run(make_server):
+    srv = make_server()
+    with httpx.Client(base_url=srv.base_url + "/dashboard/api", timeout=60) as c:
+        ov = c.get("overview").json()
+        assert ov["turns_total"] == 0 and ov["steps"] == 0 and ov["judge"]["invalid_rate"] is None
+        assert c.get("sessions").json() == {"sessions": []}
+        latest = c.get("samples/latest")
+        assert latest.status_code == 200 and latest.json() is None
+        assert c.get("training").json()["steps"] == [] and c.get("versions").json()["versions"] == []
+
+
+def test_a_running_run_is_read_beside_its_server(make_server, known):
+    """`clawloop dashboard RUN_DIR` on a run whose server is up: the server keeps writing, the view sees it."""
+    run_dir, _ = known
+    srv = make_server(run_dir=run_dir)
+    view = view_for_run_dir(run_dir)
+    assert [s["session_id"] for s in view.sessions()["sessions"]] == ["s2", "s1"]
+    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        r = c.post("/v1/chat/completions", headers={"X-Session-Id": "later"},
+                   json={"model": "clawloop", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert r.status_code == 200
+    assert view.sessions()["sessions"][0]["session_id"] == "later"
+    assert view.overview()["turns_total"] == 4 and not view.overview()["live"]
