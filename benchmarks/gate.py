@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--probe-tokens", type=int, default=32)
+    parser.add_argument("--probe-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--full", action="store_true", help="Full fine-tuning instead of LoRA.")
     args = parser.parse_args()

@@ -217,8 +217,8 @@ class Config:
                                     "candidate must answer soundly too (degeneracy guard).")
     gate_max_kl: float = _f(4.0, "Largest mean KL(candidate || reference), nats per token, over the candidate's "
                             "greedy probe answers.")
-    gate_probe_tokens: int = _f(32, "Tokens each greedy probe answer may have (enough for the guard to see a "
-                                 "loop).")
+    gate_probe_tokens: int = _f(64, "Tokens each greedy probe answer may have (the loops of a slightly shifted "
+                                 "model often start after 30-40 tokens, in a second sentence).")
     gate_recent_prompts: int = _f(2, "The run's most recent prompts added to the shipped probes at each check.")
     keep_full_versions: int = _f(3, "Full fine-tuning: weights of this many newest accepted versions are kept in "
                                  "RUN_DIR/versions (LoRA adapters are always all kept).")

@@ -22,15 +22,18 @@ PROBES: tuple[str, ...] = (
     "Why do bicycles have gears?",
     "How many minutes are there in three hours?",
     # Short "what is" questions: the commonest everyday request, and where a slightly shifted small model first
-    # falls into greedy loops ("A tree is a tree, a tree, …") long before it collapses elsewhere.
+    # falls into greedy loops ("A turtle is a reptile … They are found in … They are found in …") while it still
+    # answers everything else soundly. Animals first: a measured demo version that looped on 3 of 14 held-out
+    # definitions of living things passed twelve everyday probes and eight definitions of objects, and failed
+    # on turtle, lizard and squirrel below (docs/publication-gate.md).
+    "What is a turtle?",
+    "What is a lizard?",
+    "What is a squirrel?",
+    "What is an owl?",
+    "What is a mushroom?",
     "What is a telescope?",
-    "What is a violin?",
     "What is a kettle?",
-    "What is a ladder?",
-    "What is a tractor?",
     "What is an umbrella?",
-    "What is a helmet?",
-    "What is a canoe?",
 )
 """Twenty probes: a collapse shows on almost every one; the early signs (loops on simple definitions) on a few,
 so the definitions are a larger share than in everyday traffic. Few enough to check in one batch."""
