@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from clawloop.store import SampleRecord, TurnRecord
+from clawloop.wire import sample_from_json
 
 
 class LeaseLost(RuntimeError):
@@ -48,8 +49,6 @@ class RemoteStore:
 
     # ---- the Store subset ---------------------------------------------------------------------------
     def lease_samples(self, n: int, lease_s: float = 3600.0, min_n: int | None = None) -> tuple[str, list[SampleRecord]]:
-        from clawloop.api.trainer_routes import sample_from_json
-
         out = self._call("POST", "/v1/trainer/lease", {"n": n, "min_n": min_n, "lease_s": lease_s})
         lease_id = out["lease_id"]
         samples = []
