@@ -38,6 +38,7 @@ from typing import Any
 
 from clawloop.judge.describe import judge_backend, startup_message
 from clawloop.judge.votes import Judge, Judgement
+from clawloop.renderers import chat_render_fn
 from clawloop.store import SampleRecord, Store, TurnRecord, TurnState, VoteRecord
 from clawloop.teacher import Teacher
 
@@ -283,18 +284,6 @@ class Pipeline:
 
 
 # ---- assembly of the default wiring ---------------------------------------------------------------------
-
-
-def chat_render_fn(tokenizer: Any) -> Callable[..., list[int]]:
-    """(messages, tools) -> prompt ids with the serving renderer (``clawloop.api.chat.ChatRenderer``)."""
-    from clawloop.api.chat import ChatRenderer
-
-    renderer = ChatRenderer(tokenizer)
-
-    def render(messages: Any, tools: Any = None) -> list[int]:
-        return renderer.render(list(messages), tools).ids
-
-    return render
 
 
 def load_base_engine(config: Any) -> Any:

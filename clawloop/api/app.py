@@ -38,14 +38,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clawloop.api import safejson
 from clawloop.api.auth import KeyRing, require_user
-from clawloop.api.chat import (
-    ChatRenderer,
-    RenderedPrompt,
-    TokenTexts,
-    ToolCallStreamFilter,
-    assistant_message,
-    parse_answer,
-)
 from clawloop.api.client_traffic import housekeeping_kind
 from clawloop.api.errors import APIError, bad_request, install_error_handlers
 from clawloop.api.guard import BrowserGuard, CatchAll
@@ -59,9 +51,11 @@ from clawloop.api.schemas import (
 )
 from clawloop.api.sessions import SessionManager, TurnContext
 from clawloop.api.streaming import DONE, ChunkMaker, GuardedStreamingResponse, sse
+from clawloop.api.token_texts import TokenTexts
 from clawloop.config import Config
 from clawloop.engines.base import Engine, EngineError, Generation, PromptTooLongError, SamplingParams, TokenEvent
 from clawloop.judge.describe import describe as describe_judge
+from clawloop.renderers import ChatRenderer, RenderedPrompt, ToolCallStreamFilter, assistant_message, parse_answer
 from clawloop.store import Store, TurnRecord
 
 log = logging.getLogger("clawloop.api")

@@ -32,6 +32,7 @@ import httpx
 
 from clawloop.engines.base import Engine, SamplingParams
 from clawloop.judge import structured as so
+from clawloop.renderers import SafeChatTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -213,9 +214,6 @@ class HTTPJudgeClient:
 
 def chat_template_ids(tokenizer: Any) -> Callable[[Sequence[dict[str, Any]]], list[int]]:
     """Render plain chat messages (no tools) with the tokenizer's chat template, generation prompt on."""
-
-    from clawloop.chat_tokens import SafeChatTokenizer
-
     safe = SafeChatTokenizer(tokenizer)  # judged text is user text: it never yields special tokens
 
     def render(messages: Sequence[dict[str, Any]]) -> list[int]:
