@@ -1,0 +1,106 @@
+"""The package's import layers (docs/layers.md): a module may import from its own layer or a lower one, never
+from a higher one. Read from the source with ``ast``, so lazy imports inside functions count too."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / "clawloop"
+
+# Lowest first. A module belongs to the layer of the longest prefix that names it.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("clawloop", "clawloop.memory")),
+    ("records", ("clawloop.store", "clawloop.wire")),
+    ("engines, renderers, losses", ("clawloop.engines", "clawloop.renderers", "clawloop.losses")),
+    ("config", ("clawloop.config",)),
+    ("judge, teacher, gate", ("clawloop.judge", "clawloop.teacher", "clawloop.gate")),
+    ("pipeline", ("clawloop.pipeline",)),
+    ("trainer", ("clawloop.trainer",)),
+    ("api", ("clawloop.api", "clawloop.dashboard")),
+    ("serve, runtime", ("clawloop.serve", "clawloop.runtime")),
+    ("commands", ("clawloop.cli", "clawloop.sim", "clawloop.openclaw_config", "clawloop.judge.check")),
+]
+
+
+def layer_of(module: str) -> int:
+    best, best_len = -1, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    return best
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def is_module(name: str) -> bool:
+    """Whether ``name`` (dotted, under clawloop) is a module or package in the source tree."""
+    path = PACKAGE_DIR.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imported_modules(path: Path) -> list[tuple[int, str, str]]:
+    """(line, imported clawloop module, the import as written) for every import in ``path``."""
+    module = module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: list[tuple[int, str, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "clawloop":
+                    out.append((node.lineno, alias.name, f"import {alias.name}"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source.split(".")[0] != "clawloop":
+                continue
+            written = f"from {'.' * node.level}{node.module or ''} import {', '.join(a.name for a in node.names)}"
+            for alias in node.names:
+                target = f"{source}.{alias.name}"
+                out.append((node.lineno, target if is_module(target) else source, written))
+    return out
+
+
+def source_files() -> list[Path]:
+    return sorted(PACKAGE_DIR.rglob("*.py"))
+
+
+def test_every_module_has_a_layer():
+    unplaced = [module_name(p) for p in source_files() if layer_of(module_name(p)) < 0]
+    assert not unplaced, f"modules with no layer (add them to LAYERS here and to docs/layers.md): {unplaced}"
+
+
+def test_no_import_reaches_up_a_layer():
+    offences = []
+    for path in source_files():
+        here = module_name(path)
+        for line, target, written in imported_modules(path):
+            if layer_of(target) > layer_of(here):
+                offences.append(f"{path.relative_to(PACKAGE_DIR.parent)}:{line}: {written!r} — {here} "
+                                f"({LAYERS[layer_of(here)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})")
+    assert not offences, "imports from a higher layer:\n" + "\n".join(offences)
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path, monkeypatch):
+    # The check itself must be able to fail: a store module importing the API is reported.
+    fake = tmp_path / "clawloop"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "api").mkdir()
+    (fake / "api" / "__init__.py").write_text("")
+    (fake / "api" / "wiring.py").write_text("")
+    (fake / "store.py").write_text("def f():\n    from clawloop.api import wiring\n    from .api.wiring import x\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE_DIR", fake)
+    imports = imported_modules(fake / "store.py")
+    assert [(line, target) for line, target, _ in imports] == [(2, "clawloop.api.wiring"), (3, "clawloop.api.wiring")]
+    assert all(layer_of(target) > layer_of("clawloop.store") for _, target, _ in imports)
