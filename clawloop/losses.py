@@ -1005,6 +1005,17 @@ class MetricsAccumulator:
             self._sums[key] = self._sums.get(key, 0.0) + float(value)
             self._counts[key] = self._counts.get(key, 0) + 1
 
+    def parts(self) -> tuple[dict[str, float], dict[str, int], int]:
+        """(sums, counts, samples), copied: what another process needs to ``merge`` these metrics into its own."""
+        return dict(self._sums), dict(self._counts), self._samples
+
+    def merge(self, sums: dict[str, float], counts: dict[str, int], samples: int) -> None:
+        """Add another accumulator's ``parts()``."""
+        for key, value in sums.items():
+            self._sums[key] = self._sums.get(key, 0.0) + value
+            self._counts[key] = self._counts.get(key, 0) + counts[key]
+        self._samples += samples
+
     def result(self) -> dict[str, float]:
         out = {key: self._sums[key] / self._counts[key] for key in self._sums}
         out["num_samples"] = float(self._samples)

@@ -104,3 +104,49 @@ def test_the_layer_check_sees_an_upward_import(tmp_path, monkeypatch):
     imports = imported_modules(fake / "store.py")
     assert [(line, target) for line, target, _ in imports] == [(2, "clawloop.api.wiring"), (3, "clawloop.api.wiring")]
     assert all(layer_of(target) > layer_of("clawloop.store") for _, target, _ in imports)
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def own_names(tree: ast.AST) -> set[str]:
+    """Names a module defines itself: functions, classes, module and class variables, ``self._x`` attributes."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)
+              and node.value.id in ("self", "cls")):
+            names.add(node.attr)
+    return names
+
+
+def private_reaches(path: Path) -> list[str]:
+    """``from m import _x`` of another module, and ``obj._x`` where ``_x`` is no name this module defines."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    own = own_names(tree)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            out += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names if is_private(a.name)]
+        elif isinstance(node, ast.Attribute) and is_private(node.attr) and node.attr not in own:
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                out.append(f"{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_private_name_is_reached_from_another_module():
+    offences = [f"{path.relative_to(PACKAGE_DIR.parent)}:{line}" for path in source_files()
+                for line in private_reaches(path)]
+    assert not offences, "private names reached from another module:\n" + "\n".join(offences)
+
+
+def test_the_private_name_check_sees_both_forms(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("from clawloop.trainer.step import _helper\n\n\nclass A:\n    def __init__(self):\n"
+                      "        self._mine = 1\n\n    def f(self, other):\n        return other._theirs + self._mine + "
+                      "other._mine\n")
+    assert private_reaches(module) == ["1: from clawloop.trainer.step import _helper", "9: other._theirs"]

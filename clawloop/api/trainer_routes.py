@@ -204,9 +204,9 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
                            "invalid_request_error", "path", "invalid_weights")
 
         def work() -> int:
-            from clawloop.trainer.publish import _takes_adapters
+            from clawloop.trainer.publish import takes_adapters
 
-            payload: Any = str(path) if kind == "lora" and _takes_adapters(engine) else \
+            payload: Any = str(path) if kind == "lora" and takes_adapters(engine) else \
                 load_weights_folder(path, kind, config.model)
             if version is None:
                 return int(engine.publish_sync(payload))

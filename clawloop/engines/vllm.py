@@ -246,7 +246,7 @@ class VLLMEngine:
 
     async def connect(self) -> dict[str, Any]:
         """Check the server serves our model and learn its context length; returns its ``/v1/models`` entry."""
-        data = await self._request("GET", "/v1/models", None, retry=True)
+        data = await self.request("GET", "/v1/models", None, retry=True)
         models = data.get("data") if isinstance(data, dict) else None
         if not isinstance(models, list):
             raise EngineError(f"{self.base_url}/v1/models answered without a model list: {_snippet(data)}")
@@ -753,9 +753,9 @@ class VLLMEngine:
     async def _post_completion(self, body: dict, model: str) -> dict:
         body = dict(body, model=model)
         async with self._kinds.admit(_logprob_kind(body)):
-            return await self._request("POST", "/v1/completions", body, retry=True)
+            return await self.request("POST", "/v1/completions", body, retry=True)
 
-    async def _request(self, method: str, path: str, body: dict | None, *, retry: bool,
+    async def request(self, method: str, path: str, body: dict | None, *, retry: bool,
                        expect_json: bool = True) -> Any:
         """One HTTP exchange with retries (see the module docstring); the decoded JSON (or the text)."""
         url = self.base_url + path
