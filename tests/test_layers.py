@@ -9,9 +9,10 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "clawloop"
 
-# Lowest first. A module belongs to the layer of the longest prefix that names it.
+# Lowest first. A module belongs to the layer of the longest prefix that names it; "clawloop" names only the
+# package's __init__, so a new top-level module has no layer until it is given one.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("clawloop", "clawloop.memory")),
+    ("base", ("clawloop", "clawloop.memory", "clawloop.atomic", "clawloop.retry")),
     ("records", ("clawloop.store", "clawloop.wire")),
     ("engines, renderers, losses", ("clawloop.engines", "clawloop.renderers", "clawloop.losses")),
     ("config", ("clawloop.config",)),
@@ -28,7 +29,8 @@ def layer_of(module: str) -> int:
     best, best_len = -1, -1
     for index, (_, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+            inside = module == prefix or (prefix != "clawloop" and module.startswith(prefix + "."))
+            if inside and len(prefix) > best_len:
                 best, best_len = index, len(prefix)
     return best
 
