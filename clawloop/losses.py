@@ -66,19 +66,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-METHODS = ("hybrid", "rl", "opd", "combine", "topk_kl")
-HINT_SELECTIONS = ("sequence_optimal", "token_optimal", "shortest")
-SUBSET_MODES = ("student", "teacher", "overlap")
-OPD_ON_UNHINTED = ("skip", "anchor")
-ADVANTAGE_MODES = ("raw", "baseline", "hinted_opd", "balanced")
-# (w_rl, w_opd) each method implies when the weights are not given (same table as clawloop.config).
-METHOD_WEIGHTS = {
-    "hybrid": (1.0, 1.0),
-    "rl": (1.0, 0.0),
-    "opd": (0.0, 1.0),
-    "combine": (1.0, 1.0),
-    "topk_kl": (0.0, 1.0),
-}
+# The choices, the method presets and the bounds of the settings are clawloop.config's (one source of truth).
+from clawloop.config import (ADVANTAGE_MODES, HINT_SELECTIONS, METHOD_WEIGHTS, METHODS, OPD_ON_UNHINTED,
+                             SUBSET_MODES, check_objective, method_weights)
 
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
@@ -767,26 +757,14 @@ class ObjectiveSettings:
     @property
     def weights(self) -> tuple[float, float]:
         """(w_rl, w_opd) after the method preset."""
-        preset_rl, preset_opd = METHOD_WEIGHTS[self.method]
-        return (float(preset_rl if self.w_rl is None else self.w_rl),
-                float(preset_opd if self.w_opd is None else self.w_opd))
+        return method_weights(self.method, self.w_rl, self.w_opd)
 
     def validate(self) -> "ObjectiveSettings":
-        _check_choice("method", self.method, METHODS)
-        _check_choice("hint_selection", self.hint_selection, HINT_SELECTIONS)
-        _check_choice("subset_mode", self.subset_mode, SUBSET_MODES)
-        _check_choice("opd_on_unhinted", self.opd_on_unhinted, OPD_ON_UNHINTED)
-        for name in ("w_rl", "w_opd"):
-            value = getattr(self, name)
-            if value is not None and not value >= 0:
-                raise ValueError(f"{name}={value!r} must be >= 0")
-        for name in ("kl_coef", "entropy_coef", "temperature"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
-        if not 0.0 < self.eps_clip < 1.0:
-            raise ValueError(f"eps_clip={self.eps_clip!r} must be in (0, 1)")
-        if not self.eps_clip_high > 0.0:
-            raise ValueError(f"eps_clip_high={self.eps_clip_high!r} must be > 0")
+        """``clawloop.config.check_objective`` (a ``ConfigError``, which is a ValueError), and τ >= 0 (the
+        config's ``train_temperature``)."""
+        check_objective(self)
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature!r} must be >= 0")
         return self
 
     @classmethod

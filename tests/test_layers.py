@@ -14,8 +14,9 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "clawloop"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("clawloop", "clawloop.memory", "clawloop.atomic", "clawloop.retry")),
     ("records", ("clawloop.store", "clawloop.wire")),
-    ("engines, renderers, losses", ("clawloop.engines", "clawloop.renderers", "clawloop.losses")),
+    ("engines, renderers", ("clawloop.engines", "clawloop.renderers")),
     ("config", ("clawloop.config",)),
+    ("losses", ("clawloop.losses",)),
     ("judge, teacher, gate", ("clawloop.judge", "clawloop.teacher", "clawloop.gate")),
     ("pipeline", ("clawloop.pipeline",)),
     ("trainer", ("clawloop.trainer",)),
