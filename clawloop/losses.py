@@ -13,7 +13,6 @@ Objectives (each returns a per-token loss; aggregation is separate):
 
 * GRPO:           A_t = r (the turn's vote, optionally group-normalised, then shaped across the batch by
                   ``shape_advantages``) for every response token.
-* OPD token:      A_t = ℓ_T(a_t|s⊕h) − ℓ_old(a_t|s).
 * legacy combine: A_t = w_opd·(ℓ_T − ℓ_old) + w_rl·r, one PPO surrogate on the sampled token.
 * top-k tail KL:  reverse KL(student ‖ teacher) over the teacher's top-k ids plus one tail bin
                   log(1 − Σ exp(top-k)); the tail's log-sum is clamped to ≤ −1e−7 so it never takes log(0).
@@ -186,18 +185,6 @@ def shape_advantages(rewards_B: Tensor, hinted_B: Tensor | None = None, mode: st
     return torch.where(negative_B, rewards_B * scale + 0.0, rewards_B)  # + 0.0: no -0.0 in an all -1 batch
 
 
-def opd_token_loss(
-    logprobs_T: Tensor,
-    old_logprobs_T: Tensor,
-    teacher_logprobs_T: Tensor,
-    eps_clip: float = 0.2,
-    eps_clip_high: float = 0.28,
-) -> tuple[Tensor, Tensor]:
-    """Token-level OPD: A_t = ℓ_T(a_t | s⊕h) − ℓ_old(a_t | s) in the PPO surrogate."""
-    advantages_T = teacher_logprobs_T.detach() - old_logprobs_T.detach()
-    return ppo_token_loss(logprobs_T, old_logprobs_T, advantages_T, eps_clip, eps_clip_high)
-
-
 def combine_token_loss(
     logprobs_T: Tensor,
     old_logprobs_T: Tensor,
@@ -252,11 +239,6 @@ def batch_mean(per_sample: Sequence[Tensor] | Tensor) -> Tensor:
     if len(per_sample) == 0:
         raise ValueError("batch_mean of an empty batch")
     return torch.stack(list(per_sample)).mean()
-
-
-def sample_mean_of_token_means(values_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
-    """Padded-batch form of the aggregation: per-sample masked token mean, then mean over the B samples."""
-    return masked_token_mean(values_B_T, mask_B_T).mean()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1024,8 +1006,8 @@ __all__ = [
     "ADVANTAGE_MODES", "HINT_SELECTIONS", "METHODS", "METHOD_WEIGHTS", "OPD_ON_UNHINTED", "SUBSET_MODES",
     "MetricsAccumulator", "ObjectiveSample", "ObjectiveSettings", "SampleObjective", "TopKSubset", "TopKTargets",
     "batch_mean", "build_topk_targets", "combine_token_loss", "compute_objective", "group_normalized_rewards",
-    "grpo_token_loss", "k3_kl", "logprobs_and_entropy", "logprobs_at", "masked_token_mean", "opd_token_loss",
-    "ppo_token_loss", "sample_mean_of_token_means", "sample_objective", "select_hints", "shape_advantages",
+    "grpo_token_loss", "k3_kl", "logprobs_and_entropy", "logprobs_at", "masked_token_mean",
+    "ppo_token_loss", "sample_objective", "select_hints", "shape_advantages",
     "topk_overlap", "topk_select_opd_loss", "topk_select_opd_loss_from_logprobs", "topk_subset", "topk_tail_kl",
     "topk_tail_kl_loss", "truncated_importance_weights",
 ]
