@@ -39,6 +39,7 @@ from typing import Any
 from clawloop.judge.describe import judge_backend, startup_message
 from clawloop.judge.votes import Judge, Judgement
 from clawloop.renderers import chat_render_fn
+from clawloop.retry import Backoff
 from clawloop.store import SampleRecord, Store, TurnRecord, TurnState, VoteRecord
 from clawloop.teacher import Teacher
 
@@ -55,8 +56,8 @@ def sample_kind(reward: int, has_hints: bool) -> str | None:
 def default_turn_deadline_s(config: Any, backoff_s: float = 0.5) -> float:
     """Long enough for a vote to use all its retries, plus the teacher; never infinite."""
     retries = int(config.judge_retries)
-    backoff_total = sum(backoff_s * 1.5 * 2 ** i for i in range(retries))
-    return float(config.judge_timeout_s) * (retries + 1) + backoff_total + 60.0
+    backoff = Backoff(retries, backoff_s, jitter=True)  # as the HTTP judge client retries
+    return float(config.judge_timeout_s) * (retries + 1) + backoff.max_wait_s() + 60.0
 
 
 def configured_turn_deadline_s(config: Any) -> float:

@@ -34,6 +34,11 @@ class Backoff:
     def is_last(self, attempt: int) -> bool:
         return attempt >= self.attempts - 1
 
+    def max_wait_s(self) -> float:
+        """The longest all the waits can add up to (for a deadline that must leave room for every retry)."""
+        top = 1.5 if self.jitter else 1.0
+        return sum(self.base_s * top * 2 ** n for n in range(max(0, self.retries)))
+
     def delay(self, attempt: int) -> float:
         """Seconds to wait after failed try ``attempt`` (0-based)."""
         delay = self.base_s * 2 ** attempt

@@ -62,6 +62,7 @@ def test_backoff_doubles_and_jitter_stays_within_half_to_one_and_a_half():
     for n in range(3):
         assert all(0.5 * 2 ** n <= jittered.delay(n) < 1.5 * 2 ** n for _ in range(50))
     assert Backoff(retries=-1, base_s=1.0).attempts == 1
+    assert plain.max_wait_s() == 3.5 and jittered.max_wait_s() == 1.5 * 7
 
 
 def test_retry_sync_retries_what_is_retryable_and_reports_each_wait():
