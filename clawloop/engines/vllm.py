@@ -819,9 +819,9 @@ class VLLMEngine:
         """Server-sent events of a streaming request; connection failures before the first event are retried."""
         url = self.base_url + path
         backoff = Backoff(self.retries, self.backoff_s)
-        client = self._http()
 
         async def attempt(n: int) -> httpx.Response:
+            client = self._http()
             response = await client.send(client.build_request("POST", url, json=body), stream=True)
             if response.status_code >= 400:
                 try:
