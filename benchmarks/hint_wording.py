@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from clawloop.config import Config  # noqa: E402
 from clawloop.engines import model_files  # noqa: E402
 from clawloop.judge.rules import as_instruction, decide, split_sentences  # noqa: E402
-from clawloop.pipeline import chat_render_fn  # noqa: E402
+from clawloop.renderers import chat_render_fn  # noqa: E402
 from clawloop.sim.personas import PERSONAS  # noqa: E402
 from clawloop.teacher import inject_hint  # noqa: E402
 

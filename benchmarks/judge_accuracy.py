@@ -39,7 +39,7 @@ def default_client(config: Config, timeout_s: float) -> tuple[JudgeClient, Any]:
     """The embedded judge: the frozen base model on an in-process engine, rendered like serving."""
     from clawloop.engines import model_files
     from clawloop.engines.hf import HFEngine
-    from clawloop.pipeline import chat_render_fn
+    from clawloop.renderers import chat_render_fn
 
     path = model_files.resolve_model(config.model)
     tokenizer = model_files.load_tokenizer(path)

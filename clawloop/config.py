@@ -51,6 +51,44 @@ METHOD_WEIGHTS = {
 }
 
 
+def method_weights(method: str, w_rl: float | None, w_opd: float | None) -> tuple[float, float]:
+    """(w_rl, w_opd) after the method preset: a weight left as None takes the preset's."""
+    preset_rl, preset_opd = METHOD_WEIGHTS[method]
+    return float(preset_rl if w_rl is None else w_rl), float(preset_opd if w_opd is None else w_opd)
+
+
+def check_objective(settings: Any) -> None:
+    """The checks of the objective's settings, for ``Config`` and ``clawloop.losses.ObjectiveSettings`` alike
+    (anything with these attribute names): the choices, the weights against the method preset, the clip range and
+    the KL / entropy coefficients."""
+    for name, allowed in (("method", METHODS), ("hint_selection", HINT_SELECTIONS), ("subset_mode", SUBSET_MODES),
+                          ("opd_on_unhinted", OPD_ON_UNHINTED)):
+        value = getattr(settings, name)
+        if value not in allowed:
+            raise ConfigError(f"{name}={value!r} is not one of: {', '.join(allowed)}")
+    for name in ("kl_coef", "entropy_coef"):
+        value = getattr(settings, name)
+        if not value >= 0.0:
+            raise ConfigError(f"{name}={value!r} must be >= 0.0")
+    if not 0.0 < settings.eps_clip < 1.0:
+        raise ConfigError(f"eps_clip={settings.eps_clip!r} must be in (0, 1)")
+    if not 0.0 < settings.eps_clip_high <= 10.0:
+        raise ConfigError(f"eps_clip_high={settings.eps_clip_high!r} must be in (0, 10]")
+    for name in ("w_rl", "w_opd"):
+        value = getattr(settings, name)
+        if value is not None and not value >= 0:
+            raise ConfigError(f"{name}={value!r} must be >= 0")
+    preset_rl, preset_opd = METHOD_WEIGHTS[settings.method]
+    for name, preset in (("w_rl", preset_rl), ("w_opd", preset_opd)):
+        value = getattr(settings, name)
+        if value is not None and preset == 0.0 and value != 0.0:
+            raise ConfigError(
+                f"{name}={value!r} contradicts method={settings.method!r}, which turns that branch off; "
+                f"use method=hybrid to weight both branches")
+    if method_weights(settings.method, settings.w_rl, settings.w_opd) == (0.0, 0.0):
+        raise ConfigError("w_rl and w_opd are both 0: nothing would be trained")
+
+
 def _f(default: Any, help: str, **kw: Any) -> Any:
     """A dataclass field with help text (shown by ``clawloop <cmd> --help`` and in docs)."""
     if isinstance(default, (list, dict)):
@@ -227,10 +265,7 @@ class Config:
     @property
     def weights(self) -> tuple[float, float]:
         """(w_rl, w_opd) after the method preset."""
-        preset_rl, preset_opd = METHOD_WEIGHTS[self.method]
-        w_rl = preset_rl if self.w_rl is None else self.w_rl
-        w_opd = preset_opd if self.w_opd is None else self.w_opd
-        return float(w_rl), float(w_opd)
+        return method_weights(self.method, self.w_rl, self.w_opd)
 
     @property
     def learning_rate(self) -> float:
@@ -260,10 +295,7 @@ class Config:
                 rel = ">" if strict else ">="
                 raise ConfigError(f"{name}={value!r} must be {rel} {minimum}")
 
-        choice("method", METHODS)
-        choice("hint_selection", HINT_SELECTIONS)
-        choice("subset_mode", SUBSET_MODES)
-        choice("opd_on_unhinted", OPD_ON_UNHINTED)
+        check_objective(self)
         choice("advantage_mode", ADVANTAGE_MODES)
         choice("judge_context", JUDGE_CONTEXTS)
         choice("teacher", TEACHERS)
@@ -286,7 +318,7 @@ class Config:
                      "gate_every", "gate_probe_tokens", "keep_full_versions"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
-        for name in ("kl_coef", "entropy_coef", "weight_decay", "hint_min_chars", "max_staleness",
+        for name in ("weight_decay", "hint_min_chars", "max_staleness",
                      "judge_retries", "num_threads", "default_temperature", "judge_temperature",
                      "train_temperature"):
             positive(name, 0.0, strict=False)
@@ -300,27 +332,10 @@ class Config:
             raise ConfigError(f"gate_min_guard_pass={self.gate_min_guard_pass!r} must be in [0, 1]")
         positive("gate_max_kl")
         positive("gate_recent_prompts", 0.0, strict=False)
-        if not 0.0 < self.eps_clip < 1.0:
-            raise ConfigError(f"eps_clip={self.eps_clip!r} must be in (0, 1)")
-        if not 0.0 < self.eps_clip_high <= 10.0:
-            raise ConfigError(f"eps_clip_high={self.eps_clip_high!r} must be in (0, 10]")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port!r} must be in [0, 65535]")
         if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
             raise ConfigError(f"adam_betas={self.adam_betas!r} must be two numbers in [0, 1)")
-        for name in ("w_rl", "w_opd"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ConfigError(f"{name}={value!r} must be >= 0")
-        preset_rl, preset_opd = METHOD_WEIGHTS[self.method]
-        for name, preset in (("w_rl", preset_rl), ("w_opd", preset_opd)):
-            value = getattr(self, name)
-            if value is not None and preset == 0.0 and value != 0.0:
-                raise ConfigError(
-                    f"{name}={value!r} contradicts method={self.method!r}, which turns that branch off; "
-                    f"use method=hybrid to weight both branches")
-        if self.weights == (0.0, 0.0):
-            raise ConfigError("w_rl and w_opd are both 0: nothing would be trained")
         if self.group_norm and self.method in ("opd", "topk_kl"):
             raise ConfigError(f"group_norm=True has no effect with method={self.method!r} (no rewards)")
         for backend in self.metrics_backends:

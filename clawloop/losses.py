@@ -13,7 +13,6 @@ Objectives (each returns a per-token loss; aggregation is separate):
 
 * GRPO:           A_t = r (the turn's vote, optionally group-normalised, then shaped across the batch by
                   ``shape_advantages``) for every response token.
-* OPD token:      A_t = ℓ_T(a_t|s⊕h) − ℓ_old(a_t|s).
 * legacy combine: A_t = w_opd·(ℓ_T − ℓ_old) + w_rl·r, one PPO surrogate on the sampled token.
 * top-k tail KL:  reverse KL(student ‖ teacher) over the teacher's top-k ids plus one tail bin
                   log(1 − Σ exp(top-k)); the tail's log-sum is clamped to ≤ −1e−7 so it never takes log(0).
@@ -66,19 +65,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-METHODS = ("hybrid", "rl", "opd", "combine", "topk_kl")
-HINT_SELECTIONS = ("sequence_optimal", "token_optimal", "shortest")
-SUBSET_MODES = ("student", "teacher", "overlap")
-OPD_ON_UNHINTED = ("skip", "anchor")
-ADVANTAGE_MODES = ("raw", "baseline", "hinted_opd", "balanced")
-# (w_rl, w_opd) each method implies when the weights are not given (same table as clawloop.config).
-METHOD_WEIGHTS = {
-    "hybrid": (1.0, 1.0),
-    "rl": (1.0, 0.0),
-    "opd": (0.0, 1.0),
-    "combine": (1.0, 1.0),
-    "topk_kl": (0.0, 1.0),
-}
+# The choices, the method presets and the bounds of the settings are clawloop.config's (one source of truth).
+from clawloop.config import (ADVANTAGE_MODES, HINT_SELECTIONS, METHOD_WEIGHTS, METHODS, OPD_ON_UNHINTED,
+                             SUBSET_MODES, check_objective, method_weights)
 
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
@@ -196,18 +185,6 @@ def shape_advantages(rewards_B: Tensor, hinted_B: Tensor | None = None, mode: st
     return torch.where(negative_B, rewards_B * scale + 0.0, rewards_B)  # + 0.0: no -0.0 in an all -1 batch
 
 
-def opd_token_loss(
-    logprobs_T: Tensor,
-    old_logprobs_T: Tensor,
-    teacher_logprobs_T: Tensor,
-    eps_clip: float = 0.2,
-    eps_clip_high: float = 0.28,
-) -> tuple[Tensor, Tensor]:
-    """Token-level OPD: A_t = ℓ_T(a_t | s⊕h) − ℓ_old(a_t | s) in the PPO surrogate."""
-    advantages_T = teacher_logprobs_T.detach() - old_logprobs_T.detach()
-    return ppo_token_loss(logprobs_T, old_logprobs_T, advantages_T, eps_clip, eps_clip_high)
-
-
 def combine_token_loss(
     logprobs_T: Tensor,
     old_logprobs_T: Tensor,
@@ -262,11 +239,6 @@ def batch_mean(per_sample: Sequence[Tensor] | Tensor) -> Tensor:
     if len(per_sample) == 0:
         raise ValueError("batch_mean of an empty batch")
     return torch.stack(list(per_sample)).mean()
-
-
-def sample_mean_of_token_means(values_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
-    """Padded-batch form of the aggregation: per-sample masked token mean, then mean over the B samples."""
-    return masked_token_mean(values_B_T, mask_B_T).mean()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -767,26 +739,14 @@ class ObjectiveSettings:
     @property
     def weights(self) -> tuple[float, float]:
         """(w_rl, w_opd) after the method preset."""
-        preset_rl, preset_opd = METHOD_WEIGHTS[self.method]
-        return (float(preset_rl if self.w_rl is None else self.w_rl),
-                float(preset_opd if self.w_opd is None else self.w_opd))
+        return method_weights(self.method, self.w_rl, self.w_opd)
 
     def validate(self) -> "ObjectiveSettings":
-        _check_choice("method", self.method, METHODS)
-        _check_choice("hint_selection", self.hint_selection, HINT_SELECTIONS)
-        _check_choice("subset_mode", self.subset_mode, SUBSET_MODES)
-        _check_choice("opd_on_unhinted", self.opd_on_unhinted, OPD_ON_UNHINTED)
-        for name in ("w_rl", "w_opd"):
-            value = getattr(self, name)
-            if value is not None and not value >= 0:
-                raise ValueError(f"{name}={value!r} must be >= 0")
-        for name in ("kl_coef", "entropy_coef", "temperature"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
-        if not 0.0 < self.eps_clip < 1.0:
-            raise ValueError(f"eps_clip={self.eps_clip!r} must be in (0, 1)")
-        if not self.eps_clip_high > 0.0:
-            raise ValueError(f"eps_clip_high={self.eps_clip_high!r} must be > 0")
+        """``clawloop.config.check_objective`` (a ``ConfigError``, which is a ValueError), and τ >= 0 (the
+        config's ``train_temperature``)."""
+        check_objective(self)
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature!r} must be >= 0")
         return self
 
     @classmethod
@@ -1005,6 +965,17 @@ class MetricsAccumulator:
             self._sums[key] = self._sums.get(key, 0.0) + float(value)
             self._counts[key] = self._counts.get(key, 0) + 1
 
+    def parts(self) -> tuple[dict[str, float], dict[str, int], int]:
+        """(sums, counts, samples), copied: what another process needs to ``merge`` these metrics into its own."""
+        return dict(self._sums), dict(self._counts), self._samples
+
+    def merge(self, sums: dict[str, float], counts: dict[str, int], samples: int) -> None:
+        """Add another accumulator's ``parts()``."""
+        for key, value in sums.items():
+            self._sums[key] = self._sums.get(key, 0.0) + value
+            self._counts[key] = self._counts.get(key, 0) + counts[key]
+        self._samples += samples
+
     def result(self) -> dict[str, float]:
         out = {key: self._sums[key] / self._counts[key] for key in self._sums}
         out["num_samples"] = float(self._samples)
@@ -1035,8 +1006,8 @@ __all__ = [
     "ADVANTAGE_MODES", "HINT_SELECTIONS", "METHODS", "METHOD_WEIGHTS", "OPD_ON_UNHINTED", "SUBSET_MODES",
     "MetricsAccumulator", "ObjectiveSample", "ObjectiveSettings", "SampleObjective", "TopKSubset", "TopKTargets",
     "batch_mean", "build_topk_targets", "combine_token_loss", "compute_objective", "group_normalized_rewards",
-    "grpo_token_loss", "k3_kl", "logprobs_and_entropy", "logprobs_at", "masked_token_mean", "opd_token_loss",
-    "ppo_token_loss", "sample_mean_of_token_means", "sample_objective", "select_hints", "shape_advantages",
+    "grpo_token_loss", "k3_kl", "logprobs_and_entropy", "logprobs_at", "masked_token_mean",
+    "ppo_token_loss", "sample_objective", "select_hints", "shape_advantages",
     "topk_overlap", "topk_select_opd_loss", "topk_select_opd_loss_from_logprobs", "topk_subset", "topk_tail_kl",
     "topk_tail_kl_loss", "truncated_importance_weights",
 ]

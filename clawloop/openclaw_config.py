@@ -15,12 +15,13 @@ own defaults for models with a large context.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from clawloop.atomic import write_text_atomically
 
 PROVIDER_ID = "clawloop"
 LEAN_PROMPT_TOKENS = 2900
@@ -114,7 +115,4 @@ def build_config(limits: ServedLimits, max_tokens: int = 512, lean: bool = True,
 
 def write_config(config: dict[str, Any], path: Path) -> None:
     """Write atomically: OpenClaw may read the file at any moment, and a half-written config is an invalid one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomically(path, json.dumps(config, indent=2) + "\n")

@@ -38,6 +38,8 @@ from typing import Any
 
 from clawloop.judge.describe import judge_backend, startup_message
 from clawloop.judge.votes import Judge, Judgement
+from clawloop.renderers import chat_render_fn
+from clawloop.retry import Backoff
 from clawloop.store import SampleRecord, Store, TurnRecord, TurnState, VoteRecord
 from clawloop.teacher import Teacher
 
@@ -54,8 +56,8 @@ def sample_kind(reward: int, has_hints: bool) -> str | None:
 def default_turn_deadline_s(config: Any, backoff_s: float = 0.5) -> float:
     """Long enough for a vote to use all its retries, plus the teacher; never infinite."""
     retries = int(config.judge_retries)
-    backoff_total = sum(backoff_s * 1.5 * 2 ** i for i in range(retries))
-    return float(config.judge_timeout_s) * (retries + 1) + backoff_total + 60.0
+    backoff = Backoff(retries, backoff_s, jitter=True)  # as the HTTP judge client retries
+    return float(config.judge_timeout_s) * (retries + 1) + backoff.max_wait_s() + 60.0
 
 
 def configured_turn_deadline_s(config: Any) -> float:
@@ -283,18 +285,6 @@ class Pipeline:
 
 
 # ---- assembly of the default wiring ---------------------------------------------------------------------
-
-
-def chat_render_fn(tokenizer: Any) -> Callable[..., list[int]]:
-    """(messages, tools) -> prompt ids with the serving renderer (``clawloop.api.chat.ChatRenderer``)."""
-    from clawloop.api.chat import ChatRenderer
-
-    renderer = ChatRenderer(tokenizer)
-
-    def render(messages: Any, tools: Any = None) -> list[int]:
-        return renderer.render(list(messages), tools).ids
-
-    return render
 
 
 def load_base_engine(config: Any) -> Any:

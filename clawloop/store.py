@@ -255,6 +255,7 @@ class Store:
     def __init__(self, path: str | Path, readonly: bool = False):
         self.path = Path(path)
         self._lock = threading.RLock()
+        self._recovered = False
         if readonly:
             # A reader beside the process that writes the run (or of a finished run): SQLite's read-only mode, no
             # schema or journal changes, and a lock of its own, so reads never queue behind the writer's lock.
@@ -472,15 +473,21 @@ class Store:
 
         judging -> judgeable (its partial votes are marked superseded by bumping the attempt on the next run);
         leased samples -> ready (the trainer that held them is gone with the old process).
+
+        Once per opened store: whoever starts first (the server that opened the store, or a pipeline given one)
+        recovers, and later calls change nothing and return zeros, so that work this process has started since
+        (a turn being judged, a lease of a trainer in this process) is never taken back.
         """
         with self._tx() as db:
+            if self._recovered:
+                return {"judging_to_judgeable": 0, "leased_to_ready": 0}
+            self._recovered = True
             judged = db.execute("UPDATE turns SET state=?, updated_at=? WHERE state=?",
                                 (TurnState.JUDGEABLE, time.time(), TurnState.JUDGING)).rowcount
-            leased = db.execute("UPDATE samples SET state=?, lease_id='', lease_expires=0 WHERE state=?",
-                                (TurnState.READY, TurnState.LEASED)).rowcount
-            db.execute("UPDATE turns SET state=? WHERE state=? AND id IN (SELECT turn_id FROM samples WHERE state=?)",
-                       (TurnState.READY, TurnState.LEASED, TurnState.READY))
-        return {"judging_to_judgeable": judged, "leased_to_ready": leased}
+            leased = [r["turn_id"] for r in db.execute("SELECT turn_id FROM samples WHERE state=?",
+                                                       (TurnState.LEASED,)).fetchall()]
+            self._back_to_ready(db, leased)
+        return {"judging_to_judgeable": judged, "leased_to_ready": len(leased)}
 
     # ---- votes -----------------------------------------------------------------------------------------
     def add_votes(self, votes: Iterable[VoteRecord]) -> None:
@@ -586,11 +593,17 @@ class Store:
     def _expire_leases(self, db: sqlite3.Connection, now: float) -> int:
         expired = [r["turn_id"] for r in db.execute(
             "SELECT turn_id FROM samples WHERE state=? AND lease_expires < ?", (TurnState.LEASED, now)).fetchall()]
-        for tid in expired:
+        self._back_to_ready(db, expired)
+        return len(expired)
+
+    @staticmethod
+    def _back_to_ready(db: sqlite3.Connection, turn_ids: Iterable[int]) -> None:
+        """Leased samples go back to ready, and their turns with them, in the caller's transaction: a sample and
+        its turn always change state together."""
+        for tid in turn_ids:
             db.execute("UPDATE samples SET state=?, lease_id='', lease_expires=0 WHERE turn_id=?",
                        (TurnState.READY, tid))
             db.execute("UPDATE turns SET state=? WHERE id=?", (TurnState.READY, tid))
-        return len(expired)
 
     def extend_lease(self, lease_id: str, lease_s: float) -> int:
         """Heartbeat of a remote trainer: push the lease's expiry to now + ``lease_s``. Returns how many samples
@@ -604,10 +617,7 @@ class Store:
         with self._tx() as db:
             ids = [r["turn_id"] for r in db.execute("SELECT turn_id FROM samples WHERE lease_id=? AND state=?",
                                                     (lease_id, TurnState.LEASED)).fetchall()]
-            for tid in ids:
-                db.execute("UPDATE samples SET state=?, lease_id='', lease_expires=0 WHERE turn_id=?",
-                           (TurnState.READY, tid))
-                db.execute("UPDATE turns SET state=? WHERE id=?", (TurnState.READY, tid))
+            self._back_to_ready(db, ids)
         return len(ids)
 
     def drop_leased_sample(self, turn_id: int, reason: str, lease_id: str | None = None) -> bool:
@@ -645,10 +655,7 @@ class Store:
             # Anything else still under this lease (dropped samples were already moved) goes back to ready.
             rest = [r["turn_id"] for r in db.execute(
                 "SELECT turn_id FROM samples WHERE lease_id=? AND state=?", (lease_id, TurnState.LEASED))]
-            for tid in rest:
-                db.execute("UPDATE samples SET state=?, lease_id='', lease_expires=0 WHERE turn_id=?",
-                           (TurnState.READY, tid))
-                db.execute("UPDATE turns SET state=? WHERE id=?", (TurnState.READY, tid))
+            self._back_to_ready(db, rest)
 
     def requeue_after_step(self, step: int) -> int:
         """Resume support: samples consumed by steps after ``step`` (whose weights were lost) become ready

@@ -10,7 +10,7 @@ import itertools
 import threading
 from typing import Any
 
-from clawloop.api.chat import ChatRenderer
+from clawloop.renderers import ChatRenderer
 from clawloop.judge.scripted import Hang, Raw, Reply, Status, last_user_text
 from clawloop.store import Store, TurnRecord
 

@@ -324,7 +324,7 @@ def test_grpo_opd_token_and_combine_match_reference():
     cur, old, teacher = (torch.randn(6, generator=g, dtype=F64) * 0.3 - 2 for _ in range(3))
     r = -1.0
     grpo, _ = L.grpo_token_loss(cur, old, r)
-    opd, _ = L.opd_token_loss(cur, old, teacher)
+    opd, _ = L.ppo_token_loss(cur, old, teacher - old)  # token-level OPD: A_t = ℓ_T − ℓ_old
     comb, _ = L.combine_token_loss(cur, old, r, teacher, w_rl=0.5, w_opd=2.0)
     for t in range(6):
         c, o, te = cur[t].item(), old[t].item(), teacher[t].item()
@@ -395,7 +395,7 @@ def test_aggregation_is_masked_token_mean_then_batch_mean():
     per_sample = L.masked_token_mean(values, mask)
     assert per_sample.tolist() == [1.5, 6.0, 0.0]  # masked NaN ignored; empty sample gives 0
     # The fully masked sample still counts in the batch denominator.
-    assert L.sample_mean_of_token_means(values, mask).item() == pytest.approx(7.5 / 3)
+    assert per_sample.mean().item() == pytest.approx(7.5 / 3)
     assert L.batch_mean(list(per_sample)).item() == pytest.approx(7.5 / 3)
 
 

@@ -16,7 +16,8 @@ from clawloop.engines.base import SamplingParams
 from clawloop.judge.client import HTTPJudgeClient
 from clawloop.judge.scripted import ScriptedJudgeServer
 from clawloop.judge.votes import Judge, JudgeSettings
-from clawloop.pipeline import Pipeline, chat_render_fn, sample_kind
+from clawloop.pipeline import Pipeline, sample_kind
+from clawloop.renderers import chat_render_fn
 from clawloop.store import Store, TurnState, VoteRecord
 from clawloop.teacher import Teacher
 

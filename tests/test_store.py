@@ -144,3 +144,24 @@ def test_export_appends_never_truncates(tmp_path):
     assert len(lines) == 2
     rec = json.loads(lines[0])
     assert rec["response_ids"] == [10, 11, 12] and rec["votes"][0]["raw_text"] == "\\boxed{1}"
+
+
+def test_recover_works_once_per_opened_store(tmp_path):
+    # The server recovers the store it opens, then starts its pipeline, which recovers too: the second call must
+    # not take back what this process has started since (a lease of its own trainer, a turn being judged).
+    path = tmp_path / "run.db"
+    store = Store(path)
+    a, b = store.add_turn(make_turn(index=0)), store.add_turn(make_turn(index=1))
+    judged_sample(store, a)
+    store.lease_samples(1)
+    store.close()
+    store = Store(path)
+    assert store.recover() == {"judging_to_judgeable": 0, "leased_to_ready": 1}
+    lease_id, (sample,) = store.lease_samples(1)
+    store.set_next_state(b, [{"role": "user", "content": "no"}])
+    store.claim_judgeable(1)
+    assert store.recover() == {"judging_to_judgeable": 0, "leased_to_ready": 0}
+    assert store.get_turn(a).state == TurnState.LEASED and store.get_turn(b).state == TurnState.JUDGING
+    assert store.extend_lease(lease_id, 60.0) == 1
+    store.close()
+    assert Store(path).recover() == {"judging_to_judgeable": 1, "leased_to_ready": 1}  # a new process: recovered

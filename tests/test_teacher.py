@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from clawloop.api.chat import ChatRenderer
+from clawloop.renderers import ChatRenderer
 from clawloop.config import Config
 from clawloop.engines.base import SamplingParams
-from clawloop.pipeline import chat_render_fn
+from clawloop.renderers import chat_render_fn
 from clawloop.store import TurnRecord
 from clawloop.teacher import Teacher, inject_hint, train_temperature
 

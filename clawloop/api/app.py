@@ -38,14 +38,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clawloop.api import safejson
 from clawloop.api.auth import KeyRing, require_user
-from clawloop.api.chat import (
-    ChatRenderer,
-    RenderedPrompt,
-    TokenTexts,
-    ToolCallStreamFilter,
-    assistant_message,
-    parse_answer,
-)
 from clawloop.api.client_traffic import housekeeping_kind
 from clawloop.api.errors import APIError, bad_request, install_error_handlers
 from clawloop.api.guard import BrowserGuard, CatchAll
@@ -59,9 +51,12 @@ from clawloop.api.schemas import (
 )
 from clawloop.api.sessions import SessionManager, TurnContext
 from clawloop.api.streaming import DONE, ChunkMaker, GuardedStreamingResponse, sse
+from clawloop.api.token_texts import TokenTexts
 from clawloop.config import Config
 from clawloop.engines.base import Engine, EngineError, Generation, PromptTooLongError, SamplingParams, TokenEvent
 from clawloop.judge.describe import describe as describe_judge
+from clawloop.renderers import (ChatRenderer, ParsedAnswer, RenderedPrompt, ToolCallStreamFilter, assistant_message,
+                                parse_answer)
 from clawloop.store import Store, TurnRecord
 
 log = logging.getLogger("clawloop.api")
@@ -305,10 +300,10 @@ class ChatService:
                            "invalid_request_error", None, "client_closed_request")
         return generation.result()
 
-    async def _complete(self, prep: PreparedChat, ctx: TurnContext | None, session_id: str, owner: str = "",
-                        request: Request | None = None) -> JSONResponse:
-        gen = await self._generate_while_connected(prep, request)
-        parsed = parse_answer(gen.text, prep.rendered.tools is not None)
+    async def _record_answer(self, prep: PreparedChat, gen: Generation, parsed: ParsedAnswer,
+                             ctx: TurnContext | None, owner: str) -> tuple[dict[str, Any], str, int | None]:
+        """(assistant message, finish reason, turn id) of a finished answer, streamed or not: the turn is committed
+        to its session (which ends when the request says so) and counted in the metrics."""
         message = assistant_message(parsed)
         finish_reason = "tool_calls" if parsed.tool_calls else gen.finish_reason
         turn_id = None
@@ -319,6 +314,13 @@ class ChatService:
         elif prep.session_done and prep.session_id_given is not None:
             await self.sessions.end_if_exists(prep.session_id_given, "done", owner=owner)
         self.metrics.record_turn(prep.turn_type, len(prep.rendered.ids), len(gen.token_ids), ctx is not None)
+        return message, finish_reason, turn_id
+
+    async def _complete(self, prep: PreparedChat, ctx: TurnContext | None, session_id: str, owner: str = "",
+                        request: Request | None = None) -> JSONResponse:
+        gen = await self._generate_while_connected(prep, request)
+        parsed = parse_answer(gen.text, prep.rendered.tools is not None)
+        message, finish_reason, turn_id = await self._record_answer(prep, gen, parsed, ctx, owner)
         choice_message = dict(message)
         choice_message["refusal"] = None
         body = {
@@ -387,16 +389,7 @@ class ChatService:
                 tail_lp = [] if want_logprobs else None
             for i, call in enumerate(parsed.tool_calls):
                 yield sse(maker.tool_call(i, call))
-            message = assistant_message(parsed)
-            finish_reason = "tool_calls" if parsed.tool_calls else gen.finish_reason
-            turn_id = None
-            if ctx is not None:
-                turn_id = await ctx.commit(self.turn_record(prep, gen, message, finish_reason))
-                if prep.session_done:
-                    await ctx.end_session()
-            elif prep.session_done and prep.session_id_given is not None:
-                await self.sessions.end_if_exists(prep.session_id_given, "done", owner=owner)
-            self.metrics.record_turn(prep.turn_type, len(prep.rendered.ids), len(gen.token_ids), ctx is not None)
+            _, finish_reason, turn_id = await self._record_answer(prep, gen, parsed, ctx, owner)
             ext = self._extension(session_id, turn_id, gen.policy_version, prep.turn_type, ctx)
             yield sse(maker.finish(finish_reason, tail_lp if tail_lp else None, clawloop=ext))
             if prep.req.include_usage:

@@ -29,7 +29,6 @@ and weights that cannot be loaded as the served model's are a 400 that names no 
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import math
 from pathlib import Path
@@ -38,70 +37,19 @@ from typing import Any
 import torch
 from fastapi import FastAPI
 from safetensors.torch import load_file as st_load_file
-from safetensors.torch import save as st_save
 from starlette.requests import Request
 
 from clawloop.api import safejson
 from clawloop.api.auth import require_admin
 from clawloop.api.errors import APIError
-from clawloop.store import SampleRecord, Store, TurnRecord
+from clawloop.store import Store
+from clawloop.wire import sample_to_json
 
 log = logging.getLogger("clawloop.api")
 
 MAX_LEASE_S = 24 * 3600.0
 MAX_INT = 2**31 - 1
 """Largest count, step, turn id or policy version a route accepts."""
-
-
-def encode_tensors(tensors: dict[str, torch.Tensor] | None) -> str | None:
-    if tensors is None:
-        return None
-    return base64.b64encode(st_save({k: v.contiguous() for k, v in tensors.items()})).decode("ascii")
-
-
-def decode_tensors(text: str | None) -> dict[str, torch.Tensor] | None:
-    if text is None:
-        return None
-    from safetensors.torch import load as st_load
-
-    return st_load(base64.b64decode(text))
-
-
-def sample_to_json(sample: SampleRecord, turn: TurnRecord) -> dict[str, Any]:
-    return {
-        "turn_id": sample.turn_id,
-        "session_id": turn.session_id,
-        "turn_index": turn.turn_index,
-        "messages": turn.messages,
-        "tools": turn.tools,
-        "prompt_ids": list(turn.prompt_ids),
-        "response_ids": list(turn.response_ids),
-        "logprobs": list(turn.logprobs),
-        "temperature": turn.temperature,
-        "top_p": turn.top_p,
-        "policy_version": turn.policy_version,
-        "response_text": turn.response_text,
-        "reward": sample.reward,
-        "kind": sample.kind,
-        "hints": list(sample.hints),
-        "teacher_version": sample.teacher_version,
-        "info": sample.info,
-        "targets": encode_tensors(sample.targets),
-    }
-
-
-def sample_from_json(d: dict[str, Any], lease_id: str = "") -> tuple[SampleRecord, TurnRecord]:
-    turn = TurnRecord(session_id=d["session_id"], turn_index=int(d["turn_index"]), messages=d["messages"],
-                      tools=d.get("tools"), prompt_ids=[int(x) for x in d["prompt_ids"]],
-                      response_ids=[int(x) for x in d["response_ids"]], logprobs=[float(x) for x in d["logprobs"]],
-                      temperature=float(d["temperature"]), top_p=float(d["top_p"]),
-                      policy_version=int(d["policy_version"]), response_text=d.get("response_text", ""),
-                      id=int(d["turn_id"]), state="leased")
-    sample = SampleRecord(turn_id=int(d["turn_id"]), reward=float(d["reward"]), kind=d["kind"],
-                          hints=list(d["hints"]), targets=decode_tensors(d.get("targets")),
-                          teacher_version=int(d.get("teacher_version", 0)), info=dict(d.get("info") or {}),
-                          state="leased", lease_id=lease_id)
-    return sample, turn
 
 
 def _number(body: dict[str, Any], key: str, default: float | None = None, *, minimum: float = 0.0,
@@ -256,9 +204,9 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
                            "invalid_request_error", "path", "invalid_weights")
 
         def work() -> int:
-            from clawloop.trainer.publish import _takes_adapters
+            from clawloop.trainer.publish import takes_adapters
 
-            payload: Any = str(path) if kind == "lora" and _takes_adapters(engine) else \
+            payload: Any = str(path) if kind == "lora" and takes_adapters(engine) else \
                 load_weights_folder(path, kind, config.model)
             if version is None:
                 return int(engine.publish_sync(payload))

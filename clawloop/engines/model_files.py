@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +34,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
+
+from clawloop.atomic import write_folder_atomically  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -120,24 +121,19 @@ def _build_atomically(folder: Path, build: Any, what: str) -> Path:
     with _locked(folder):
         if is_complete(folder):  # another process finished it while we waited
             return folder
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-        try:
-            t0 = time.monotonic()
-            log.warning("clawloop: building %s in %s (once per machine)...", what, folder)
+
+        def fill(tmp: Path) -> None:
             build(tmp)
             (tmp / COMPLETE_MARKER).write_text(json.dumps({"built_at": time.time()}) + "\n")
-            # mkdtemp makes a private folder; the finished model is an ordinary readable one.
-            os.chmod(tmp, 0o755)
-            for item in tmp.iterdir():
+            for item in tmp.iterdir():  # the finished model is an ordinary readable one
                 if item.is_file():
                     os.chmod(item, 0o644)
-            if folder.exists():  # a leftover without the marker: incomplete, replace it
-                shutil.rmtree(folder)
-            os.replace(tmp, folder)
-            log.warning("clawloop: %s ready in %.1f s", what, time.monotonic() - t0)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+
+        t0 = time.monotonic()
+        log.warning("clawloop: building %s in %s (once per machine)...", what, folder)
+        # A leftover without the marker is incomplete: the new folder replaces it.
+        write_folder_atomically(folder, fill, mode=0o755)
+        log.warning("clawloop: %s ready in %.1f s", what, time.monotonic() - t0)
     return folder
 
 

@@ -84,6 +84,7 @@ from clawloop.engines.base import (
     ScoreResult,
     TokenEvent,
 )
+from clawloop.retry import Backoff, retry_async
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +247,7 @@ class VLLMEngine:
 
     async def connect(self) -> dict[str, Any]:
         """Check the server serves our model and learn its context length; returns its ``/v1/models`` entry."""
-        data = await self._request("GET", "/v1/models", None, retry=True)
+        data = await self.request("GET", "/v1/models", None, retry=True)
         models = data.get("data") if isinstance(data, dict) else None
         if not isinstance(models, list):
             raise EngineError(f"{self.base_url}/v1/models answered without a model list: {_snippet(data)}")
@@ -753,50 +754,41 @@ class VLLMEngine:
     async def _post_completion(self, body: dict, model: str) -> dict:
         body = dict(body, model=model)
         async with self._kinds.admit(_logprob_kind(body)):
-            return await self._request("POST", "/v1/completions", body, retry=True)
+            return await self.request("POST", "/v1/completions", body, retry=True)
 
-    async def _request(self, method: str, path: str, body: dict | None, *, retry: bool,
-                       expect_json: bool = True) -> Any:
+    async def request(self, method: str, path: str, body: dict | None, *, retry: bool,
+                      expect_json: bool = True) -> Any:
         """One HTTP exchange with retries (see the module docstring); the decoded JSON (or the text)."""
         url = self.base_url + path
-        attempts = self.retries + 1 if retry else 1
-        delay = self.backoff_s
-        for attempt in range(attempts):
-            last = attempt == attempts - 1
-            try:
-                response = await self._http().request(method, url, json=body)
-            except httpx.TimeoutException as exc:
-                if isinstance(exc, httpx.ConnectTimeout) and not last:
-                    await self._backoff(url, exc, delay)
-                    delay *= 2
-                    continue
-                raise self._timeout_error(url, exc) from exc
-            except httpx.TransportError as exc:
-                if not last:
-                    await self._backoff(url, exc, delay)
-                    delay *= 2
-                    continue
-                raise EngineError(
-                    f"{url} is unreachable after {attempts} attempts: {type(exc).__name__}: {exc}"
-                ) from exc
-            if response.status_code in _RETRY_STATUS and not last:
-                await self._backoff(url, f"HTTP {response.status_code}", delay)
-                delay *= 2
-                continue
-            if not expect_json:
-                if response.status_code >= 400:
-                    raise self._http_error(url, response.status_code, response.text)
-                return response.text
-            return self._decode(url, response)
-        raise AssertionError("unreachable")
+        backoff = Backoff(self.retries if retry else 0, self.backoff_s)
+
+        async def attempt(n: int) -> httpx.Response:
+            response = await self._http().request(method, url, json=body)
+            if response.status_code in _RETRY_STATUS and not backoff.is_last(n):
+                raise _RetryStatus(response.status_code)
+            return response
+
+        try:
+            response = await retry_async(attempt, backoff, retryable=_worth_retrying,
+                                         on_retry=lambda n, exc, delay: self._count_retry(url, exc, delay))
+        except httpx.TimeoutException as exc:  # only a connect timeout is retried: the server may be slow, not gone
+            raise self._timeout_error(url, exc) from exc
+        except httpx.TransportError as exc:
+            raise EngineError(
+                f"{url} is unreachable after {backoff.attempts} attempts: {type(exc).__name__}: {exc}"
+            ) from exc
+        if not expect_json:
+            if response.status_code >= 400:
+                raise self._http_error(url, response.status_code, response.text)
+            return response.text
+        return self._decode(url, response)
 
     def _timeout_error(self, url: str, exc: Exception) -> EngineError:
         return EngineError(f"{url}: no answer within {self.request_timeout_s:.0f} s ({type(exc).__name__})")
 
-    async def _backoff(self, url: str, why: Any, delay: float) -> None:
+    def _count_retry(self, url: str, why: Any, delay: float) -> None:
         self.stats["retries"] += 1
         log.warning("vLLM request to %s failed (%s); retrying in %.1f s", url, why, delay)
-        await asyncio.sleep(delay)
 
     def _decode(self, url: str, response: httpx.Response) -> Any:
         if response.status_code >= 400:
@@ -826,44 +818,67 @@ class VLLMEngine:
     async def _stream(self, path: str, body: dict) -> AsyncIterator[dict]:
         """Server-sent events of a streaming request; connection failures before the first event are retried."""
         url = self.base_url + path
-        delay = self.backoff_s
-        for attempt in range(self.retries + 1):
-            last = attempt == self.retries
+        backoff = Backoff(self.retries, self.backoff_s)
+
+        async def attempt(n: int) -> httpx.Response:
+            client = self._http()
+            response = await client.send(client.build_request("POST", url, json=body), stream=True)
+            if response.status_code >= 400:
+                try:
+                    text = (await response.aread()).decode("utf-8", "replace")
+                finally:
+                    await response.aclose()
+                if response.status_code in _RETRY_STATUS and not backoff.is_last(n):
+                    raise _RetryStatus(response.status_code)
+                raise self._http_error(url, response.status_code, text)
+            return response
+
+        try:
+            response = await retry_async(attempt, backoff, retryable=_worth_retrying_stream,
+                                         on_retry=lambda n, exc, delay: self._count_retry(url, exc, delay))
             try:
-                async with self._http().stream("POST", url, json=body) as response:
-                    if response.status_code >= 400:
-                        text = (await response.aread()).decode("utf-8", "replace")
-                        if response.status_code in _RETRY_STATUS and not last:
-                            await self._backoff(url, f"HTTP {response.status_code}", delay)
-                            delay *= 2
-                            continue
-                        raise self._http_error(url, response.status_code, text)
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        payload = line[5:].strip()
-                        if payload == "[DONE]":
-                            return
-                        try:
-                            event = json.loads(payload)
-                        except ValueError as exc:
-                            raise EngineError(f"{url} streamed non-JSON: {payload[:300]!r}") from exc
-                        if isinstance(event, dict) and "error" in event and "choices" not in event:
-                            raise EngineError(f"{url} failed mid-stream: {_snippet(event['error'])}")
-                        yield event
-                    raise EngineError(f"{url} closed the stream before [DONE]")
-            except httpx.TimeoutException as exc:
-                raise self._timeout_error(url, exc) from exc
-            except httpx.TransportError as exc:
-                if isinstance(exc, (httpx.ConnectError,)) and not last:
-                    await self._backoff(url, exc, delay)
-                    delay *= 2
-                    continue
-                raise EngineError(f"{url}: stream failed: {type(exc).__name__}: {exc}") from exc
-        raise AssertionError("unreachable")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        return
+                    try:
+                        event = json.loads(payload)
+                    except ValueError as exc:
+                        raise EngineError(f"{url} streamed non-JSON: {payload[:300]!r}") from exc
+                    if isinstance(event, dict) and "error" in event and "choices" not in event:
+                        raise EngineError(f"{url} failed mid-stream: {_snippet(event['error'])}")
+                    yield event
+                raise EngineError(f"{url} closed the stream before [DONE]")
+            finally:
+                await response.aclose()
+        except httpx.TimeoutException as exc:
+            raise self._timeout_error(url, exc) from exc
+        except httpx.TransportError as exc:
+            raise EngineError(f"{url}: stream failed: {type(exc).__name__}: {exc}") from exc
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+
+
+class _RetryStatus(Exception):
+    """An HTTP status worth another try (on the last try the answer is reported as it is)."""
+
+    def __init__(self, status: int):
+        super().__init__(f"HTTP {status}")
+
+
+def _worth_retrying(exc: BaseException) -> bool:
+    """Connection failures and 5xx answers; of the timeouts only a connect timeout (a slow server is not gone)."""
+    if isinstance(exc, httpx.TimeoutException):
+        return isinstance(exc, httpx.ConnectTimeout)
+    return isinstance(exc, (httpx.TransportError, _RetryStatus))
+
+
+def _worth_retrying_stream(exc: BaseException) -> bool:
+    """Before a stream's first event: a refused connection and 5xx answers (no timeout)."""
+    return isinstance(exc, (httpx.ConnectError, _RetryStatus))
 
 
 def _token_id(token: Any) -> int:

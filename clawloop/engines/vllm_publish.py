@@ -31,9 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +39,7 @@ from typing import Any
 
 import torch
 
+from clawloop.atomic import write_folder_atomically
 from clawloop.engines.base import EngineError
 from clawloop.engines.vllm import VLLMEngine
 
@@ -57,22 +56,6 @@ class LoRAWeights:
 
     config: Mapping[str, Any]
     state_dict: Mapping[str, torch.Tensor]
-
-
-def _write_atomically(folder: Path, write: Any) -> Path:
-    """``write(tmp)`` into a temporary sibling, then rename it to ``folder`` (replacing an old one)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o755)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return folder
 
 
 def _save_tensors(state_dict: Mapping[str, torch.Tensor], path: Path) -> None:
@@ -108,7 +91,7 @@ class _Publisher:
         return self._lock
 
     async def _call(self, method: str, path: str, body: dict | None = None) -> Any:
-        return await self.engine._request(method, path, body, retry=False, expect_json=False)
+        return await self.engine.request(method, path, body, retry=False, expect_json=False)
 
 
 class LoRAPublisher(_Publisher):
@@ -151,14 +134,15 @@ class LoRAPublisher(_Publisher):
             source = Path(adapter)
             if not (source / "adapter_config.json").is_file():
                 raise EngineError(f"{source} is not a PEFT adapter folder (no adapter_config.json)")
-            return _write_atomically(folder, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))
+            return write_folder_atomically(folder, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True),
+                                           mode=0o755)
         if isinstance(adapter, LoRAWeights):
             def write(tmp: Path) -> None:
                 (tmp / "adapter_config.json").write_text(json.dumps(dict(adapter.config), indent=2) + "\n")
                 _save_tensors(adapter.state_dict, tmp / "adapter_model.safetensors")
-            return _write_atomically(folder, write)
+            return write_folder_atomically(folder, write, mode=0o755)
         if hasattr(adapter, "save_pretrained") and hasattr(adapter, "peft_config"):
-            return _write_atomically(folder, lambda tmp: adapter.save_pretrained(str(tmp)))
+            return write_folder_atomically(folder, lambda tmp: adapter.save_pretrained(str(tmp)), mode=0o755)
         raise EngineError(
             f"cannot publish a {type(adapter).__name__} as a LoRA adapter: give a PEFT folder, a PEFT model or "
             "LoRAWeights"
@@ -312,7 +296,7 @@ class CheckpointPublisher(_Publisher):
                 if (self.base_model_dir / name).is_file():
                     shutil.copy2(self.base_model_dir / name, tmp / name)
 
-        return _write_atomically(folder, write)
+        return write_folder_atomically(folder, write, mode=0o755)
 
     def _prune(self) -> None:
         """Keep the newest ``keep`` written folders (the one being served is always among them)."""

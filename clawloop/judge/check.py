@@ -198,8 +198,8 @@ async def check_config(config: Any, cases: list[dict[str, Any]], *, case_concurr
                        progress: TextIO | None = None) -> tuple[str, list[dict[str, Any]], float]:
     """Build the judge ``config`` selects (as ``clawloop serve`` would), score it on ``cases`` and release it.
     Returns (judge name, per-case results, wall time)."""
-    from clawloop.pipeline import (build_judge, chat_render_fn, configured_turn_deadline_s, judge_backend,
-                                   load_base_engine)
+    from clawloop.pipeline import build_judge, configured_turn_deadline_s, judge_backend, load_base_engine
+    from clawloop.renderers import chat_render_fn
 
     backend = judge_backend(config)
     engine = None

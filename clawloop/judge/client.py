@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +31,8 @@ import httpx
 
 from clawloop.engines.base import Engine, SamplingParams
 from clawloop.judge import structured as so
+from clawloop.renderers import SafeChatTokenizer
+from clawloop.retry import Backoff, retry_async
 
 log = logging.getLogger(__name__)
 
@@ -191,31 +192,31 @@ class HTTPJudgeClient:
         self._client()
         assert self._sem is not None
         start = time.monotonic()
-        error, text = "", ""
+        tried = 0
+
+        async def attempt(n: int) -> str:
+            nonlocal tried
+            tried = n + 1
+            return await self._once(messages, temperature, max_tokens, seed)
+
         async with self._sem:
-            for attempt in range(self.retries + 1):
-                try:
-                    text = await self._once(messages, temperature, max_tokens, seed)
-                    return Completion(text=text, latency_s=time.monotonic() - start, attempts=attempt + 1)
-                except _Fatal as exc:
-                    return Completion(text=exc.text, error=str(exc), latency_s=time.monotonic() - start,
-                                      attempts=attempt + 1)
-                except _Retryable as exc:
-                    error, text = str(exc), exc.text
-                except Exception as exc:  # noqa: BLE001 - a judge failure must never stall the pipeline
-                    error, text = f"{type(exc).__name__}: {exc}", ""
-                if attempt < self.retries:
-                    delay = self.backoff_s * (2 ** attempt)
-                    await asyncio.sleep(delay * (0.5 + random.random()))
+            try:
+                text = await retry_async(attempt, Backoff(self.retries, self.backoff_s, jitter=True),
+                                         retryable=lambda exc: not isinstance(exc, _Fatal))
+            except _Fatal as exc:
+                return Completion(text=exc.text, error=str(exc), latency_s=time.monotonic() - start, attempts=tried)
+            except _Retryable as exc:
+                error, text = str(exc), exc.text
+            except Exception as exc:  # noqa: BLE001 - a judge failure must never stall the pipeline
+                error, text = f"{type(exc).__name__}: {exc}", ""
+            else:
+                return Completion(text=text, latency_s=time.monotonic() - start, attempts=tried)
         return Completion(text=text, error=f"{error} (after {self.retries + 1} attempts)",
                           latency_s=time.monotonic() - start, attempts=self.retries + 1)
 
 
 def chat_template_ids(tokenizer: Any) -> Callable[[Sequence[dict[str, Any]]], list[int]]:
     """Render plain chat messages (no tools) with the tokenizer's chat template, generation prompt on."""
-
-    from clawloop.chat_tokens import SafeChatTokenizer
-
     safe = SafeChatTokenizer(tokenizer)  # judged text is user text: it never yields special tokens
 
     def render(messages: Sequence[dict[str, Any]]) -> list[int]:

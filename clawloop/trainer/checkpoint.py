@@ -19,17 +19,16 @@ Only the newest ``keep_last`` checkpoints are kept: each one holds a full optimi
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from clawloop.atomic import write_folder_atomically, write_text_atomically
 
 LATEST = "latest"
 
@@ -48,49 +47,6 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def write_folder_atomically(final: Path, write: Callable[[Path], None]) -> Path:
-    """Create folder ``final`` all at once: ``write(tmp)`` fills a hidden sibling folder, every file is flushed,
-    and the folder is renamed into place (replacing an older one of the same name). A crash leaves either the
-    old folder or the new one, never a half-written one; leftovers are hidden ``.tmp-``/``.old-`` folders."""
-    root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        write(tmp)
-        for f in tmp.iterdir():
-            _fsync_file(f)
-        _fsync_dir(tmp)
-        if final.exists():  # e.g. the same step number again after a resume: the new one wins
-            old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
 def save_checkpoint(run_dir: str | Path, step: int, policy_version: int, weights: dict[str, torch.Tensor],
                     optimizer_state: dict[str, Any] | None, extra: dict[str, Any] | None = None,
                     keep_last: int = 2) -> Path:
@@ -107,15 +63,8 @@ def save_checkpoint(run_dir: str | Path, step: int, policy_version: int, weights
         (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
 
     final = write_folder_atomically(root / name, write)
-    pointer_tmp = root / f".{LATEST}-{uuid.uuid4().hex[:8]}"
-    try:
-        pointer_tmp.write_text(name + "\n")
-        _fsync_file(pointer_tmp)
-        os.replace(pointer_tmp, root / LATEST)
-    finally:  # a failed write (disk full) leaves no stray file; ``latest`` still names the previous checkpoint
-        if pointer_tmp.exists():
-            pointer_tmp.unlink(missing_ok=True)
-    _fsync_dir(root)
+    # A failed write (disk full) leaves no stray file; ``latest`` still names the previous checkpoint.
+    write_text_atomically(root / LATEST, name + "\n")
     _prune(root, keep_last, protect=name)
     return final
 
@@ -139,7 +88,10 @@ def _prune(root: Path, keep_last: int, protect: str) -> None:
     # Leftovers of a crash in the middle of a write.
     for path in root.iterdir():
         if path.name.startswith((".tmp-", ".old-", f".{LATEST}-")):
-            shutil.rmtree(path, ignore_errors=True)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:  # an unfinished ``latest`` pointer
+                path.unlink(missing_ok=True)
 
 
 def latest_checkpoint_path(run_dir: str | Path) -> Path | None:

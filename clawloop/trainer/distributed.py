@@ -86,7 +86,6 @@ import shutil
 import socket
 import threading
 import time
-import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +94,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from clawloop.atomic import write_folder_atomically
 from clawloop.config import Config
 from clawloop.losses import MetricsAccumulator, ObjectiveSettings, logprobs_at, sample_objective
 from clawloop.store import SampleRecord, TurnRecord
@@ -102,7 +102,7 @@ from clawloop.trainer import checkpoint as ckpt
 from clawloop.trainer.batch import TrainItem, collate, micro_batches, prepare_items
 from clawloop.trainer.model import TrainModels, load_train_models
 from clawloop.trainer.old_policy import RefreshFn, old_side_from_logits
-from clawloop.trainer.step import _item_metrics, _mean_dicts, make_optimizer, objective_sample, rewards_for, \
+from clawloop.trainer.step import item_metrics, make_optimizer, mean_dicts, objective_sample, rewards_for, \
     settings_for
 
 log = logging.getLogger("clawloop.trainer.distributed")
@@ -333,10 +333,7 @@ def _fill_old_side(models: TrainModels, groups: list[list[TrainItem]], rounds: i
 def _merge(parts: list[tuple[dict[str, float], dict[str, int], int]]) -> dict[str, float]:
     acc = MetricsAccumulator()
     for sums, counts, samples in parts:
-        for k, v in sums.items():
-            acc._sums[k] = acc._sums.get(k, 0.0) + v
-            acc._counts[k] = acc._counts.get(k, 0) + counts[k]
-        acc._samples += samples
+        acc.merge(sums, counts, samples)
     return acc.result()
 
 
@@ -406,7 +403,7 @@ def distributed_train_step(models: TrainModels, optimizer: torch.optim.Optimizer
         optimizer.zero_grad(set_to_none=True)
         timings["time_optimizer_s"] += time.perf_counter() - t0
         grad_norms.append(grad_norm)
-        epoch_parts.append((dict(acc._sums), dict(acc._counts), acc._samples))
+        epoch_parts.append(acc.parts())
 
     # Merge every rank's per-sample metrics (per epoch) and item info so rank 0 reports the whole batch.
     parts: list[Any] = [None] * world
@@ -416,7 +413,7 @@ def distributed_train_step(models: TrainModels, optimizer: torch.optim.Optimizer
         for it in items:
             if it.turn_id in part_infos:
                 it.info.update(part_infos[it.turn_id])
-    metrics: dict[str, Any] = _mean_dicts([_merge([p[0][e] for p in parts]) for e in range(epochs)])
+    metrics: dict[str, Any] = mean_dicts([_merge([p[0][e] for p in parts]) for e in range(epochs)])
     metrics.update(timings)
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["updates_skipped_nonfinite"] = float(skipped)
@@ -425,7 +422,7 @@ def distributed_train_step(models: TrainModels, optimizer: torch.optim.Optimizer
     metrics["tokens"] = float(sum(it.response_len for it in items))
     metrics["world_size"] = float(world)
     metrics["step_time_s"] = time.perf_counter() - t_start
-    metrics.update(_item_metrics(items))
+    metrics.update(item_metrics(items))
     return metrics
 
 
@@ -442,34 +439,13 @@ def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_folder(folder: Path, write: Any) -> Path:
-    """Write a folder under a temporary name, then rename it into place (replacing an older one)."""
-    from clawloop.trainer.checkpoint import _fsync_dir
-
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.parent / f".tmp-{folder.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        write(tmp)
-        if folder.exists():
-            old = folder.parent / f".old-{folder.name}-{uuid.uuid4().hex[:8]}"
-            os.replace(folder, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, folder)
-        _fsync_dir(folder.parent)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return folder
-
-
 def write_publication(models: TrainModels, weights: dict[str, torch.Tensor], folder: Path) -> tuple[Path, str]:
     """Rank 0: the full weights (``model.safetensors``) or, with LoRA, a PEFT adapter folder. Returns the folder
     and the ``kind`` the API's ``/v1/trainer/weights`` takes for it."""
     from safetensors.torch import save_file
 
     if not models.lora:
-        _write_folder(folder, lambda tmp: save_file(_unshared(weights), str(tmp / "model.safetensors")))
+        write_folder_atomically(folder, lambda tmp: save_file(_unshared(weights), str(tmp / "model.safetensors")))
         return folder, "full"
     adapter = getattr(models.policy, "active_adapter", "default")
     if isinstance(adapter, (list, tuple)):
@@ -481,7 +457,7 @@ def write_publication(models: TrainModels, weights: dict[str, torch.Tensor], fol
         peft_config.save_pretrained(str(tmp))
         save_file(_unshared(weights), str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
 
-    _write_folder(folder, write)
+    write_folder_atomically(folder, write)
     return folder, "lora"
 
 

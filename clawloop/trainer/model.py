@@ -119,14 +119,6 @@ def response_hidden(causal_lm: torch.nn.Module, input_ids_B_L: torch.Tensor, att
     return [hidden_B_L_H[i, p - 1:p - 1 + t] for i, (p, t) in enumerate(zip(prompt_lens, response_lens))]
 
 
-def response_logits(causal_lm: torch.nn.Module, input_ids_B_L: torch.Tensor, attention_mask_B_L: torch.Tensor,
-                    prompt_lens: list[int], response_lens: list[int]) -> list[torch.Tensor]:
-    """Raw (un-tempered) logits ``[T_i, V]`` at each sample's response positions only."""
-    head = causal_lm.get_output_embeddings()
-    hidden = response_hidden(causal_lm, input_ids_B_L, attention_mask_B_L, prompt_lens, response_lens)
-    return [head(h_T_H) for h_T_H in hidden]
-
-
 def trainable_state_dict(models: TrainModels) -> dict[str, torch.Tensor]:
     """What a checkpoint must hold to restore the trained weights: all weights (full) or the adapter (LoRA)."""
     if models.lora:

@@ -57,7 +57,7 @@ def _accepts_version(fn: Any) -> bool:
     return any(p.name == "version" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def _takes_adapters(engine: Any) -> bool:
+def takes_adapters(engine: Any) -> bool:
     """Whether the engine publishes LoRA adapters as such (vLLM hot-loading) rather than merged weights."""
     publisher = getattr(engine, "publisher", None)
     if publisher is None:
@@ -74,7 +74,7 @@ def publish_weights(engine: Any, models: TrainModels, version: int | None = None
 
     A LoRA run publishing to an engine that hot-loads adapters (vLLM with ``LoRAPublisher``) sends the PEFT
     model itself (only the adapter is written); everything else gets the merged base-architecture state dict."""
-    weights: Any = models.policy if models.lora and _takes_adapters(engine) else merged_state_dict(models)
+    weights: Any = models.policy if models.lora and takes_adapters(engine) else merged_state_dict(models)
     publish = getattr(engine, "publish_sync", None)
     if publish is None:
         raise TypeError(f"{type(engine).__name__} has no publish_sync(weights) method")

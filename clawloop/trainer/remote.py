@@ -9,12 +9,13 @@ errors are retried with backoff, HTTP answers are not (a 409 means the lease was
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx
 
+from clawloop.retry import Backoff, retry_sync
 from clawloop.store import SampleRecord, TurnRecord
+from clawloop.wire import sample_from_json
 
 
 class LeaseLost(RuntimeError):
@@ -33,14 +34,9 @@ class RemoteStore:
         self._waiting = 0
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        for attempt in range(self.retries + 1):
-            try:
-                response = self._client.request(method, path, json=body)
-                break
-            except httpx.TransportError:
-                if attempt == self.retries:
-                    raise
-                time.sleep(self.backoff_s * 2 ** attempt)
+        response = retry_sync(lambda _: self._client.request(method, path, json=body),
+                              Backoff(self.retries, self.backoff_s),
+                              retryable=lambda exc: isinstance(exc, httpx.TransportError))
         if response.status_code == 409:
             raise LeaseLost(response.text)
         response.raise_for_status()
@@ -48,8 +44,6 @@ class RemoteStore:
 
     # ---- the Store subset ---------------------------------------------------------------------------
     def lease_samples(self, n: int, lease_s: float = 3600.0, min_n: int | None = None) -> tuple[str, list[SampleRecord]]:
-        from clawloop.api.trainer_routes import sample_from_json
-
         out = self._call("POST", "/v1/trainer/lease", {"n": n, "min_n": min_n, "lease_s": lease_s})
         lease_id = out["lease_id"]
         samples = []

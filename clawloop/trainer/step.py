@@ -190,7 +190,7 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
         grad_norms.append(grad_norm)
         epoch_metrics.append(acc.result())
 
-    metrics = _mean_dicts(epoch_metrics)
+    metrics = mean_dicts(epoch_metrics)
     metrics.update(timings)
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["updates_skipped_nonfinite"] = float(skipped)
@@ -200,18 +200,18 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
     metrics["max_sample_tokens"] = float(max(int(it.input_ids_L.numel()) for it in items))
     metrics["tokens"] = float(sum(it.response_len for it in items))
     metrics["step_time_s"] = time.perf_counter() - t_start
-    metrics.update(_item_metrics(items))
+    metrics.update(item_metrics(items))
     metrics["advantage_mean"] = sum(rewards) / n
     metrics["advantage_negative_mean"] = sum(min(a, 0.0) for a in rewards) / n
     return metrics
 
 
-def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
+def mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
     keys = {k for d in dicts for k in d}
     return {k: sum(d[k] for d in dicts if k in d) / sum(1 for d in dicts if k in d) for k in keys}
 
 
-def _item_metrics(items: list[TrainItem]) -> dict[str, float]:
+def item_metrics(items: list[TrainItem]) -> dict[str, float]:
     """Behaviour-vs-old gap, sample policy versions, student top-k refresh counts, importance weights."""
     versions = [it.turn.policy_version for it in items]
     out = {

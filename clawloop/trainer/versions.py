@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from clawloop.trainer.checkpoint import write_folder_atomically
+from clawloop.atomic import write_folder_atomically
 
 
 @dataclass

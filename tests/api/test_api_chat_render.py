@@ -7,16 +7,11 @@ import json
 
 import pytest
 
-from clawloop.api.chat import (
-    ChatRenderer,
-    TokenTexts,
-    ToolCallStreamFilter,
-    assistant_message,
-    parse_answer,
-    tools_instruction,
-)
 from clawloop.api.errors import APIError
 from clawloop.api.schemas import parse_chat_request
+from clawloop.api.token_texts import TokenTexts
+from clawloop.renderers import ChatRenderer, ToolCallStreamFilter, assistant_message, parse_answer
+from clawloop.renderers.chat import tools_instruction
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
                                             "parameters": {"type": "object",

@@ -51,4 +51,4 @@ def test_cli_writes_the_file_atomically(tmp_path, capsys):
     cfg = json.loads(out.read_text())
     assert cfg["models"]["providers"]["clawloop"]["baseUrl"] == "http://127.0.0.1:31250/v1"
     assert cfg["models"]["providers"]["clawloop"]["models"][0]["contextWindow"] == 8192  # SmolLM2-135M
-    assert not list(out.parent.glob("*.tmp"))
+    assert [p.name for p in out.parent.iterdir()] == ["openclaw.json"]  # no temporary left

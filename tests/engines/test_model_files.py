@@ -54,7 +54,7 @@ def test_concurrent_builds_run_the_builder_once(tmp_path):
         t.join()
     assert len(calls) == 1
     assert results == [target] * 4 and model_files.is_complete(target)
-    assert [p.name for p in target.parent.iterdir() if p.name.startswith(".thing.tmp")] == []
+    assert [p.name for p in target.parent.iterdir() if p.name.startswith(".")] == []  # no temporary left
 
 
 def test_a_failed_build_leaves_nothing_half_built(tmp_path):
@@ -66,6 +66,7 @@ def test_a_failed_build_leaves_nothing_half_built(tmp_path):
     with pytest.raises(RuntimeError, match="disk full"):
         model_files._build_atomically(target, broken, "x")
     assert not target.exists()
+    assert [p.name for p in target.parent.iterdir() if p.name.startswith(".")] == []
 
 
 def test_resolve_model_never_reaches_for_the_network(tiny_model_path, tmp_path):

@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 
-from clawloop.api.chat import ChatRenderer
+from clawloop.renderers import ChatRenderer
 from clawloop.judge.client import chat_template_ids
-from clawloop.pipeline import chat_render_fn
+from clawloop.renderers import chat_render_fn
 from tests.security.conftest import RawConnection, assert_openai_error
 
 URL = "/v1/chat/completions"

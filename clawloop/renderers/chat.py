@@ -1,8 +1,8 @@
-"""Chat rendering, tools and tool-call parsing: normalised messages -> prompt token ids, generated text -> message.
+"""Chat rendering: normalised messages (+ tools) -> the prompt text and token ids the engine sees.
 
 Rendering. The prompt is the tokenizer's own chat template applied to the normalised messages, then tokenised
 without adding special tokens (the template already holds them); text from the request can never become a
-special token (``clawloop.chat_tokens``). Templates that know about tools (their text
+special token (``clawloop.renderers.safe_tokenizer``). Templates that know about tools (their text
 mentions ``tools``) receive the tool list natively. Templates that do not (SmolLM2's) get the tools written
 into the system message by clawloop: an instruction, one JSON schema per line inside ``<tools>``, and the
 answer format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. The history is then written as
@@ -11,34 +11,19 @@ and each run of ``tool`` messages becomes one user message of ``<tool_response>`
 ``none`` renders no tools at all (and nothing is parsed); ``required`` and a named function add
 no sentence (the prompt depends on the shown tools alone, so a stored turn re-renders exactly from its
 messages and tools); a named function is the only tool shown, ``required`` shows them all.
-
-Parsing. Every ``<tool_call>...</tool_call>`` block (an unclosed last block counts, generation may stop at the
-length limit) whose body is a JSON object with a string ``name`` becomes an OpenAI tool call with id
-``call_<uuid>`` and its ``arguments`` re-serialised as a JSON string. A block that does not parse stays in the
-content as text, so nothing the model wrote is lost silently. The content is the text outside the parsed
-blocks, stripped; ``None`` when only tool calls remain.
-
-Streaming. ``ToolCallStreamFilter`` passes text deltas through until a ``<tool_call>`` might be starting, then
-holds the rest back; at the end it parses the whole text and returns the remaining content and the calls.
-
-Log-prob tokens. ``TokenTexts`` gives the exact bytes of a token (byte-level BPE tokens are mapped back through
-the GPT-2 byte alphabet) and its text as OpenAI reports it (invalid UTF-8 fragments as ``\\xNN`` escapes).
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import re
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from clawloop.chat_tokens import SafeChatTokenizer
+from clawloop.renderers.safe_tokenizer import SafeChatTokenizer
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
-_TOOL_CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) + r"|\Z)", re.S)
 
 
 # ------------------------------------------------------------------------------------------------- tools
@@ -169,162 +154,12 @@ class ChatRenderer:
         return self.safe.token_lower_bound([messages, tools])
 
 
-# ----------------------------------------------------------------------------------------------- parsing
+def chat_render_fn(tokenizer: Any) -> Callable[..., list[int]]:
+    """(messages, tools) -> prompt ids with the serving renderer: the judge and the teacher see a turn exactly as
+    it was served."""
+    renderer = ChatRenderer(tokenizer)
 
+    def render(messages: Any, tools: Any = None) -> list[int]:
+        return renderer.render(list(messages), tools).ids
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex}"
-
-
-@dataclass
-class ParsedAnswer:
-    content: str | None
-    tool_calls: list[dict[str, Any]]
-
-
-def _parse_block(body: str) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(body.strip())
-    except (ValueError, RecursionError):  # the model wrote something that is not (sane) JSON
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"].strip():
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        arguments = args
-    else:
-        arguments = json.dumps(args, ensure_ascii=False)
-    return {"id": new_call_id(), "type": "function", "function": {"name": obj["name"].strip(), "arguments": arguments}}
-
-
-def _split(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """(text outside parsed blocks, unstripped; parsed calls in order)."""
-    calls: list[dict[str, Any]] = []
-    pieces: list[str] = []
-    pos = 0
-    for m in _TOOL_CALL_RE.finditer(text):
-        call = _parse_block(m.group(1))
-        if call is None:
-            continue  # left in the content as text
-        pieces.append(text[pos:m.start()])
-        calls.append(call)
-        pos = m.end()
-    pieces.append(text[pos:])
-    return "".join(pieces), calls
-
-
-def parse_answer(text: str, tools_active: bool) -> ParsedAnswer:
-    """The assistant message fields for generated ``text``; tool calls only when tools were shown."""
-    if not tools_active or TOOL_CALL_OPEN not in text:
-        return ParsedAnswer(content=text, tool_calls=[])
-    outside, calls = _split(text)
-    if not calls:
-        return ParsedAnswer(content=text, tool_calls=[])
-    content = outside.strip()
-    return ParsedAnswer(content=content or None, tool_calls=calls)
-
-
-def assistant_message(parsed: ParsedAnswer) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-    if parsed.tool_calls:
-        msg["tool_calls"] = parsed.tool_calls
-    return msg
-
-
-class ToolCallStreamFilter:
-    """Streams content deltas while holding back anything that may be tool-call markup."""
-
-    def __init__(self, tools_active: bool):
-        self.tools_active = tools_active
-        self.text = ""
-        self.sent = 0
-
-    def feed(self, delta: str) -> str:
-        """Text safe to send now."""
-        self.text += delta
-        if not self.tools_active:
-            out = self.text[self.sent:]
-            self.sent = len(self.text)
-            return out
-        start = self.text.find(TOOL_CALL_OPEN, self.sent)
-        if start >= 0:
-            limit = start
-        else:
-            # Hold back a suffix that could be the beginning of "<tool_call>".
-            limit = len(self.text)
-            for k in range(min(len(TOOL_CALL_OPEN) - 1, len(self.text) - self.sent), 0, -1):
-                if TOOL_CALL_OPEN.startswith(self.text[-k:]):
-                    limit = len(self.text) - k
-                    break
-        out = self.text[self.sent:limit]
-        self.sent = max(self.sent, limit)
-        return out
-
-    def finish(self) -> tuple[str, ParsedAnswer]:
-        """(content not yet sent, the parsed answer of the whole text)."""
-        parsed = parse_answer(self.text, self.tools_active)
-        if not parsed.tool_calls:
-            rest = self.text[self.sent:]
-        else:
-            outside, _ = _split(self.text)
-            rest = outside[self.sent:]
-            if not rest.strip():
-                rest = ""
-            elif not self.text[:self.sent].strip():
-                rest = rest.strip()
-            else:
-                rest = rest.rstrip()
-        self.sent = len(self.text)
-        return rest, parsed
-
-
-# ---------------------------------------------------------------------------------------- token strings
-
-
-@functools.lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """The inverse of GPT-2's byte-to-printable-character table used by byte-level BPE vocabularies."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-          + list(range(ord("®"), ord("ÿ") + 1)))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-class TokenTexts:
-    """Token id -> (text, bytes) as OpenAI's log-prob entries report them."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
-        self._cache: dict[int, tuple[str, bytes]] = {}
-
-    def get(self, token_id: int) -> tuple[str, bytes]:
-        hit = self._cache.get(token_id)
-        if hit is not None:
-            return hit
-        piece = self.tokenizer.convert_ids_to_tokens(int(token_id))
-        if piece is None:
-            piece = ""
-        raw: bytes
-        if token_id in self.special_ids:
-            raw = piece.encode("utf-8")
-        else:
-            table = _byte_decoder()
-            try:
-                raw = bytes(table[ch] for ch in piece)
-            except KeyError:  # not a byte-level vocabulary: let the tokenizer decode the piece
-                raw = self.tokenizer.decode([int(token_id)]).encode("utf-8")
-        text = raw.decode("utf-8", errors="backslashreplace")
-        if len(self._cache) < 200_000:
-            self._cache[token_id] = (text, raw)
-        return text, raw
-
-    def entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text, raw = self.get(token_id)
-        return {"token": text, "logprob": float(logprob), "bytes": list(raw)}
+    return render
