@@ -92,7 +92,7 @@ def install(app: FastAPI, view: RunView, config: Any) -> None:
 
 def install_for_service(app: FastAPI, service: Any) -> RunView:
     """The dashboard of a running ``clawloop serve``: its store read-only plus what only the process knows."""
-    from clawloop.api.chat import TokenTexts
+    from clawloop.api.token_texts import TokenTexts
     from clawloop.dashboard.readmodel import latency_summary
     from clawloop.judge.describe import describe as describe_judge
 

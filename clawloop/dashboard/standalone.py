@@ -26,7 +26,7 @@ log = logging.getLogger("clawloop.dashboard")
 def token_text_for(model: str) -> Any:
     """Token id -> text with the tokenizer of ``model`` (None when it cannot be loaded: ids are shown instead)."""
     try:
-        from clawloop.api.chat import TokenTexts
+        from clawloop.api.token_texts import TokenTexts
         from clawloop.engines.model_files import load_tokenizer, resolve_model
 
         texts = TokenTexts(load_tokenizer(resolve_model(model)))
