@@ -704,8 +704,12 @@ def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float
         if rank == 0:
             if publisher.pending is not None and (served := publisher.retry()) is not None:
                 version = served
-            lease_id, samples = store.lease_samples(config.rollout_batch_size, lease_s=lease_s,
-                                                    min_n=config.rollout_batch_size)
+            try:
+                lease_id, samples = store.lease_samples(config.rollout_batch_size, lease_s=lease_s,
+                                                        min_n=config.rollout_batch_size)
+            except Exception:  # noqa: BLE001 - rank 0 must reach the broadcast, or the other ranks wait forever
+                log.exception("leasing a batch failed; trying again in %.1fs", poll_s)
+                lease_id, samples = "", []
             if samples:
                 batch = Batch("train", lease_id, samples, {s.turn_id: store.get_turn(s.turn_id) for s in samples},
                               version)
@@ -741,9 +745,9 @@ def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float
                 metrics.update(stats.as_metrics())
                 metrics.update({"step": step, "policy_version": new_version, "published": float(published),
                                 "dropped": float(len(drops))})
-                store.commit_step(batch.lease_id, step, new_version, _jsonable(metrics),
-                                  [it.turn_id for it in items])
-                version = new_version
+                if not _commit(store, batch.lease_id, step, new_version, metrics, [it.turn_id for it in items]):
+                    step -= 1  # step numbers count committed steps only, as in the in-process trainer
+                version = new_version  # published or not, a number once served is never given again
                 log.warning("step %d: loss %.4f, %d samples, version %d", step, metrics.get("loss", float("nan")),
                             len(items), version)
         step, version = _broadcast_ints(step, version)
@@ -757,6 +761,25 @@ def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float
     if step != last_checkpoint_step:  # a clean exit keeps everything trained so far
         _save_checkpoint(models, optimizer, config, run_dir, step, version, False, None)
     return trained
+
+
+def _commit(store: Any, lease_id: str, step: int, version: int, metrics: dict[str, Any],
+            turn_ids: list[int]) -> bool:
+    """Rank 0: record the step. A refused commit (the lease was lost: it expired and the batch went back or to
+    another trainer) is logged and the rest of the lease released, and the ranks go on: raising here would end
+    rank 0 and with it the whole job (the other ranks wait in the next broadcast until their connection drops). The update stays in the weights, as it does when the
+    in-process trainer's commit fails."""
+    try:
+        store.commit_step(lease_id, step, version, _jsonable(metrics), turn_ids)
+        return True
+    except Exception:  # noqa: BLE001 - see the docstring
+        log.exception("step %d: the store refused the commit (lease %s lost?); its samples are not marked trained "
+                      "and go back to ready", step, lease_id)
+        try:
+            store.release_lease(lease_id)
+        except Exception:  # noqa: BLE001 - the lease then expires on its own
+            log.exception("releasing lease %s failed; its samples return when it expires", lease_id)
+        return False
 
 
 def config_vocab(models: TrainModels) -> int:

@@ -25,6 +25,7 @@ from clawloop.trainer.step import make_optimizer, train_step
 from tests.trainer.trainer_helpers import add_sample
 
 ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
@@ -274,3 +275,30 @@ def test_resumed_trainer_continues_weights_optimizer_and_counters(make_config, b
     weights = load_file(str(run_dir / "weights" / "v3" / "model.safetensors"))
     _assert_same_update(weights, expected_weights, lr)
     assert load_latest(run_dir).step == 3
+
+
+@pytest.mark.timeout(200)
+def test_a_lease_lost_during_a_step_neither_stops_nor_stalls_the_ranks(base_model, tiny_tokenizer, tiny_model_path, tmp_path):
+    """Rank 0's commit is refused (its lease expired while the step ran): every rank goes on, and exits."""
+    run_dir = tmp_path / "run"
+    store_file = run_dir / "store.sqlite"
+    store = Store(store_file)
+    _fill(store, base_model, tiny_tokenizer)
+    store.close()
+    args = _torchrun(2) + [str(HERE / "lost_lease_worker.py"), str(store_file), str(tiny_model_path), str(run_dir)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"a rank hung after the lost lease: {err[-4000:]}")
+    assert proc.returncode == 0, err[-4000:]
+    # Both ranks went through both steps; neither commit was taken, so nothing is recorded as trained.
+    assert "rank 0 trained 2" in out and "rank 1 trained 2" in out, out
+    assert err.count("refused the commit") == 2, err[-4000:]
+    store = Store(store_file)
+    assert store.steps() == [] and store.count_samples() == {TurnState.READY: 5}
+    store.close()
