@@ -112,12 +112,20 @@ class LoRAPublisher(_Publisher):
         async with self._serial():
             version = self.engine.policy_version + 1 if version is None else int(version)
             name = self._name(version)
-            folder = await asyncio.to_thread(self._materialise, adapter, self.root / name)
-            try:
-                await self._call("POST", "/v1/load_lora_adapter", {"lora_name": name,
-                                                                     "lora_path": self._server_path(folder)})
-            except EngineError as exc:
-                raise EngineError(f"loading LoRA adapter {name} from {folder} failed: {exc}") from exc
+            retiring = self._retiring.get(name)
+            if retiring is not None:  # a rollback to a version being unloaded: let that finish, then load it again
+                await retiring
+            if any(n == name for _, n in self.loaded):
+                # Still loaded (a rollback to the version being served, or to one kept loaded): a version number
+                # names one set of weights, so it is served as it is; vLLM would refuse to load the name twice.
+                self.loaded = [(v, n) for v, n in self.loaded if n != name]
+            else:
+                folder = await asyncio.to_thread(self._materialise, adapter, self.root / name)
+                try:
+                    await self._call("POST", "/v1/load_lora_adapter", {"lora_name": name,
+                                                                         "lora_path": self._server_path(folder)})
+                except EngineError as exc:
+                    raise EngineError(f"loading LoRA adapter {name} from {folder} failed: {exc}") from exc
             self.engine.set_policy(version, name)
             self.loaded.append((version, name))
             for _, old in self.loaded[: -1 - self.keep_previous]:

@@ -215,3 +215,30 @@ def test_checkpoint_publication_needs_a_dev_mode_server(tmp_path, base_folder):
         assert engine.policy_version == 0
     finally:
         server.close()
+
+
+def test_rollback_to_a_loaded_or_retired_adapter_version(admin, tmp_path):
+    """A rollback publishes a kept version again under its own number: one still loaded is served as it is (vLLM
+    refuses to load a name twice), one already unloaded is loaded again."""
+    engine = VLLMEngine(admin.url, "base", max_context=64)
+    publisher = LoRAPublisher(engine, tmp_path / "adapters")
+
+    async def run():
+        await publisher.publish(adapter(1))
+        await publisher.publish(adapter(2))
+        await publisher.wait_retired()
+        assert sorted(admin.adapters) == ["policy-v2"]
+        assert await publisher.publish(adapter(2), version=2) == 2  # back to the version being served
+        await publisher.wait_retired()
+        assert sorted(admin.adapters) == ["policy-v2"] and engine.policy_version == 2
+        assert await publisher.publish(adapter(1), version=1) == 1  # back to a retired version
+        await publisher.wait_retired()
+        assert sorted(admin.adapters) == ["policy-v1"] and engine.policy_version == 1
+        assert (await engine.generate([1], SamplingParams(max_tokens=1))).policy_version == 1
+
+    asyncio.run(run())
+    loads = [body["lora_name"] for path, body in admin.calls if path == "/v1/load_lora_adapter"]
+    assert loads == ["policy-v1", "policy-v2", "policy-v1"]
+    assert torch.equal(load_file(str(tmp_path / "adapters" / "policy-v1" / "adapter_model.safetensors"))[
+        "base_model.model.layers.0.q_proj.lora_B.weight"], adapter(1).state_dict[
+        "base_model.model.layers.0.q_proj.lora_B.weight"])
