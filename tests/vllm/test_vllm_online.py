@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.real_model, pytest.mark.timeout(1800
 # A vote: the boxed score, then (for hint votes) the hint between its markers; max_tokens bounds its length.
 # No counted repeats ({m,n}): vLLM compiles the pattern under a 5 s limit, and they blow it up on a busy CPU.
 JUDGE_REGEX = r"\\boxed\{(1|-1)\}( \[HINT_START\][A-Za-z ,.']+\[HINT_END\])?"
+ADMIN_KEY = "vllm-online-admin-key-5f2c"
 QUESTIONS = ["What is the capital of France?", "Name a prime number.", "What colour is the sky?",
              "What is two plus two?"]
 
@@ -43,6 +44,15 @@ def chat(http: httpx.Client, session: str, messages: list[dict]) -> dict:
     return response.json()
 
 
+def served_gap(model: torch.nn.Module, turn) -> float:
+    """Largest gap between the log-probs vLLM served for a turn's answer and ``model``'s."""
+    with torch.no_grad():
+        ids = torch.tensor([turn.prompt_ids + turn.response_ids])
+        logits = model(input_ids=ids).logits[0, len(turn.prompt_ids) - 1:-1].float()
+        ours = torch.log_softmax(logits, -1).gather(1, torch.tensor(turn.response_ids)[:, None])[:, 0]
+    return (ours - torch.tensor(turn.logprobs)).abs().max().item()
+
+
 def test_one_online_step_with_policy_judge_and_teacher_on_vllm(vllm_fleet, tmp_path):
     torch.set_num_threads(2)
     _, fleet_config = vllm_fleet
@@ -50,7 +60,7 @@ def test_one_online_step_with_policy_judge_and_teacher_on_vllm(vllm_fleet, tmp_p
         run_dir=str(tmp_path / "run"), port=0, method="hybrid", rollout_batch_size=2, lr=1e-3, prm_m=1,
         judge_max_tokens=96, judge_retries=1, judge_timeout_s=300.0,
         judge_extra_body={"structured_outputs": {"regex": JUDGE_REGEX}}, checkpoint_every=1000, num_threads=2,
-        device="cpu")
+        device="cpu", admin_key=ADMIN_KEY)
     assert config.judge_url == fleet_config.teacher_url + "/v1"  # the judge falls to the frozen vLLM server
     runtime = build_runtime(config, pipeline_poll_s=0.2, trainer_poll_s=0.2, console=None)
     engine = runtime.server.engine
@@ -84,12 +94,24 @@ def test_one_online_step_with_policy_judge_and_teacher_on_vllm(vllm_fleet, tmp_p
             assert version == engine.policy_version
             turn = runtime.server.store.get_turn(after["clawloop"]["turn_id"])
             # vLLM served the trained adapter: its log-probs are the trainer's (LoRA on the same base).
-            with torch.no_grad():
-                model = trainer.core.models.policy
-                ids = torch.tensor([turn.prompt_ids + turn.response_ids])
-                logits = model(input_ids=ids).logits[0, len(turn.prompt_ids) - 1:-1].float()
-                ours = torch.log_softmax(logits, -1).gather(1, torch.tensor(turn.response_ids)[:, None])[:, 0]
-            assert (ours - torch.tensor(turn.logprobs)).abs().max().item() < 5e-3
+            model = trainer.core.models.policy
+            assert served_gap(model, turn) < 5e-3
+
+            # Rollback over the admin route: vLLM serves the kept version at once (v0: the base model), then the
+            # latest again (its adapter was unloaded meanwhile and is loaded again).
+            latest = engine.policy_version
+            for target in (0, latest):
+                done = http.post("/v1/admin/rollback", json={"version": target},
+                                 headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+                assert done.status_code == 200, done.text
+                again = chat(http, f"rollback-{target}", [{"role": "user", "content": "Name a colour."}])
+                assert again["clawloop"]["policy_version"] == target == engine.policy_version
+                turn = runtime.server.store.get_turn(again["clawloop"]["turn_id"])
+                if target == 0:
+                    with model.disable_adapter():
+                        assert served_gap(model, turn) < 5e-3
+                else:
+                    assert served_gap(model, turn) < 5e-3  # the trainer holds the rolled-back weights too
 
     store = Store(tmp_path / "run" / "store.sqlite")
     try:
