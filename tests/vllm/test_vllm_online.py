@@ -115,8 +115,12 @@ def test_one_online_step_with_policy_judge_and_teacher_on_vllm(vllm_fleet, tmp_p
 
     store = Store(tmp_path / "run" / "store.sqlite")
     try:
-        step = store.steps()[0]
-        assert step["step"] == 1 and step["policy_version"] == 1
+        steps = store.steps()
+        assert steps[0]["step"] == 1
+        # The first step the publication gate accepted was served as version 1 (a rejected one keeps version 0).
+        accepted = [s for s in steps if s["metrics"].get("gate_accepted") == 1.0]
+        assert accepted and accepted[0]["policy_version"] == 1, steps
+        assert all(s["policy_version"] == 0 for s in steps if s["step"] < accepted[0]["step"])
         trained = store.samples("consumed")
         assert trained, "no sample was trained"
         for sample in trained:
