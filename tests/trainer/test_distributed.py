@@ -110,16 +110,21 @@ def _run_trainer(launcher: list[str], store_file: Path, run_dir: Path, model_pat
     for key, value in dict(model=str(model_path), device="cpu", run_dir=str(run_dir), num_threads=1,
                            **settings).items():
         args += ["--set", f"{key}={value}"]
+    return _run_group(args, timeout_s=160)
+
+
+def _run_group(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """Run a trainer process group; fail the test when it does not exit 0 within ``timeout_s`` (a hung rank)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     # Own session: on a timeout the whole group goes (torchrun's workers too, not only torchrun).
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=160)
+        out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"trainer timed out: {err[-4000:]}")
+        pytest.fail(f"trainer timed out (a rank hung?): {err[-4000:]}")
     assert proc.returncode == 0, err[-4000:]
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
@@ -286,16 +291,8 @@ def test_a_lease_lost_during_a_step_neither_stops_nor_stalls_the_ranks(base_mode
     _fill(store, base_model, tiny_tokenizer)
     store.close()
     args = _torchrun(2) + [str(HERE / "lost_lease_worker.py"), str(store_file), str(tiny_model_path), str(run_dir)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"a rank hung after the lost lease: {err[-4000:]}")
-    assert proc.returncode == 0, err[-4000:]
+    done = _run_group(args, timeout_s=180)
+    out, err = done.stdout, done.stderr
     # Both ranks went through both steps; neither commit was taken, so nothing is recorded as trained.
     assert "rank 0 trained 2" in out and "rank 1 trained 2" in out, out
     assert err.count("refused the commit") == 2, err[-4000:]
