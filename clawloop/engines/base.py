@@ -151,7 +151,11 @@ class Engine(Protocol):
 @runtime_checkable
 class Publisher(Protocol):
     """An engine that accepts new policy weights from the trainer (the embedded engine; a vLLM client with
-    weight updates). Judge endpoints are frozen and need not implement it."""
+    weight updates). Judge endpoints are frozen and need not implement it. Its ``takes_adapters`` attribute says
+    whether a LoRA run hands it the adapter itself (vLLM hot-loading) or merged weights
+    (``clawloop.trainer.publish.publish_weights`` reads it)."""
+
+    takes_adapters: bool
 
     async def publish(self, weights: Any, timeout_s: float | None = None) -> int:
         """Swap in ``weights`` (a full state dict of the served architecture, LoRA already merged, or a callable

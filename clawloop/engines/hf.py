@@ -206,6 +206,9 @@ class HFEngine:
     one prefill forward (rows x longest prompt) of requests admitted together.
     """
 
+    takes_adapters = False
+    """Publication capability: it takes merged weights (a LoRA run's adapter merged into the base)."""
+
     def __init__(
         self,
         model: str | Path | torch.nn.Module = "default",

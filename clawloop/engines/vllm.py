@@ -350,6 +350,12 @@ class VLLMEngine:
         finally:
             self._release(route)
 
+    @property
+    def takes_adapters(self) -> bool:
+        """Publication capability: whether a LoRA run publishes its adapter as such (hot-loaded by vLLM) rather
+        than merged weights; the attached publisher's."""
+        return bool(getattr(self.publisher, "takes_adapters", False))
+
     async def publish(self, weights: Any, **kwargs: Any) -> int:
         """Publish through the attached publisher (``clawloop.engines.vllm_publish``); returns the new version."""
         if self.publisher is None:

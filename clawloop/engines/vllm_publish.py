@@ -97,6 +97,9 @@ class _Publisher:
 class LoRAPublisher(_Publisher):
     """Hot-load LoRA adapters under versioned names (see the module docstring)."""
 
+    takes_adapters = True
+    """A LoRA run hands it the adapter itself (a PEFT model or folder), not merged weights."""
+
     def __init__(self, engine: VLLMEngine, adapters_dir: str | Path, *, name_prefix: str = "policy",
                  keep_previous: int = 0, server_dir: str | Path | None = None, delete_retired: bool = True):
         super().__init__(engine, adapters_dir, name_prefix, server_dir)
@@ -198,6 +201,9 @@ class LoRAPublisher(_Publisher):
 
 class CheckpointPublisher(_Publisher):
     """Full fine-tuning: write a checkpoint folder and reload it in place (see the module docstring)."""
+
+    takes_adapters = False
+    """It takes whole weights (a LoRA run's merged into the base)."""
 
     def __init__(self, engine: VLLMEngine, checkpoints_dir: str | Path, base_model_dir: str | Path, *,
                  name_prefix: str = "policy", keep: int = 2, server_dir: str | Path | None = None):

@@ -58,15 +58,9 @@ def _accepts_version(fn: Any) -> bool:
 
 
 def takes_adapters(engine: Any) -> bool:
-    """Whether the engine publishes LoRA adapters as such (vLLM hot-loading) rather than merged weights."""
-    publisher = getattr(engine, "publisher", None)
-    if publisher is None:
-        return False
-    try:
-        from clawloop.engines.vllm_publish import LoRAPublisher
-    except ImportError:
-        return False
-    return isinstance(publisher, LoRAPublisher)
+    """Whether the engine publishes LoRA adapters as such (vLLM hot-loading) rather than merged weights: its
+    ``takes_adapters`` capability (an engine that does not declare it takes merged weights)."""
+    return bool(getattr(engine, "takes_adapters", False))
 
 
 def publish_weights(engine: Any, models: TrainModels, version: int | None = None) -> int:
@@ -85,6 +79,8 @@ def publish_weights(engine: Any, models: TrainModels, version: int | None = None
 
 class LocalVersion:
     """A stand-in engine for offline training: nothing serves, but versions still count publications."""
+
+    takes_adapters = False
 
     def __init__(self, version: int = 0):
         self._version = int(version)

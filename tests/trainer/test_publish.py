@@ -112,8 +112,26 @@ def test_what_each_kind_of_engine_receives(make_config, tmp_path):
     assert publish_weights(plain, lora, version=7) == 7 and plain.calls[1][1] == {"version": 7}
 
     hot = Recorder(publisher=LoRAPublisher.__new__(LoRAPublisher))
+    hot.takes_adapters = True  # what a vLLM engine with a LoRA publisher declares (checked below)
     publish_weights(hot, lora)
     assert hot.calls[0][0] is lora.policy  # the adapter model, saved by the publisher
 
     old_style = Recorder(takes_version=False)
     assert publish_weights(old_style, lora, version=7) == 1  # cannot be told a version: counts on
+
+
+def test_engines_declare_whether_they_take_adapters():
+    """Publication capabilities are engine attributes: only a vLLM engine with a LoRA publisher takes the adapter
+    itself; the embedded engine, a checkpoint-publishing vLLM engine and the offline stand-in take merged weights."""
+    from clawloop.engines.hf import HFEngine
+    from clawloop.engines.vllm import VLLMEngine
+    from clawloop.engines.vllm_publish import CheckpointPublisher, LoRAPublisher
+    from clawloop.trainer.publish import LocalVersion, takes_adapters
+
+    engine = VLLMEngine("http://127.0.0.1:9", "base", max_context=64)
+    assert not takes_adapters(engine)  # no publisher yet
+    engine.publisher = LoRAPublisher.__new__(LoRAPublisher)
+    assert takes_adapters(engine)
+    engine.publisher = CheckpointPublisher.__new__(CheckpointPublisher)
+    assert not takes_adapters(engine)
+    assert HFEngine.takes_adapters is False and not takes_adapters(LocalVersion())
