@@ -30,7 +30,7 @@ def test_admin_rollback_serves_a_kept_version_at_once(tiny_model_path, tiny_toke
     config = Config.load(env={}, model=str(tiny_model_path), device="cpu", run_dir=str(run_dir), admin_key=ADMIN_KEY,
                          port=31860, judge_backend="rules", prm_m=1, method="rl", lora=True, lr=1e-2,
                          rollout_batch_size=2, micro_batch_size=2, default_max_tokens=8, num_threads=1,
-                         gate_probe_tokens=8)
+                         gate_probe_tokens=8, gate_min_guard_pass=0.0)  # word salad: no guard share (e2e_support)
     runtime = build_runtime(config, pipeline_poll_s=0.2, trainer_poll_s=0.2, console=None)
     prompt = list(tiny_tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a joke."}],
                                                      add_generation_prompt=True)["input_ids"])
