@@ -92,7 +92,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     config = demo_config(cli, file=args.config)
     options = LoopOptions(persona=args.persona, interactions=args.interactions, seed=seed,
                           eval_every=args.eval_every, heldout_n=args.heldout_n, user_url=args.user_url,
-                          user_model=args.user_model, user_api_key_env=args.user_api_key_env)
+                          user_model=args.user_model, user_api_key_env=args.user_api_key_env, max_lag=args.max_lag)
     summary = run_loop(config, options)
     print_result(summary)
     print(f"  wrote {run_dir / 'summary.json'} and {run_dir / 'learning_curve.png'}")
@@ -224,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--eval-every", type=int, default=demo_defaults.DEMO_EVAL_EVERY,
                       help="Score the held-out questions every N interactions (0 = before and after only).")
     demo.add_argument("--heldout-n", type=int, default=0, help="Held-out questions to score (0 = all).")
+    demo.add_argument("--max-lag", type=int, default=0, help="Before each session, wait until fewer than this "
+                      "many answers wait to be judged or trained on (0 = never wait).")
     demo_defaults.add_user_arguments(demo)
     demo.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                       help="Log level of the server and pipeline.")

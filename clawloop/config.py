@@ -541,7 +541,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
         base = _base_type(hints[f.name])
-        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": f.metadata.get("help", "")}
+        # argparse expands %-formats in help texts; a literal "%" in a field's help must reach it doubled.
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None,
+                                  "help": f.metadata.get("help", "").replace("%", "%%")}
         if base is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:

@@ -53,6 +53,26 @@ def test_unknown_flags_are_refused(command):
     assert exc.value.code == 2
 
 
+def _subcommand_paths(parser, prefix=()):
+    import argparse
+
+    for action in parser._actions:  # argparse keeps its subparsers only here
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield prefix + (name,)
+                yield from _subcommand_paths(sub, prefix + (name,))
+
+
+def test_every_command_prints_its_help(capsys):
+    paths = list(_subcommand_paths(build_parser()))
+    assert ("serve",) in paths and ("judge", "check") in paths
+    for path in [()] + paths:
+        with pytest.raises(SystemExit) as exc:
+            main([*path, "--help"])
+        assert exc.value.code == 0, path
+        assert "usage:" in capsys.readouterr().out
+
+
 def test_train_on_a_folder_without_a_run_fails_cleanly(tmp_path, capsys):
     assert main(["train", str(tmp_path), "--model", "tiny"]) == 2
     assert "holds no run" in capsys.readouterr().err

@@ -38,6 +38,7 @@ DEFAULT_PERSONAS = ("brief", "inshort")
 DEFAULT_SEEDS = (0, 1, 2)
 DEFAULT_INTERACTIONS = DEMO_INTERACTIONS
 DEFAULT_TARGET = 0.5
+DEFAULT_MAX_LAG = 8
 # Settings that differ between cells by design, or that do not change what a cell measures.
 _PER_CELL = {"method", "seed", "run_dir", "port", "num_threads", "host", "w_rl", "w_opd"}
 
@@ -58,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-each-version", action=argparse.BooleanOptionalAction, default=True,
                         help="Also score the held-out questions whenever a new version is being served, so the "
                         "table's lowest served guard covers the versions served between evaluation points.")
+    parser.add_argument("--max-lag", type=int, default=DEFAULT_MAX_LAG,
+                        help="The simulated user waits before a session until fewer than this many answers wait to "
+                        "be judged or trained on (0 = never waits), so a cell measures the method, not how busy "
+                        "the CPU was.")
     parser.add_argument("--max-cells", type=int, default=0, help="Stop after running this many new cells "
                         "(0 = all).")
 
@@ -208,6 +213,8 @@ def main_from_args(args: argparse.Namespace, cli: dict[str, Any], out: Callable[
                                                                               args.heldout_n)
         if args.user_url:  # only when given, so folders made before these flags existed still match
             shared["user_url"], shared["user_model"] = args.user_url, args.user_model
+        if args.max_lag:  # likewise
+            shared["max_lag"] = args.max_lag
         settings_path = out_dir / "settings.json"
         if settings_path.exists():
             before = json.loads(settings_path.read_text())
@@ -220,7 +227,7 @@ def main_from_args(args: argparse.Namespace, cli: dict[str, Any], out: Callable[
             settings_path.write_text(json.dumps(shared, indent=1, default=str))
         options = LoopOptions(interactions=args.interactions, eval_every=args.eval_every, heldout_n=args.heldout_n,
                               eval_each_version=args.eval_each_version, user_url=args.user_url, user_model=args.user_model,
-                              user_api_key_env=args.user_api_key_env)
+                              user_api_key_env=args.user_api_key_env, max_lag=args.max_lag)
         ran = 0
         for persona in _split(args.personas):
             for seed in [int(s) for s in _split(args.seeds)]:

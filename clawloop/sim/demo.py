@@ -146,6 +146,10 @@ class LoopOptions:
     yet (phase ``version``), so that the guard rate of (nearly) every version users were served is measured, not
     only of those served at the ``eval_every`` points. Costs one evaluation per publication."""
     sim_max_tokens: int = 64
+    max_lag: int = 0
+    """Before each session, wait until fewer than this many answers are waiting to be judged or trained on
+    (0 = never wait). A simulated user talks far faster than a person; on a busy machine it would otherwise run
+    dozens of answers ahead of the trainer, and "interactions to target" would measure the CPU, not the method."""
     catch_up_timeout_s: float = 900.0
     label: str = ""
     user_url: str = ""
@@ -313,9 +317,17 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
                          model=config.served_model_name, session_prefix=f"demo-{persona.name}-s{options.seed}",
                          user=user)
         t_sim = time.monotonic()
-        eval_time = 0.0
+        eval_time = pace_time = 0.0
         next_eval = options.eval_every if options.eval_every > 0 else None
         while state.interactions < options.interactions:
+            waiting_before = None
+            if options.max_lag > 0 and state.sessions:
+                t = time.monotonic()
+                if not wait_for_training(runtime, options.catch_up_timeout_s, max_waiting=options.max_lag - 1):
+                    out(f"[pace] still {options.max_lag} or more answers waiting after "
+                        f"{options.catch_up_timeout_s:.0f}s; going on")
+                pace_time += time.monotonic() - t
+                waiting_before = answers_waiting(runtime)
             turns = min(persona.session_turns, options.interactions - state.interactions)
             session: SimSession = sim.run_session(turns)
             state.interactions += len(session.turns)
@@ -328,6 +340,7 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
                                    "interactions": state.interactions, "step": step,
                                    "policy_version": version,
                                    "reply_kinds": [t.reply_kind for t in session.turns],
+                                   "waiting_before": waiting_before,
                                    "elapsed_s": round(time.monotonic() - t_start, 1)})
             out(f"[session {len(state.sessions):>3}] turns {len(session.turns)} (followed {satisfied}) | "
                 f"interactions {state.interactions:>3}/{options.interactions} | "
@@ -343,8 +356,9 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
                 t = time.monotonic()
                 score("version")
                 eval_time += time.monotonic() - t
-        state.timings["simulation_s"] = time.monotonic() - t_sim - eval_time
+        state.timings["simulation_s"] = time.monotonic() - t_sim - eval_time - pace_time
         state.timings["eval_during_s"] = eval_time
+        state.timings["pace_s"] = pace_time
 
         t0 = time.monotonic()
         caught_up = wait_for_training(runtime, options.catch_up_timeout_s)
@@ -448,8 +462,20 @@ def _point_summary(p: CurvePoint) -> dict[str, Any]:
             "step": p.step, "policy_version": p.policy_version}
 
 
-def wait_for_training(runtime: Any, timeout_s: float, poll_s: float = 0.5) -> bool:
-    """Until the pipeline has judged every judgeable turn and the trainer has used every full batch."""
+def answers_waiting(runtime: Any) -> int:
+    """Answers not yet judged (their turn judgeable or being judged) plus samples waiting for the trainer."""
+    from clawloop.store import TurnState
+
+    store = runtime.server.store
+    counts = store.count_turns()
+    judging = counts.get(TurnState.JUDGEABLE, 0) + counts.get(TurnState.JUDGING, 0) + runtime.pipeline.busy
+    return judging + (store.ready_count() if runtime.trainer is not None else 0)
+
+
+def wait_for_training(runtime: Any, timeout_s: float, poll_s: float = 0.5, *, max_waiting: int = 0) -> bool:
+    """Until the pipeline has judged every judgeable turn and the trainer has used every full batch; with
+    ``max_waiting`` > 0, until at most that many answers wait to be judged or trained on (the trainer may be busy
+    with the rest)."""
     from clawloop.store import TurnState
 
     store = runtime.server.store
@@ -458,6 +484,11 @@ def wait_for_training(runtime: Any, timeout_s: float, poll_s: float = 0.5) -> bo
     deadline = time.monotonic() + timeout_s
     idle_since: float | None = None
     while time.monotonic() < deadline:
+        if max_waiting > 0:
+            if answers_waiting(runtime) <= max_waiting:
+                return True
+            time.sleep(poll_s)
+            continue
         counts = store.count_turns()
         judging = counts.get(TurnState.JUDGEABLE, 0) + counts.get(TurnState.JUDGING, 0) + pipeline.busy
         training = trainer is not None and (trainer.training or store.ready_count() >= batch)
