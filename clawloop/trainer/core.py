@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import copy
 import logging
-import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -52,8 +51,8 @@ from clawloop.store import SampleRecord, Store
 from clawloop.trainer import checkpoint as ckpt
 from clawloop.trainer import versions as history
 from clawloop.trainer.batch import prepare_items
-from clawloop.trainer.metrics import MetricsWriter
-from clawloop.trainer.model import TrainModels, load_train_models, load_trainable_state_dict, \
+from clawloop.trainer.metrics import MetricsWriter, step_record
+from clawloop.trainer.model import TrainModels, load_train_models, load_trainable_state_dict, output_vocab_size, \
     trainable_state_dict
 from clawloop.trainer.old_policy import RefreshFn
 from clawloop.trainer.publish import LocalVersion, publish_weights
@@ -121,7 +120,7 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, config.metrics_backends, console=console)
         self.last_metrics: dict[str, Any] = {}
         self.max_context = self._max_context()
-        self.vocab_size = int(self.models.causal_lm.get_output_embeddings().weight.shape[0])
+        self.vocab_size = output_vocab_size(self.models)
         self.on_gate = on_gate
         """Called with every gate decision (see ``_gate_event``), e.g. to print it."""
         self.gate = self._make_gate() if config.gate else None
@@ -375,7 +374,7 @@ class Trainer:
             "waiting": float(self.store.ready_count()),
         })
         turn_ids = [it.turn_id for it in items]
-        self.store.commit_step(lease_id, step, self.policy_version, _jsonable(metrics), turn_ids)
+        self.store.commit_step(lease_id, step, self.policy_version, step_record(metrics), turn_ids)
         self.step = step  # only once the store agrees, so step numbers never skip
         self.last_metrics = metrics
         self.after_commit(metrics)
@@ -403,15 +402,3 @@ class Trainer:
         self.metrics.close()
         self.models = self.optimizer = None  # type: ignore[assignment]
         self.accepted = None  # type: ignore[assignment]
-
-
-def _jsonable(metrics: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for k, v in metrics.items():
-        if isinstance(v, float) and not math.isfinite(v):
-            out[k] = None
-        elif isinstance(v, (int, float, str, bool)) or v is None:
-            out[k] = v
-        else:
-            out[k] = float(v)
-    return out

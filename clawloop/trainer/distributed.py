@@ -8,36 +8,16 @@ checkpoints with optimizer state, and resume.
 
 Choices:
 
-* ``torch.distributed`` with gloo on CPU, nccl on GPU (one device per local rank). Every rank loads the policy,
-  then FSDP2 ``fully_shard`` is applied to each decoder layer and to the root module; the optimizer (the same
-  AdamW as the single-process trainer) is built on the sharded parameters. LoRA is sharded the same way: FSDP2
-  shards every parameter on its own (a ``DTensor`` each, no flat parameter), all-gathers a unit's frozen base
-  weights and trainable adapter matrices together and reduce-scatters only the gradients that exist, so a
-  unit may mix both. The optimizer holds the adapter matrices only.
+* The step is ``trainer.step.train_step`` with an ``FSDPRunner`` (``trainer.fsdp``: process group, FSDP2
+  sharding of the policy and, with full fine-tuning and ``kl_coef > 0``, of the frozen reference; the
+  state-dict collectives). With LoRA the KL reference is the same sharded model with its adapter switched off.
 * Rank 0 alone talks to the store — the API's trainer routes (``RemoteStore``) or a local ``Store`` file: it
   leases a batch, keeps the lease alive with heartbeats while the step runs, and broadcasts the samples, their
   turns and the current policy version (``broadcast_object_list``). Every rank prepares the same items from
-  them (same drop rules), the rewards are computed over the whole batch (group normalisation sees every
-  sample), and sample ``i`` trains on rank ``i mod world``.
-* Same objective and same step as ``trainer.step.train_step``: ``clawloop.losses.sample_objective`` through
-  ``objective_sample`` / ``settings_for`` / ``old_side_from_logits``. With one update per batch ℓ_old is read
-  from the loss's own forward; with ``steps_per_batch > 1`` a no-grad old-policy forward fills ℓ_old (and the
-  student top-k side) once before the first epoch and every epoch reuses it. Each sample's loss is divided by
-  the *global* batch size, so the sum over ranks of each rank's partial loss equals the single-process batch
-  mean; FSDP averages gradients over ranks, so each rank back-propagates its partial loss times the world size,
-  and the reduced gradient is the gradient of that batch mean. Epoch metrics are merged over ranks, then
-  averaged over epochs, as the single-process step reports them.
+  them (same drop rules) and calls the step with the whole batch.
 * No teacher in this process: where the old policy's student top-k differs from the stored provisional set,
   the provisional set is kept and scored exactly under the old policy (counted in the step metrics as
   ``student_topk_kept_provisional``), as offline training does; the in-process trainer would ask its teacher.
-* Logits come from the root module's forward (so FSDP's hooks gather the embedding and output head), with
-  ``logits_to_keep`` cutting them to the micro-batch's response region; prompt logits are never materialised.
-* KL reference (``kl_coef > 0``): with LoRA, the same sharded model with its adapter switched off; with full
-  fine-tuning, the frozen copy of the starting weights, sharded like the policy (its own FSDP units). ℓ_ref is
-  computed per micro-batch next to ℓ_old, exactly where the single-process step computes it.
-* FSDP's collectives need every rank to run the same number of forwards and backwards: a rank with fewer
-  micro-batches runs a one-token dummy forward (policy, reference, old-policy pass alike) whose loss is
-  multiplied by 0.
 * Publication, rank 0: full fine-tuning writes the full state dict (gathered with ``get_model_state_dict``,
   full, CPU-offloaded) as ``RUN_DIR/weights/v<version>/model.safetensors`` and reports it with
   ``kind="full"``; LoRA writes only the adapter as a PEFT folder (``adapter_config.json`` +
@@ -80,13 +60,10 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import math
 import os
 import shutil
-import socket
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,14 +73,14 @@ import torch.distributed as dist
 
 from clawloop.atomic import write_folder_atomically
 from clawloop.config import Config
-from clawloop.losses import MetricsAccumulator, ObjectiveSettings, logprobs_at, sample_objective
 from clawloop.store import SampleRecord, TurnRecord
 from clawloop.trainer import checkpoint as ckpt
-from clawloop.trainer.batch import TrainItem, collate, micro_batches, prepare_items
-from clawloop.trainer.model import TrainModels, load_train_models
-from clawloop.trainer.old_policy import RefreshFn, old_side_from_logits
-from clawloop.trainer.step import item_metrics, make_optimizer, mean_dicts, objective_sample, rewards_for, \
-    settings_for
+from clawloop.trainer.batch import prepare_items
+from clawloop.trainer.fsdp import FSDPRunner, checkpoint_weights_by_name, gather_optimizer, gather_weights, \
+    init_distributed, load_checkpoint_state, shard_model
+from clawloop.trainer.metrics import step_record
+from clawloop.trainer.model import TrainModels, load_train_models, output_vocab_size
+from clawloop.trainer.step import make_optimizer, train_step
 
 log = logging.getLogger("clawloop.trainer.distributed")
 
@@ -112,160 +89,6 @@ KEEP_PUBLISHED = 2
 
 
 # ---- process group -------------------------------------------------------------------------------------
-def init_distributed() -> tuple[int, int, torch.device]:
-    """Join (or, under plain ``python``, create a one-process) group. Returns (rank, world size, device)."""
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"})
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def _shard(model: torch.nn.Module, mesh: Any) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model.get_decoder().layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
-def shard_model(models: TrainModels, device: torch.device) -> None:
-    """FSDP2 on every decoder layer and the root (gradients averaged over ranks, FSDP's default), for the
-    policy and, with full fine-tuning and ``kl_coef > 0``, for the frozen reference copy.
-
-    With LoRA the root is the underlying causal LM (LoRA layers injected), not the peft wrapper: every forward
-    here calls that module, so its FSDP hooks run; the wrapper's ``parameters()`` are the same (now sharded)
-    tensors, which is what the optimizer and the state-dict helpers see."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    models.causal_lm.to(device)
-    _shard(models.causal_lm, mesh)
-    if models.reference is not None:
-        models.reference.to(device)
-        _shard(models.reference, mesh)
-
-
-# ---- state dicts (collectives: every rank calls them; rank 0 gets the tensors) ------------------------
-def _options(**kw: Any) -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, **kw)
-
-
-def _peft_key_map(models: TrainModels) -> dict[str, str]:
-    """PEFT adapter key (as ``get_peft_model_state_dict`` and adapter folders name it) -> the parameter's
-    name in the peft model (the name ``torch.distributed.checkpoint`` uses), from peft's own renaming."""
-    from peft import get_peft_model_state_dict
-
-    names = [n for n, p in models.policy.named_parameters() if p.requires_grad]
-    probe = {n: torch.zeros(1) for n in names}
-    name_of = {id(t): n for n, t in probe.items()}
-    return {k: name_of[id(v)] for k, v in get_peft_model_state_dict(models.policy, state_dict=probe).items()}
-
-
-def gather_weights(models: TrainModels) -> dict[str, torch.Tensor] | None:
-    """What a checkpoint holds and what is published: the full state dict (keys of the causal LM's
-    ``state_dict``) or, with LoRA, the adapter (PEFT keys, as ``trainable_state_dict``). Rank 0 gets it on the
-    CPU; other ranks get None."""
-    if not models.lora:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        state = get_model_state_dict(models.causal_lm, options=_options(cpu_offload=True))
-        return state if dist.get_rank() == 0 else None
-    # The adapter only: gather the trainable parameters one by one (the frozen base is never moved).
-    gathered: dict[str, torch.Tensor] = {}
-    for name, param in models.policy.named_parameters():
-        if param.requires_grad:
-            full = param.full_tensor() if hasattr(param, "full_tensor") else param
-            if dist.get_rank() == 0:
-                gathered[name] = full.detach().cpu().clone()
-    if dist.get_rank() != 0:
-        return None
-    key_map = _peft_key_map(models)
-    return {peft_key: gathered[name] for peft_key, name in key_map.items()}
-
-
-def _optimizer_names(models: TrainModels, optimizer: torch.optim.Optimizer) -> list[str]:
-    """Parameter names in the optimizer's own order: index ``i`` of ``optimizer.state_dict()``."""
-    name_of = {id(p): n for n, p in models.policy.named_parameters()}
-    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
-def gather_optimizer(models: TrainModels, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-    """The AdamW state as the single-process ``optimizer.state_dict()`` has it (keyed by parameter index,
-    full tensors), on rank 0; None elsewhere."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    named = get_optimizer_state_dict(models.policy, optimizer, options=_options(cpu_offload=True))
-    if dist.get_rank() != 0:
-        return None
-    index = {name: i for i, name in enumerate(_optimizer_names(models, optimizer))}
-    groups = []
-    for group in named["param_groups"]:
-        groups.append({**group, "params": [index[name] for name in group["params"]]})
-    return {"state": {index[name]: value for name, value in named["state"].items()}, "param_groups": groups}
-
-
-def _named_optimizer_state(saved: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """The inverse of ``gather_optimizer``'s re-keying: parameter index -> parameter name."""
-    count = sum(len(g["params"]) for g in saved["param_groups"])
-    if count != len(names):
-        raise RuntimeError(f"the checkpoint's optimizer holds {count} parameters, this model trains {len(names)}")
-    groups = [{**g, "params": [names[int(i)] for i in g["params"]]} for g in saved["param_groups"]]
-    return {"state": {names[int(i)]: v for i, v in saved["state"].items()}, "param_groups": groups}
-
-
-def _checkpoint_weights_to_names(models: TrainModels, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A checkpoint's weights keyed as ``set_model_state_dict`` wants them, checked against this model."""
-    if models.lora:
-        key_map = _peft_key_map(models)
-        unknown = [k for k in weights if k not in key_map]
-        missing = [k for k in key_map if k not in weights]
-        if unknown or missing:
-            raise RuntimeError(f"checkpoint adapter does not match this model: unknown {unknown[:5]}, "
-                               f"missing {missing[:5]}")
-        return {key_map[k]: v for k, v in weights.items()}
-    expected = set(models.causal_lm.state_dict().keys())
-    tied = bool(getattr(models.causal_lm.config, "tie_word_embeddings", False))
-    # Tied output weights may be stored once; anything else missing means a different architecture.
-    missing = [k for k in expected - set(weights) if not (tied and k.endswith("lm_head.weight"))]
-    unexpected = [k for k in weights if k not in expected]
-    if missing or unexpected:
-        raise RuntimeError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected "
-                           f"{unexpected[:5]}")
-    return dict(weights)
-
-
-def load_checkpoint_state(models: TrainModels, optimizer: torch.optim.Optimizer,
-                          weights: dict[str, torch.Tensor] | None, optimizer_state: dict[str, Any] | None,
-                          has_optimizer: bool, learning_rate: float) -> None:
-    """Every rank calls this; rank 0 passes the checkpoint's weights (checked, keyed by parameter name) and
-    optimizer state (index-keyed), the others None. Afterwards every rank holds its shards of both."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    rank0 = dist.get_rank() == 0
-    # Separate calls: ``set_state_dict`` takes an empty model dict (the other ranks') as "optimizer only".
-    set_model_state_dict(models.policy, weights if rank0 else {},
-                         options=_options(broadcast_from_rank0=True, strict=False))
-    if has_optimizer:
-        named = _named_optimizer_state(optimizer_state, _optimizer_names(models, optimizer)) if rank0 else {}
-        set_optimizer_state_dict(models.policy, optimizer, named, options=_options(broadcast_from_rank0=True))
-    for group in optimizer.param_groups:  # the configured lr wins over the saved one
-        group["lr"] = learning_rate
-
-
 # ---- one step --------------------------------------------------------------------------------------------
 class _Turns:
     """``get_turn`` over the turns that came with a broadcast batch (what ``prepare_items`` reads)."""
@@ -275,155 +98,6 @@ class _Turns:
 
     def get_turn(self, turn_id: int) -> TurnRecord:
         return self.turns[turn_id]
-
-
-def _scalar(x: Any) -> float:
-    if hasattr(x, "full_tensor"):
-        x = x.full_tensor()
-    return float(x)
-
-
-def _response_logits(model: torch.nn.Module, group: list[TrainItem],
-                     device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Root forward over a micro-batch: (the kept logits ``[B, K, V]``, each sample's raw ``[T_i, V]`` logits at
-    the positions predicting its response). ``K`` covers the response region of every row (right padding), so
-    prompt logits before it are never computed. An empty group runs a one-token dummy forward (no samples)."""
-    if not group:
-        one_B_L = torch.zeros((1, 1), dtype=torch.long, device=device)
-        logits = model(input_ids=one_B_L, attention_mask=torch.ones_like(one_B_L), use_cache=False,
-                       logits_to_keep=1).logits
-        return logits, []
-    mb = collate(group, device)
-    length = int(mb.input_ids_B_L.shape[1])
-    first = min(mb.prompt_lens) - 1  # the first position that predicts a response token
-    keep = length - first
-    logits_B_K_V = model(input_ids=mb.input_ids_B_L, attention_mask=mb.attention_mask_B_L, use_cache=False,
-                         logits_to_keep=keep).logits
-    per = [logits_B_K_V[i, p - 1 - first:p - 1 - first + t]
-           for i, (p, t) in enumerate(zip(mb.prompt_lens, mb.response_lens))]
-    return logits_B_K_V, per
-
-
-@torch.no_grad()
-def _fill_reference(models: TrainModels, group: list[TrainItem], device: torch.device) -> None:
-    """ℓ_ref at the sampled ids (as ``old_policy.fill_reference``), through the sharded reference."""
-    with models.reference_model() as ref:
-        logits, per = _response_logits(ref, group, device)
-        for item, logits_T_V in zip(group, per):
-            item.ref_logprobs_T = logprobs_at(logits_T_V, item.response_ids_T.to(logits_T_V.device),
-                                              item.temperature).float()
-        del logits, per
-
-
-@torch.no_grad()
-def _fill_old_side(models: TrainModels, groups: list[list[TrainItem]], rounds: int, config: Config,
-                   refresh: RefreshFn | None, device: torch.device) -> None:
-    """The separate old-policy pass of ``steps_per_batch > 1`` (``old_policy.fill_old_side``), in step with the
-    other ranks."""
-    for g in range(rounds):
-        group = groups[g] if g < len(groups) else []
-        logits, per = _response_logits(models.causal_lm, group, device)
-        for item, logits_T_V in zip(group, per):
-            old_side_from_logits(item, logits_T_V, config, refresh)
-        del logits, per
-        if models.use_reference:
-            _fill_reference(models, group, device)
-
-
-def _merge(parts: list[tuple[dict[str, float], dict[str, int], int]]) -> dict[str, float]:
-    acc = MetricsAccumulator()
-    for sums, counts, samples in parts:
-        acc.merge(sums, counts, samples)
-    return acc.result()
-
-
-def distributed_train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: list[TrainItem],
-                           config: Config, *, refresh: RefreshFn | None = None) -> dict[str, Any]:
-    """``steps_per_batch`` updates on ``items`` (the whole batch, identical on every rank); returns the batch's
-    metrics, the same keys and meaning as ``trainer.step.train_step``'s."""
-    if not items:
-        raise ValueError("distributed_train_step needs at least one sample")
-    t_start = time.perf_counter()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = models.device
-    settings = ObjectiveSettings.from_config(config)
-    epochs = int(config.steps_per_batch)
-    fuse = epochs == 1
-    rewards = rewards_for(items, config)
-    n = len(items)
-    mine = list(range(rank, n, world))
-    reward_of = {id(items[i]): rewards[i] for i in mine}
-    groups = micro_batches([items[i] for i in mine], config.micro_batch_size, config.micro_batch_tokens)
-    count = torch.tensor([len(groups)], dtype=torch.long, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    rounds = int(count.item())
-    model = models.causal_lm
-    params = models.trainable_parameters()
-    max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
-    timings: dict[str, float] = defaultdict(float)
-
-    if not fuse:
-        t0 = time.perf_counter()
-        _fill_old_side(models, groups, rounds, config, refresh, device)
-        timings["time_old_forward_s"] += time.perf_counter() - t0
-
-    epoch_parts: list[tuple[dict[str, float], dict[str, int], int]] = []
-    grad_norms: list[float] = []
-    skipped = 0
-    for _ in range(epochs):
-        optimizer.zero_grad(set_to_none=True)
-        acc = MetricsAccumulator()
-        for g in range(rounds):
-            group = groups[g] if g < len(groups) else []  # [] keeps FSDP's collectives in step
-            if fuse and models.use_reference:
-                t0 = time.perf_counter()
-                _fill_reference(models, group, device)
-                timings["time_old_forward_s"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            logits_B_K_V, per = _response_logits(model, group, device)
-            total = logits_B_K_V.sum() * 0.0
-            for item, logits_T_V in zip(group, per):
-                if fuse:
-                    old_side_from_logits(item, logits_T_V, config, refresh)
-                result = sample_objective(objective_sample(item, logits_T_V, reward_of[id(item)]),
-                                          settings_for(item, settings))
-                total = total + result.loss / n  # global n: the sum over ranks is the batch mean
-                acc.add(result.metrics)
-            # FSDP averages gradients over ranks (a plain sum needs PREMUL_SUM, which gloo lacks): scaling by the
-            # world size turns that average back into the sum of the ranks' partial losses.
-            (total * world).backward()
-            del logits_B_K_V, per, total
-            timings["time_forward_backward_s"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        grad_norm = _scalar(torch.nn.utils.clip_grad_norm_(params, max_norm))  # the same on every rank
-        if math.isfinite(grad_norm):
-            optimizer.step()
-        else:
-            skipped += 1
-        optimizer.zero_grad(set_to_none=True)
-        timings["time_optimizer_s"] += time.perf_counter() - t0
-        grad_norms.append(grad_norm)
-        epoch_parts.append(acc.parts())
-
-    # Merge every rank's per-sample metrics (per epoch) and item info so rank 0 reports the whole batch.
-    parts: list[Any] = [None] * world
-    infos = {items[i].turn_id: items[i].info for i in mine}
-    dist.all_gather_object(parts, (epoch_parts, infos))
-    for _, part_infos in parts:
-        for it in items:
-            if it.turn_id in part_infos:
-                it.info.update(part_infos[it.turn_id])
-    metrics: dict[str, Any] = mean_dicts([_merge([p[0][e] for p in parts]) for e in range(epochs)])
-    metrics.update(timings)
-    metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
-    metrics["updates_skipped_nonfinite"] = float(skipped)
-    metrics["lr"] = float(optimizer.param_groups[0]["lr"])
-    metrics["samples"] = float(n)
-    metrics["tokens"] = float(sum(it.response_len for it in items))
-    metrics["world_size"] = float(world)
-    metrics["step_time_s"] = time.perf_counter() - t_start
-    metrics.update(item_metrics(items))
-    return metrics
 
 
 # ---- publication (rank 0) -------------------------------------------------------------------------------
@@ -546,7 +220,7 @@ def plan_start(store: Any, run_dir: Path,
         if bool(found.state.get("lora", models.lora)) != models.lora:
             raise RuntimeError(f"checkpoint {found.path} was written with lora={found.state.get('lora')}, this "
                                f"run has lora={models.lora}")
-        weights = _checkpoint_weights_to_names(models, found.weights)
+        weights = checkpoint_weights_by_name(models, found.weights)
     store_step, _, engine_version = _store_counters(store)
     ckpt_step = found.step if found is not None else 0
     ckpt_version = found.policy_version if found is not None else 0
@@ -677,8 +351,9 @@ def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float
     rank, world, device = init_distributed()
     models = load_train_models(config)
     shard_model(models, device)
+    runner = FSDPRunner(device)
     optimizer = make_optimizer(models, config)
-    vocab_size = int(config_vocab(models))
+    vocab_size = output_vocab_size(models)
     max_context = getattr(models.causal_lm.config, "max_position_embeddings", None)
     run_dir = Path(config.run_dir)
     publisher = _Publisher(models, store, run_dir, report_weights) if rank == 0 else None
@@ -735,7 +410,7 @@ def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float
                 if rank == 0:
                     store.release_lease(batch.lease_id)
                 continue
-            metrics = distributed_train_step(models, optimizer, items, config)
+            metrics = train_step(models, optimizer, items, config, runner=runner)
             weights = gather_weights(models)
             if rank == 0:
                 served = publisher.publish(weights, version + 1)
@@ -770,7 +445,7 @@ def _commit(store: Any, lease_id: str, step: int, version: int, metrics: dict[st
     rank 0 and with it the whole job (the other ranks wait in the next broadcast until their connection drops). The update stays in the weights, as it does when the
     in-process trainer's commit fails."""
     try:
-        store.commit_step(lease_id, step, version, _jsonable(metrics), turn_ids)
+        store.commit_step(lease_id, step, version, step_record(metrics), turn_ids)
         return True
     except Exception:  # noqa: BLE001 - see the docstring
         log.exception("step %d: the store refused the commit (lease %s lost?); its samples are not marked trained "
@@ -780,10 +455,6 @@ def _commit(store: Any, lease_id: str, step: int, version: int, metrics: dict[st
         except Exception:  # noqa: BLE001 - the lease then expires on its own
             log.exception("releasing lease %s failed; its samples return when it expires", lease_id)
         return False
-
-
-def config_vocab(models: TrainModels) -> int:
-    return int(models.causal_lm.config.vocab_size)
 
 
 def _broadcast_ints(*values: int) -> list[int]:
@@ -798,14 +469,6 @@ class _nullcontext:
 
     def __exit__(self, *exc: Any) -> None:
         return None
-
-
-def _jsonable(metrics: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in metrics.items():
-        v = float(v) if not isinstance(v, (str, bool)) and v is not None else v
-        out[k] = None if isinstance(v, float) and not math.isfinite(v) else v
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

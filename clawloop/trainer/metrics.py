@@ -22,6 +22,21 @@ log = logging.getLogger(__name__)
 _CONSOLE_KEYS = ("loss", "grpo_loss", "opd_loss", "combine_loss", "topk_kl_loss", "ref_kl", "grad_norm")
 
 
+def step_record(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A step's metrics as the store records them: plain JSON values, a non-finite number as null, a tensor or
+    numpy scalar as a float."""
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            out[k] = None
+        elif isinstance(v, (int, float, str, bool)) or v is None:
+            out[k] = v
+        else:
+            v = float(v)
+            out[k] = v if math.isfinite(v) else None
+    return out
+
+
 def _finite(value: Any) -> Any:
     """JSON has no NaN/inf: write them as strings so the line stays parseable and the problem visible."""
     if isinstance(value, float) and not math.isfinite(value):

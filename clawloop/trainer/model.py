@@ -107,16 +107,9 @@ def load_train_models(config: Config, model_dir: str | Path | None = None) -> Tr
                        use_reference=use_reference)
 
 
-def response_hidden(causal_lm: torch.nn.Module, input_ids_B_L: torch.Tensor, attention_mask_B_L: torch.Tensor,
-                    prompt_lens: list[int], response_lens: list[int]) -> list[torch.Tensor]:
-    """Final hidden states at the positions that predict each sample's response tokens: ``[T_i, H]`` each.
-
-    Position ``p - 1 + t`` predicts response token ``t`` (``p`` = prompt length).
-    """
-    decoder = causal_lm.get_decoder()
-    out = decoder(input_ids=input_ids_B_L, attention_mask=attention_mask_B_L, use_cache=False)
-    hidden_B_L_H = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return [hidden_B_L_H[i, p - 1:p - 1 + t] for i, (p, t) in enumerate(zip(prompt_lens, response_lens))]
+def output_vocab_size(models: TrainModels) -> int:
+    """Rows of the output layer: the ids the policy can score (a sharded weight reports its full shape)."""
+    return int(models.causal_lm.get_output_embeddings().weight.shape[0])
 
 
 def trainable_state_dict(models: TrainModels) -> dict[str, torch.Tensor]:

@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from clawloop.config import Config
 from clawloop.losses import TopKTargets, logprobs_at, select_hints, topk_overlap, truncated_importance_weights
 from clawloop.store import TurnRecord
-from clawloop.trainer.batch import TrainItem, collate, micro_batches
-from clawloop.trainer.model import TrainModels, response_hidden
+from clawloop.trainer.batch import TrainItem, micro_batches
+from clawloop.trainer.model import TrainModels
+from clawloop.trainer.runner import LocalRunner, Runner
 
 log = logging.getLogger(__name__)
 
@@ -174,31 +174,37 @@ def _combine_teacher(item: TrainItem, t: dict[str, torch.Tensor], old_T: torch.T
 
 
 @torch.no_grad()
+def old_policy_pass(models: TrainModels, groups: list[list[TrainItem]], config: Config, runner: Runner, *,
+                    refresh: RefreshFn | None = None, rounds: int | None = None) -> None:
+    """The separate old-policy (and reference) forward over this process's micro-batches ``groups``, filling
+    each item; ``rounds`` (``runner.rounds``) keeps every rank's forwards in step. No gradient is kept, so
+    memory is one layer's activations at a time; the token budget still bounds the padded batch."""
+    rounds = runner.rounds(len(groups)) if rounds is None else rounds
+    for g in range(rounds):
+        group = groups[g] if g < len(groups) else []
+        forward = runner.forward(models.causal_lm, group)
+        for item, logits_T_V in forward.samples():
+            old_side_from_logits(item, logits_T_V, config, refresh)
+        del forward
+        if models.use_reference:
+            fill_reference(models, group, runner)
+
+
 def fill_old_side(models: TrainModels, items: list[TrainItem], config: Config, *,
                   micro_batch_size: int | None = None, refresh: RefreshFn | None = None,
                   micro_batch_tokens: int | None = None) -> None:
-    """Run the old-policy (and reference) forward over ``items`` in micro-batches and fill each item.
-
-    No gradient is kept here, so memory is one layer's activations at a time; the token budget still bounds
-    the padded batch."""
-    size = micro_batch_size or config.micro_batch_size
-    head = models.causal_lm.get_output_embeddings()
-    for group in micro_batches(items, size, micro_batch_tokens or config.micro_batch_tokens):
-        mb = collate(group, models.device)
-        hidden = response_hidden(models.causal_lm, mb.input_ids_B_L, mb.attention_mask_B_L, mb.prompt_lens,
-                                 mb.response_lens)
-        for item, h_T_H in zip(group, hidden):
-            old_side_from_logits(item, head(h_T_H), config, refresh)
-        del hidden
-        if models.use_reference:
-            fill_reference(models, group, mb)
+    """``old_policy_pass`` over ``items`` in this process's micro-batches."""
+    groups = micro_batches(items, micro_batch_size or config.micro_batch_size,
+                           micro_batch_tokens or config.micro_batch_tokens)
+    old_policy_pass(models, groups, config, LocalRunner(models.device), refresh=refresh)
 
 
 @torch.no_grad()
-def fill_reference(models: TrainModels, group: list[TrainItem], mb: Any) -> None:
+def fill_reference(models: TrainModels, group: list[TrainItem], runner: Runner) -> None:
+    """ℓ_ref at the sampled ids of a micro-batch, under the reference weights."""
     with models.reference_model() as ref:
-        head = ref.get_output_embeddings()
-        hidden = response_hidden(ref, mb.input_ids_B_L, mb.attention_mask_B_L, mb.prompt_lens, mb.response_lens)
-        for item, h_T_H in zip(group, hidden):
-            item.ref_logprobs_T = logprobs_at(head(h_T_H), item.response_ids_T.to(h_T_H.device),
+        forward = runner.forward(ref, group)
+        for item, logits_T_V in forward.samples():
+            item.ref_logprobs_T = logprobs_at(logits_T_V, item.response_ids_T.to(logits_T_V.device),
                                               item.temperature).float()
+        del forward

@@ -1,32 +1,39 @@
 """One training step over a batch of samples: old-policy side, objective, gradient, AdamW update.
 
+This is the only step: the embedded and offline trainers run it with a ``LocalRunner``, each rank of the
+``torchrun`` trainer with an ``FSDPRunner`` (``trainer.runner`` is the seam; docs/trainer.md).
+
 Choices:
 
 * The objective is ``clawloop.losses.sample_objective`` for every method and for both full fine-tuning and
-  LoRA; the trainer only feeds it tensors. Batch loss = mean over the step's samples of each sample's loss.
-* Memory: a micro-batch runs the decoder once over prompt + response; its final hidden states are cut from the
-  graph (``leaf``), and each sample then gets its output-layer logits ``[T_i, V]`` at its response positions
-  only, its objective, and its own backward into the leaf. So at most one sample's ``[T, V]`` logits exist at a
-  time; the decoder's backward runs once per micro-batch with the accumulated hidden-state gradient.
-  Gradients accumulate over micro-batches (each loss is divided by the step's sample count), then one
-  optimizer update. Micro-batches are bounded by ``micro_batch_tokens`` as well as ``micro_batch_size``, and a
-  long one recomputes its decoder activations in the backward (``gradient_checkpointing``,
+  LoRA; the trainer only feeds it tensors. Batch loss = mean over the step's samples of each sample's loss:
+  every sample's loss is divided by the whole batch's size, on every rank.
+* Rewards (GRPO advantages, with group normalisation and ``advantage_mode``) are computed over the whole
+  batch before it is split between ranks, so a group's normalisation sees every member.
+* Memory (``LocalRunner``): a micro-batch runs the decoder once over prompt + response; its final hidden
+  states are cut from the graph, and each sample then gets its output-layer logits ``[T_i, V]`` at its
+  response positions only, its objective, and its own backward. Gradients accumulate over micro-batches, then
+  one optimizer update. Micro-batches are bounded by ``micro_batch_tokens`` as well as ``micro_batch_size``,
+  and a long one recomputes its decoder activations in the backward (``gradient_checkpointing``,
   ``clawloop.trainer.recompute``), so memory grows linearly with the tokens (docs/training-memory.md).
 * Old-policy side: with one update per batch (``steps_per_batch = 1``, the default) the old policy *is* the
   current policy before the update, so ℓ_old and the student top-k are read (detached) from the very logits
   the loss uses — one forward instead of two, and ρ = 1 exactly. With several PPO epochs a separate no-grad
-  forward (``old_policy.fill_old_side``) runs first and every epoch reuses it.
+  forward (``old_policy.old_policy_pass``) runs first and every epoch reuses it.
 * AdamW with the configured lr, betas and weight decay; the global gradient norm is clipped at ``grad_clip``.
   An update whose gradient is not finite is skipped (the step still completes and says so in its metrics).
 * The model runs in eval mode (no dropout) throughout.
 * A sample that cannot get an OPD term (``opd_on_unhinted = anchor`` but no anchor targets were stored, e.g.
   its teacher call failed) trains its RL term only and is counted (``anchor_missing``), rather than failing the
   step for the whole batch.
+* Metrics: each epoch's per-sample metrics are gathered from every rank and merged, then averaged over epochs,
+  so every runner reports the whole batch under the same keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import defaultdict
 from typing import Any
@@ -36,10 +43,10 @@ import torch
 from clawloop.config import Config
 from clawloop.losses import MetricsAccumulator, ObjectiveSample, ObjectiveSettings, group_normalized_rewards, \
     sample_objective, shape_advantages
-from clawloop.trainer.batch import TrainItem, collate, micro_batches
+from clawloop.trainer.batch import TrainItem, micro_batches
 from clawloop.trainer.model import TrainModels
-from clawloop.trainer.old_policy import RefreshFn, fill_old_side, fill_reference, old_side_from_logits
-from clawloop.trainer.recompute import checkpointed_layers, wants_checkpointing
+from clawloop.trainer.old_policy import RefreshFn, fill_reference, old_policy_pass, old_side_from_logits
+from clawloop.trainer.runner import LocalRunner, Runner, scalar
 
 
 def make_optimizer(models: TrainModels, config: Config) -> torch.optim.Optimizer:
@@ -110,77 +117,72 @@ def _sync(device: torch.device) -> None:
 
 
 def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: list[TrainItem], config: Config,
-               *, refresh: RefreshFn | None = None, fuse_old: bool | None = None) -> dict[str, Any]:
-    """Train on ``items`` (``steps_per_batch`` updates) and return the step's metrics (floats)."""
+               *, refresh: RefreshFn | None = None, fuse_old: bool | None = None,
+               runner: Runner | None = None) -> dict[str, Any]:
+    """Train on ``items`` (``steps_per_batch`` updates) and return the step's metrics (floats). Under an
+    ``FSDPRunner`` every rank calls this with the whole batch; each trains its share and all return the
+    whole batch's metrics."""
     if not items:
         raise ValueError("train_step needs at least one sample")
     t_start = time.perf_counter()
+    runner = runner or LocalRunner(models.device)
     settings = ObjectiveSettings.from_config(config)
     epochs = int(config.steps_per_batch)
     fuse = (epochs == 1) if fuse_old is None else (fuse_old and epochs == 1)
-    device = models.device
-    rewards = rewards_for(items, config)
+    device = runner.device
+    rewards = rewards_for(items, config)  # over the whole batch on every rank: group norms see every sample
+    n = len(items)
+    mine = runner.shard(n)
+    reward_of = {id(items[i]): rewards[i] for i in mine}
+    groups = micro_batches([items[i] for i in mine], config.micro_batch_size, config.micro_batch_tokens)
+    rounds = runner.rounds(len(groups))
     timings: dict[str, float] = defaultdict(float)
     params = models.trainable_parameters()
 
     if not fuse:
         t0 = time.perf_counter()
-        fill_old_side(models, items, config, micro_batch_size=config.micro_batch_size, refresh=refresh,
-                      micro_batch_tokens=config.micro_batch_tokens)
+        old_policy_pass(models, groups, config, runner, refresh=refresh, rounds=rounds)
         _sync(device)
         timings["time_old_forward_s"] += time.perf_counter() - t0
 
-    epoch_metrics: list[dict[str, float]] = []
+    epoch_parts: list[tuple[dict[str, float], dict[str, int], int]] = []
     grad_norms: list[float] = []
     skipped = 0
-    n = len(items)
-    index = {id(it): i for i, it in enumerate(items)}
-    head = models.causal_lm.get_output_embeddings()
-    decoder = models.causal_lm.get_decoder()
     checkpointed = 0
     for _ in range(epochs):
         optimizer.zero_grad(set_to_none=True)
         acc = MetricsAccumulator()
-        for group in micro_batches(items, config.micro_batch_size, config.micro_batch_tokens):
-            mb = collate(group, device)
+        for g in range(rounds):
+            group = groups[g] if g < len(groups) else []  # [] keeps FSDP's collectives in step
             if fuse and models.use_reference:
                 t0 = time.perf_counter()
-                fill_reference(models, group, mb)
+                fill_reference(models, group, runner)
                 timings["time_old_forward_s"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            recompute = wants_checkpointing(config.gradient_checkpointing, mb.input_ids_B_L.numel())
-            checkpointed += int(recompute)
-            with checkpointed_layers(decoder, recompute):
-                out = decoder(input_ids=mb.input_ids_B_L, attention_mask=mb.attention_mask_B_L, use_cache=False)
-            hidden_B_L_H = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-            # Cut the graph here: each sample's head + loss runs (and is freed) on its own.
-            leaf_B_L_H = hidden_B_L_H.detach().requires_grad_(True)
+            forward = runner.forward(models.causal_lm, group, checkpointing=config.gradient_checkpointing)
+            checkpointed += int(forward.recomputed)
             _sync(device)
             timings["time_forward_s"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            for i, item in enumerate(group):
-                p, T = item.prompt_len, item.response_len
-                logits_T_V = head(leaf_B_L_H[i, p - 1:p - 1 + T])
+            for item, logits_T_V in forward.samples():
                 if fuse:
                     old_side_from_logits(item, logits_T_V, config, refresh)
-                result = sample_objective(objective_sample(item, logits_T_V, rewards[index[id(item)]]),
+                result = sample_objective(objective_sample(item, logits_T_V, reward_of[id(item)]),
                                           settings_for(item, settings))
-                if result.loss.requires_grad:  # a sample with no active term has a constant 0 loss
-                    (result.loss / n).backward()
+                forward.add_loss(result.loss / n)  # the whole batch's n: the sum over ranks is the batch mean
                 acc.add(result.metrics)
                 del logits_T_V, result
             _sync(device)
             timings["time_loss_s"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            if leaf_B_L_H.grad is not None:
-                hidden_B_L_H.backward(leaf_B_L_H.grad)
-            del hidden_B_L_H, leaf_B_L_H, out
+            forward.backward()
+            del forward
             _sync(device)
             timings["time_backward_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        if torch.isfinite(torch.tensor(grad_norm)):
+        grad_norm = scalar(torch.nn.utils.clip_grad_norm_(params, max_norm))  # the same on every rank
+        if math.isfinite(grad_norm):
             optimizer.step()
         else:
             skipped += 1
@@ -188,14 +190,21 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
         _sync(device)
         timings["time_optimizer_s"] += time.perf_counter() - t0
         grad_norms.append(grad_norm)
-        epoch_metrics.append(acc.result())
+        epoch_parts.append(acc.parts())
 
-    metrics = mean_dicts(epoch_metrics)
+    # Every rank's per-sample metrics (per epoch) and item info, so each reports the whole batch.
+    parts = runner.gather((epoch_parts, {items[i].turn_id: items[i].info for i in mine}))
+    for _, infos in parts:
+        for it in items:
+            if it.turn_id in infos and infos[it.turn_id] is not it.info:
+                it.info.update(infos[it.turn_id])
+    metrics: dict[str, Any] = mean_dicts([_merged([p[0][e] for p in parts]) for e in range(epochs)])
     metrics.update(timings)
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["updates_skipped_nonfinite"] = float(skipped)
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])
     metrics["samples"] = float(n)
+    metrics["world_size"] = float(runner.world)
     metrics["checkpointed_micro_batches"] = float(checkpointed) / epochs
     metrics["max_sample_tokens"] = float(max(int(it.input_ids_L.numel()) for it in items))
     metrics["tokens"] = float(sum(it.response_len for it in items))
@@ -204,6 +213,13 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
     metrics["advantage_mean"] = sum(rewards) / n
     metrics["advantage_negative_mean"] = sum(min(a, 0.0) for a in rewards) / n
     return metrics
+
+
+def _merged(parts: list[tuple[dict[str, float], dict[str, int], int]]) -> dict[str, float]:
+    acc = MetricsAccumulator()
+    for sums, counts, samples in parts:
+        acc.merge(sums, counts, samples)
+    return acc.result()
 
 
 def mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
