@@ -105,13 +105,10 @@ def load_weights_folder(path: Path, kind: str, base_model: str | Path | None) ->
             state.update(st_load_file(str(f)))
         return state
     # LoRA adapter merged into the base weights (for engines that take full state dicts).
-    from peft import PeftModel
+    from clawloop.engines.model_files import resolve_model
+    from clawloop.trainer.publish import merge_adapter_folder
 
-    from clawloop.engines.model_files import load_model
-
-    base = load_model(base_model, dtype="float32", device="cpu")
-    merged = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
-    return {k: v.detach() for k, v in merged.state_dict().items()}
+    return merge_adapter_folder(path, resolve_model(base_model))
 
 
 def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -> None:

@@ -56,6 +56,7 @@ from clawloop.trainer.model import TrainModels, load_train_models, load_trainabl
     trainable_state_dict
 from clawloop.trainer.old_policy import RefreshFn
 from clawloop.trainer.publish import LocalVersion, publish_weights
+from clawloop.trainer.resume import plan_resume
 from clawloop.trainer.step import make_optimizer, train_step
 
 log = logging.getLogger(__name__)
@@ -194,18 +195,18 @@ class Trainer:
     def resume(self) -> dict[str, int]:
         """Load the newest checkpoint (if any) and requeue samples of steps after it. Blocking."""
         found = ckpt.load_latest(self.run_dir, map_location=self.models.device)
+        if found is not None and bool(found.state.get("lora", self.models.lora)) != self.models.lora:
+            raise RuntimeError(f"checkpoint {found.path} was written with lora={found.state.get('lora')}, "
+                               f"this run has lora={self.models.lora}")
+        plan = plan_resume(found.step if found is not None else None, self._last_recorded_step())
+        requeued = self.store.requeue_after_step(plan.requeue_after) if plan.requeue_after is not None else 0
+        self.step = plan.step  # lost steps keep their numbers and rows
+        log.warning("trainer: %s", plan.note)
         if found is None:
-            requeued = self.store.requeue_after_step(0)
-            self.step = self._last_recorded_step()
             self.last_checkpoint_step = 0
             log.warning("trainer: no checkpoint in %s; %d consumed samples requeued, training again from the "
                         "starting weights as step %d on", self.run_dir, requeued, self.step + 1)
             return {"step": 0, "requeued": requeued}
-        if bool(found.state.get("lora", self.models.lora)) != self.models.lora:
-            raise RuntimeError(f"checkpoint {found.path} was written with lora={found.state.get('lora')}, "
-                               f"this run has lora={self.models.lora}")
-        requeued = self.store.requeue_after_step(found.step)
-        self.step = max(found.step, self._last_recorded_step())  # lost steps keep their numbers and rows
         self.last_checkpoint_step = found.step
         self.policy_version = found.policy_version
         if history.has_version(self.run_dir, found.policy_version):

@@ -35,19 +35,11 @@ Choices:
   rank 0 reads the files, ``set_model_state_dict`` / ``set_optimizer_state_dict`` (``broadcast_from_rank0``)
   give every rank its shards, so only rank 0 needs to see ``RUN_DIR``. The configured learning rate wins over
   the saved one, as in the in-process trainer.
-* Resume (automatic at start): the newest checkpoint's weights and optimizer state are loaded; the counters
-  come from it, reconciled with the store's last committed step:
-
-  - store at the checkpoint's step: continue from there;
-  - store ahead of the checkpoint (a crash after a commit but before the next checkpoint): a local store
-    requeues the samples of the steps after the checkpoint and marks those steps requeued
-    (``store.requeue_after_step``), exactly as the in-process ``Trainer.resume`` does, so every sample trains
-    into the resumed weights once; step numbers go on after the store's last step. A store without ``requeue_after_step`` (today the API's routes) cannot do
-    that: a warning names the steps whose samples are missing from the weights, and training continues from
-    the checkpoint's weights with the store's counters (step numbers never repeat);
-  - no checkpoint but steps in the store: a warning; training starts from the starting weights and continues
-    the store's numbering (the store is never rewound without a checkpoint to rewind to);
-  - store behind the checkpoint (an older store file): a warning; the checkpoint's counters are used.
+* Resume (automatic at start): the newest checkpoint's weights and optimizer state are loaded and reconciled
+  with the store's last committed step by the rule the in-process trainer uses (``trainer.resume``): steps
+  committed after the checkpoint have their samples requeued where the store can (a local store; the API's
+  routes cannot, and a warning names the steps whose samples are missing from the weights), and step numbers
+  go on after the highest one recorded.
 
   When the API's engine may serve other weights than the ones loaded (its version differs from the
   checkpoint's, or the store was ahead), the loaded weights are published again before training: under the
@@ -80,6 +72,7 @@ from clawloop.trainer.fsdp import FSDPRunner, checkpoint_weights_by_name, gather
     init_distributed, load_checkpoint_state, shard_model
 from clawloop.trainer.metrics import step_record
 from clawloop.trainer.model import TrainModels, load_train_models, output_vocab_size
+from clawloop.trainer.resume import plan_resume
 from clawloop.trainer.step import make_optimizer, train_step
 
 log = logging.getLogger("clawloop.trainer.distributed")
@@ -225,22 +218,15 @@ def plan_start(store: Any, run_dir: Path,
     ckpt_step = found.step if found is not None else 0
     ckpt_version = found.policy_version if found is not None else 0
     store_ahead = store_step > ckpt_step
-    if store_ahead and found is not None and hasattr(store, "requeue_after_step"):
-        requeued = store.requeue_after_step(ckpt_step)
-        log.warning("store was at step %d, newest checkpoint at step %d: %d samples of the steps after it "
-                    "requeued", store_step, ckpt_step, requeued)
-    elif store_ahead and found is not None:
-        log.warning("store is at step %d but the newest checkpoint is at step %d: the samples of steps %d..%d "
-                    "are not in the resumed weights; continuing from the checkpoint's weights with the store's "
-                    "step numbers", store_step, ckpt_step, ckpt_step + 1, store_step)
-    elif store_ahead:
-        log.warning("no checkpoint in %s but the store is at step %d: training starts from the starting weights "
-                    "and continues the store's step numbers", ckpt.checkpoints_dir(run_dir), store_step)
-    elif store_step < ckpt_step:
-        log.warning("store is at step %d, behind the checkpoint's step %d: continuing with the checkpoint's "
-                    "counters", store_step, ckpt_step)
+    resume = plan_resume(found.step if found is not None else None, store_step,
+                         can_requeue=hasattr(store, "requeue_after_step"))
+    if resume.requeue_after is not None:
+        requeued = store.requeue_after_step(resume.requeue_after)
+        log.warning("%s (%d samples requeued)", resume.note, requeued)
+    elif store_step != ckpt_step:
+        log.warning("%s", resume.note)
     store_step, store_version, engine_version = _store_counters(store)
-    plan = StartPlan(step=max(store_step, ckpt_step), version=max(store_version, ckpt_version),
+    plan = StartPlan(step=resume.step, version=max(store_version, ckpt_version),
                      checkpoint=str(found.path) if found is not None else None,
                      has_optimizer=found is not None and found.optimizer is not None)
     if engine_version is not None and (engine_version != ckpt_version or store_ahead):
@@ -502,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(config, store, max_steps=args.max_steps, lease_s=args.lease_s, poll_s=args.poll_s,
             idle_exit_s=args.idle_exit_s, report_weights=bool(args.api))
+        # Leave together: a rank tearing its group down while another still talks to it can abort in gloo.
+        dist.barrier()
     finally:
         if store is not None:
             store.close()

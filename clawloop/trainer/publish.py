@@ -10,6 +10,13 @@ What the engine receives:
 * LoRA to an engine that hot-loads adapters (vLLM's ``LoRAPublisher``) — the PEFT model itself, so only the
   adapter is written and loaded.
 
+A LoRA adapter folder written by another process (the ``torchrun`` trainer) is merged for engines that take
+full weights by ``merge_adapter_folder``: the base weights are read from the model folder's safetensors files
+and ``W + scaling · B @ A`` is computed for each adapted layer, the same delta peft computes, without building
+the base model or a peft model (which took seconds per publication and a second model's memory). Adapter
+features that change that formula (DoRA, per-module rank or alpha patterns, ``fan_in_fan_out``, extra trained
+modules) fall back to peft's own merge.
+
 ``publish_weights`` returns the engine's new ``policy_version``. An engine that accepts an explicit version
 (``version=`` keyword) is given one when resuming, so versions continue from the checkpoint.
 """
@@ -17,6 +24,9 @@ What the engine receives:
 from __future__ import annotations
 
 import inspect
+import json
+import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +57,65 @@ def merged_state_dict(models: TrainModels) -> dict[str, torch.Tensor]:
         plain = key.replace(".base_layer.", ".")
         out[plain] = deltas.get(plain, value.detach())
     return out
+
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def _direct_merge_scaling(adapter_config: dict[str, Any], adapter_keys: list[str]) -> float | None:
+    """``lora_alpha / r`` (or ``/ sqrt(r)`` with rsLoRA) when the plain formula is the whole merge, else None."""
+    if adapter_config.get("use_dora") or adapter_config.get("fan_in_fan_out") or adapter_config.get("rank_pattern") \
+            or adapter_config.get("alpha_pattern") or adapter_config.get("modules_to_save"):
+        return None
+    if any(not (k.startswith(_PEFT_PREFIX) and k.endswith((".lora_A.weight", ".lora_B.weight"))) for k in adapter_keys):
+        return None
+    r, alpha = int(adapter_config["r"]), float(adapter_config["lora_alpha"])
+    return alpha / math.sqrt(r) if adapter_config.get("use_rslora") else alpha / r
+
+
+@torch.no_grad()
+def merge_adapter_folder(adapter_dir: str | Path, base_model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """A PEFT LoRA adapter folder merged into the base model's weights: a float32 state dict keyed as the base
+    architecture's (see the module docstring)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    adapter_dir, base_model_dir = Path(adapter_dir), Path(base_model_dir)
+    adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    adapter = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    scaling = _direct_merge_scaling(adapter_config, list(adapter))
+    base_files = sorted(base_model_dir.glob("*.safetensors"))
+    if scaling is None or not base_files:
+        return merge_adapter_with_peft(adapter_dir, base_model_dir)
+    merged: dict[str, torch.Tensor] = {}
+    for file in base_files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                merged[key] = f.get_tensor(key).to(torch.float32)
+    for key, a_R_In in adapter.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key[len(_PEFT_PREFIX):-len(".lora_A.weight")]
+        b_Out_R = adapter[f"{_PEFT_PREFIX}{module}.lora_B.weight"]
+        weight = f"{module}.weight"
+        if weight not in merged:
+            raise KeyError(f"the adapter in {adapter_dir} adapts {module!r}, which {base_model_dir} does not have")
+        merged[weight] = merged[weight] + (b_Out_R.to(torch.float32) @ a_R_In.to(torch.float32)) * scaling
+    tied = json.loads((base_model_dir / "config.json").read_text()).get("tie_word_embeddings", False)
+    if tied and "lm_head.weight" not in merged and "model.embed_tokens.weight" in merged:
+        merged["lm_head.weight"] = merged["model.embed_tokens.weight"]  # stored once, as the model ties them
+    return merged
+
+
+def merge_adapter_with_peft(adapter_dir: Path, base_model_dir: Path) -> dict[str, torch.Tensor]:
+    """peft's own merge (``merge_and_unload``) of an adapter folder into a freshly loaded base model."""
+    from peft import PeftModel
+
+    from clawloop.engines.model_files import load_model
+
+    base = load_model(base_model_dir, dtype="float32", device="cpu")
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    return {k: v.detach() for k, v in merged.state_dict().items()}
 
 
 def _accepts_version(fn: Any) -> bool:

@@ -135,3 +135,30 @@ def test_engines_declare_whether_they_take_adapters():
     engine.publisher = CheckpointPublisher.__new__(CheckpointPublisher)
     assert not takes_adapters(engine)
     assert HFEngine.takes_adapters is False and not takes_adapters(LocalVersion())
+
+
+@pytest.mark.parametrize("rslora", [False, True], ids=["lora", "rslora"])
+def test_an_adapter_folder_merges_into_the_weights_peft_merges_to(tiny_model_path, tmp_path, rslora):
+    """A ``torchrun`` trainer's adapter folder is merged for the embedded engine straight from the base model's
+    files; the result is peft's own merge (``merge_and_unload``) of the same folder."""
+    from peft import LoraConfig, get_peft_model
+
+    from clawloop.engines.model_files import load_model
+    from clawloop.trainer.publish import merge_adapter_with_peft, merge_adapter_folder
+
+    torch.manual_seed(0)
+    policy = get_peft_model(load_model(tiny_model_path, device="cpu"),
+                            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                       use_rslora=rslora))
+    for name, param in policy.named_parameters():
+        if "lora_B" in name:  # B starts at zero: move it so the delta is not
+            param.data.normal_(0, 0.05)
+    policy.save_pretrained(str(tmp_path / "adapter"))
+
+    direct = merge_adapter_folder(tmp_path / "adapter", tiny_model_path)
+    by_peft = merge_adapter_with_peft(tmp_path / "adapter", tiny_model_path)
+    assert set(direct) == set(by_peft)
+    for key, value in by_peft.items():
+        torch.testing.assert_close(direct[key], value, atol=1e-6, rtol=0, msg=key)
+    moved = [k for k in by_peft if not torch.equal(direct[k], load_model(tiny_model_path).state_dict()[k])]
+    assert moved and all(any(m in k for m in ("q_proj", "v_proj", "down_proj")) for k in moved)
