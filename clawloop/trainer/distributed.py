@@ -50,10 +50,8 @@ Choices:
 from __future__ import annotations
 
 import argparse
-import copy
 import logging
 import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -63,7 +61,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from clawloop.atomic import write_folder_atomically
 from clawloop.config import Config
 from clawloop.store import SampleRecord, TurnRecord
 from clawloop.trainer import checkpoint as ckpt
@@ -72,13 +69,13 @@ from clawloop.trainer.fsdp import FSDPRunner, checkpoint_weights_by_name, gather
     init_distributed, load_checkpoint_state, shard_model
 from clawloop.trainer.metrics import step_record
 from clawloop.trainer.model import TrainModels, load_train_models, output_vocab_size
+from clawloop.trainer.publish import FolderPublisher, unshared_tensors
 from clawloop.trainer.resume import plan_resume
 from clawloop.trainer.step import make_optimizer, train_step
 
 log = logging.getLogger("clawloop.trainer.distributed")
 
 KEEP_CHECKPOINTS = 2
-KEEP_PUBLISHED = 2
 
 
 # ---- process group -------------------------------------------------------------------------------------
@@ -91,90 +88,6 @@ class _Turns:
 
     def get_turn(self, turn_id: int) -> TurnRecord:
         return self.turns[turn_id]
-
-
-# ---- publication (rank 0) -------------------------------------------------------------------------------
-def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tied tensors share storage, which safetensors refuses to write twice: clone the second and later ones."""
-    seen: set[int] = set()
-    out = {}
-    for k, v in state.items():
-        v = v.detach().contiguous()
-        ptr = v.untyped_storage().data_ptr()
-        out[k] = v.clone() if ptr in seen else v
-        seen.add(ptr)
-    return out
-
-
-def write_publication(models: TrainModels, weights: dict[str, torch.Tensor], folder: Path) -> tuple[Path, str]:
-    """Rank 0: the full weights (``model.safetensors``) or, with LoRA, a PEFT adapter folder. Returns the folder
-    and the ``kind`` the API's ``/v1/trainer/weights`` takes for it."""
-    from safetensors.torch import save_file
-
-    if not models.lora:
-        write_folder_atomically(folder, lambda tmp: save_file(_unshared(weights), str(tmp / "model.safetensors")))
-        return folder, "full"
-    adapter = getattr(models.policy, "active_adapter", "default")
-    if isinstance(adapter, (list, tuple)):
-        adapter = adapter[0]
-    peft_config = copy.deepcopy(models.policy.peft_config[adapter])
-    peft_config.inference_mode = True  # as peft's save_pretrained writes it
-
-    def write(tmp: Path) -> None:
-        peft_config.save_pretrained(str(tmp))
-        save_file(_unshared(weights), str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-
-    write_folder_atomically(folder, write)
-    return folder, "lora"
-
-
-def _prune_published(root: Path, keep: int) -> None:
-    def number(p: Path) -> int | None:
-        try:
-            return int(p.name[1:]) if p.is_dir() and p.name.startswith("v") else None
-        except ValueError:
-            return None
-
-    found = sorted((v, p) for p in root.iterdir() if (v := number(p)) is not None)
-    for _, path in found[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-class _Publisher:
-    """Rank 0's publication state: writes folders, reports them to the API (when there is one), remembers a
-    failed report so it is retried before the next batch."""
-
-    def __init__(self, models: TrainModels, store: Any, run_dir: Path, report: bool):
-        self.models = models
-        self.store = store
-        self.root = run_dir / "weights"
-        self.report = report and hasattr(store, "report_weights")
-        self.pending: tuple[Path, str, int] | None = None
-
-    def publish(self, weights: dict[str, torch.Tensor], version: int) -> int | None:
-        """Write ``weights`` as version ``version`` and report them. Returns the version they are served under,
-        or None when the report failed (kept for ``retry``)."""
-        folder, kind = write_publication(self.models, weights, self.root / f"v{version}")
-        if not self.report:
-            return version
-        self.pending = (folder, kind, version)
-        return self.retry()
-
-    def retry(self) -> int | None:
-        if self.pending is None:
-            return None
-        folder, kind, version = self.pending
-        try:
-            served = int(self.store.report_weights(str(folder), version, kind=kind))
-        except Exception:
-            log.exception("reporting weights %s failed; will retry before the next step", folder)
-            return None
-        self.pending = None
-        try:
-            _prune_published(self.root, KEEP_PUBLISHED)
-        except OSError:
-            log.exception("removing old weight folders failed")
-        return served
 
 
 # ---- resume ------------------------------------------------------------------------------------------
@@ -315,7 +228,7 @@ def _save_checkpoint(models: TrainModels, optimizer: torch.optim.Optimizer, conf
     if dist.get_rank() == 0:
         try:
             path = ckpt.save_checkpoint(
-                run_dir, step, version, _unshared(weights), optimizer_state,
+                run_dir, step, version, unshared_tensors(weights), optimizer_state,
                 extra={"lora": models.lora, "model_dir": str(models.model_dir), "method": config.method,
                        "world_size": dist.get_world_size()},
                 keep_last=KEEP_CHECKPOINTS)
@@ -342,7 +255,7 @@ def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float
     vocab_size = output_vocab_size(models)
     max_context = getattr(models.causal_lm.config, "max_position_embeddings", None)
     run_dir = Path(config.run_dir)
-    publisher = _Publisher(models, store, run_dir, report_weights) if rank == 0 else None
+    publisher = FolderPublisher(models, store, run_dir, report_weights) if rank == 0 else None
 
     plan = _start(models, optimizer, config, store, run_dir)
     step, version = plan.step, plan.version

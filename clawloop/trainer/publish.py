@@ -19,19 +19,32 @@ modules) fall back to peft's own merge.
 
 ``publish_weights`` returns the engine's new ``policy_version``. An engine that accepts an explicit version
 (``version=`` keyword) is given one when resuming, so versions continue from the checkpoint.
+
+The other way round, a trainer in another process (``torchrun``) publishes by folder (``FolderPublisher``):
+``RUN_DIR/weights/v<N>`` holds the full weights or the PEFT adapter, written to a temporary name and renamed
+so the API never reads half of one, then reported to the API's ``/v1/trainer/weights`` route, which loads it
+(``merge_adapter_folder`` for an adapter and an engine that takes full weights).
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
+import logging
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from clawloop.atomic import write_folder_atomically
 from clawloop.trainer.model import TrainModels
+
+log = logging.getLogger(__name__)
+
+KEEP_WEIGHTS_FOLDERS = 2
 
 
 @torch.no_grad()
@@ -161,3 +174,88 @@ class LocalVersion:
     def publish_sync(self, weights: Any, version: int | None = None) -> int:
         self._version = int(version) if version is not None else self._version + 1
         return self._version
+
+
+# ---- weights folders for another process (the torchrun trainer's rank 0) -------------------------------------------------------------------------------
+def unshared_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tied tensors share storage, which safetensors refuses to write twice: clone the second and later ones."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in state.items():
+        v = v.detach().contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return out
+
+
+def write_weights_folder(models: TrainModels, weights: dict[str, torch.Tensor], folder: Path) -> tuple[Path, str]:
+    """The full weights (``model.safetensors``) or, with LoRA, a PEFT adapter folder, written atomically. Returns
+    the folder and the ``kind`` the API's ``/v1/trainer/weights`` takes for it."""
+    from safetensors.torch import save_file
+
+    if not models.lora:
+        write_folder_atomically(folder, lambda tmp: save_file(unshared_tensors(weights), str(tmp / "model.safetensors")))
+        return folder, "full"
+    adapter = getattr(models.policy, "active_adapter", "default")
+    if isinstance(adapter, (list, tuple)):
+        adapter = adapter[0]
+    peft_config = copy.deepcopy(models.policy.peft_config[adapter])
+    peft_config.inference_mode = True  # as peft's save_pretrained writes it
+
+    def write(tmp: Path) -> None:
+        peft_config.save_pretrained(str(tmp))
+        save_file(unshared_tensors(weights), str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+    write_folder_atomically(folder, write)
+    return folder, "lora"
+
+
+def prune_weights_folders(root: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` ``v<N>`` folders under ``root``."""
+    def number(p: Path) -> int | None:
+        try:
+            return int(p.name[1:]) if p.is_dir() and p.name.startswith("v") else None
+        except ValueError:
+            return None
+
+    found = sorted((v, p) for p in root.iterdir() if (v := number(p)) is not None)
+    for _, path in found[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class FolderPublisher:
+    """Publishing by folder: writes each version's folder, reports it to the API (when there is one), remembers a
+    failed report so it is retried before the next batch, and keeps the newest ``KEEP_WEIGHTS_FOLDERS``."""
+
+    def __init__(self, models: TrainModels, store: Any, run_dir: Path, report: bool):
+        self.models = models
+        self.store = store
+        self.root = run_dir / "weights"
+        self.report = report and hasattr(store, "report_weights")
+        self.pending: tuple[Path, str, int] | None = None
+
+    def publish(self, weights: dict[str, torch.Tensor], version: int) -> int | None:
+        """Write ``weights`` as version ``version`` and report them. Returns the version they are served under,
+        or None when the report failed (kept for ``retry``)."""
+        folder, kind = write_weights_folder(self.models, weights, self.root / f"v{version}")
+        if not self.report:
+            return version
+        self.pending = (folder, kind, version)
+        return self.retry()
+
+    def retry(self) -> int | None:
+        if self.pending is None:
+            return None
+        folder, kind, version = self.pending
+        try:
+            served = int(self.store.report_weights(str(folder), version, kind=kind))
+        except Exception:
+            log.exception("reporting weights %s failed; will retry before the next step", folder)
+            return None
+        self.pending = None
+        try:
+            prune_weights_folders(self.root, KEEP_WEIGHTS_FOLDERS)
+        except OSError:
+            log.exception("removing old weight folders failed")
+        return served
