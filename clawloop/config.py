@@ -257,7 +257,9 @@ class Config:
                             "greedy probe answers.")
     gate_probe_tokens: int = _f(64, "Tokens each greedy probe answer may have (the loops of a slightly shifted "
                                  "model often start after 30-40 tokens, in a second sentence).")
-    gate_recent_prompts: int = _f(2, "The run's most recent prompts added to the shipped probes at each check.")
+    gate_recent_prompts: int = _f(8, "The run's most recent distinct prompts added to the shipped probes at each "
+                                  "check (what users ask is where a regression shows first; a prompt that is one "
+                                  "question also gets the guard's topic and echo rules).")
     keep_full_versions: int = _f(3, "Full fine-tuning: weights of this many newest accepted versions are kept in "
                                  "RUN_DIR/versions (LoRA adapters are always all kept).")
 

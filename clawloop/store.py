@@ -741,13 +741,25 @@ class Store:
         return [{"id": r["id"], "created_at": r["created_at"], "kind": r["kind"], "step": r["step"],
                  "version": r["version"], "detail": json.loads(r["detail"])} for r in rows]
 
-    def recent_prompts(self, n: int) -> list[tuple[int, list[int]]]:
-        """The prompt token ids of the ``n`` most recent stored turns, newest first: ``(turn id, ids)``."""
+    def recent_prompts(self, n: int, *, scan: int = 200) -> list[tuple[int, list[int], list[dict[str, Any]]]]:
+        """The ``n`` most recent distinct prompts, newest first: ``(turn id, prompt ids, request messages)``. A prompt
+        equal to a newer one (a retried request, the same question asked again) is skipped; at most the ``scan``
+        newest turns are read."""
         if n <= 0:
             return []
         with self._lock:
-            rows = self._db.execute("SELECT id, prompt_ids FROM turns ORDER BY id DESC LIMIT ?", (int(n),)).fetchall()
-        return [(r["id"], _ids_from(r["prompt_ids"])) for r in rows]
+            rows = self._db.execute("SELECT id, prompt_ids, messages FROM turns ORDER BY id DESC LIMIT ?",
+                                    (max(int(n), int(scan)),)).fetchall()
+        out: list[tuple[int, list[int], list[dict[str, Any]]]] = []
+        seen: set[bytes] = set()
+        for r in rows:
+            if bytes(r["prompt_ids"]) in seen:
+                continue
+            seen.add(bytes(r["prompt_ids"]))
+            out.append((r["id"], _ids_from(r["prompt_ids"]), json.loads(r["messages"])))
+            if len(out) == n:
+                break
+        return out
 
     def samples(self, state: str | None = None) -> list[SampleRecord]:
         with self._lock:

@@ -5,14 +5,14 @@ optimizer step; the serving engine keeps serving the last accepted version meanw
 
 A check:
 
-1. builds the probe set: the shipped general prompts (``clawloop.gate.probes``) plus the run's most recent real
-   prompts (``recent_prompts`` from the store; prompts longer than ``MAX_PROMPT_TOKENS`` are left out to bound
-   the cost);
+1. builds the probe set: the shipped general prompts (``clawloop.gate.probes``) plus the run's most recent
+   distinct real prompts (``recent_prompts`` from the store; prompts longer than ``MAX_PROMPT_TOKENS`` are left
+   out to bound the cost);
 2. generates the candidate's greedy answer to each probe (``probe_tokens`` at most);
 3. runs the degeneracy guard on every answer: the text rules everywhere (empty, symbol soup, loops, low
-   diversity) and, on the shipped probes, whose question is known, the question rules too (the answer must
-   mention the question's topic and must not merely echo it: "A tree is a tree is a tree." is an early sign of
-   collapse that the text rules miss). A probe counts against the candidate only when the reference answers it
+   diversity) and, where the question is known (the shipped probes, and recent prompts that are one user
+   question), the question rules too (the answer must mention the question's topic and must not merely echo
+   it: "A tree is a tree is a tree." and "The answer is:" are early signs of collapse that the text rules miss). A probe counts against the candidate only when the reference answers it
    soundly: the shipped probes' reference verdicts are computed once, a recent prompt's when it first appears. ``guard_pass`` = candidate-sound / reference-sound; the candidate
    fails when it is below ``min_guard_pass``;
 4. measures KL(candidate || reference) at every position of the candidate's answers (full vocabulary, nats per
@@ -81,14 +81,15 @@ class _Probe:
     prompt: str
     ids: list[int]
     question: str | None = None
-    """The shipped prompt, for the guard's question rules; None for a recent prompt (its text is the chat's)."""
+    """The question, for the guard's question rules: a shipped prompt, or a recent prompt that is one question
+    (``fresh_question``); None for a recent prompt that is a longer conversation."""
 
 
 class PublicationGate:
     """Checks candidates of one run (see the module docstring). Not thread-safe: the training thread owns it."""
 
     def __init__(self, tokenizer: Any, *, min_guard_pass: float = 0.9, max_kl: float = 4.0, probe_tokens: int = 32,
-                 recent_prompts: Callable[[], Sequence[tuple[int, list[int]]]] | None = None,
+                 recent_prompts: Callable[[], Sequence[tuple[int, list[int], list[dict[str, Any]]]]] | None = None,
                  probes: Sequence[str] = PROBES):
         self.tokenizer = tokenizer
         self.min_guard_pass = float(min_guard_pass)
@@ -105,9 +106,11 @@ class PublicationGate:
 
     def probe_set(self) -> list[_Probe]:
         probes = list(self.shipped)
-        for turn_id, ids in (self.recent_prompts() if self.recent_prompts else ()):
+        for turn_id, ids, messages in (self.recent_prompts() if self.recent_prompts else ()):
             if 0 < len(ids) <= MAX_PROMPT_TOKENS:
-                probes.append(_Probe(f"recent:{turn_id}", self._last_user_text(ids), list(ids)))
+                question = fresh_question(messages)
+                probes.append(_Probe(f"recent:{turn_id}", question or self._last_user_text(ids), list(ids),
+                                     question=question))
         return probes
 
     def _last_user_text(self, ids: list[int]) -> str:
@@ -165,6 +168,23 @@ class PublicationGate:
         if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
             ids.add(im_end)
         return sorted(i for i in ids if i is not None)
+
+
+def fresh_question(messages: Sequence[dict[str, Any]]) -> str | None:
+    """The text of a conversation that is one question (system messages aside, a single user message of plain
+    text), else None. The guard's question rules (on topic, not an echo) apply to such a recent prompt as to a
+    shipped one; in a longer conversation the last message need not say what the answer is about."""
+    turns = [m for m in messages if m.get("role") not in ("system", "developer")]
+    if len(turns) != 1 or turns[0].get("role") != "user":
+        return None
+    content = turns[0].get("content")
+    if isinstance(content, list):  # content parts: only an all-text message counts
+        if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+            return None
+        content = " ".join(str(part.get("text", "")) for part in content)
+    if not isinstance(content, str):
+        return None
+    return content.strip() or None
 
 
 def _key(p: _Probe) -> str:

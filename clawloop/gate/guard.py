@@ -57,6 +57,7 @@ ENGLISH_STOPWORDS = frozenset(
 
 _WORD_RE = re.compile(r"\w+(?:['\u2019]\w+)*", re.UNICODE)
 _LETTERS_RE = re.compile(r"[^\W\d_]+", re.UNICODE)
+_NUMBER_RE = re.compile(r"\d+(?:[.,]\d+)?")
 # Words of a question that say nothing about its topic.
 _NOT_TOPIC = ENGLISH_STOPWORDS | frozenset(
     "make good best does like thing things keep take give get way ways something someone better need "
@@ -101,7 +102,9 @@ def echoes(question: str, answer: str) -> bool:
     "Why do stars shine?" or "Stars shine."): it says nothing, although it is short and on topic."""
     asked = {w.lower() for w in _LETTERS_RE.findall(question)}
     said = [w.lower() for w in _LETTERS_RE.findall(answer)]
-    return bool(said) and all(w in asked or w in ENGLISH_STOPWORDS for w in said)
+    # A number the question does not hold is content of its own ("Three hours is 180 minutes.").
+    new_numbers = set(_NUMBER_RE.findall(answer)) - set(_NUMBER_RE.findall(question))
+    return bool(said) and not new_numbers and all(w in asked or w in ENGLISH_STOPWORDS for w in said)
 
 
 def check(text: str, config: GuardConfig = GuardConfig(), question: str | None = None) -> GuardResult:

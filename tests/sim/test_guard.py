@@ -108,6 +108,9 @@ def test_answers_that_ignore_the_question_are_off_topic(question, answer):
         ("Why do stars shine?", "Stars shine.", True),
         ("Why do stars shine?", "Stars shine because they fuse hydrogen.", False),
         ("What is the capital of Egypt?", "Cairo is the capital.", False),
+        # A number the question does not hold is an answer of its own, not an echo.
+        ("How many minutes are in three hours?", "Three hours is 3 * 60 = 180 minutes.", False),
+        ("How many minutes are in 3 hours?", "3 hours is minutes.", True),
     ],
 )
 def test_an_answer_that_only_repeats_the_question_is_an_echo(question, answer, echo):
