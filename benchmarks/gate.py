@@ -3,9 +3,9 @@
 One process loads SmolLM2-135M-Instruct for training the way the demo does (LoRA r16, lr 1e-3, kl 0.05), writes
 ``--steps × --samples`` served turns with real chat-template prompts and ``--tokens`` answer tokens into a
 temporary store, and runs ``--steps`` steps through ``clawloop.trainer.core.Trainer`` with the gate checking every
-step (the default). Each line shows the optimizer step's time and the gate check's time (greedy answers to the 12
-shipped probes plus the run's 2 recent prompts, ``gate_probe_tokens`` each, then the KL forward pass), and
-their ratio. The first check also answers every probe with the reference once (its verdicts are cached), so it
+step (the default). Each line shows the optimizer step's time and the gate check's time (greedy answers to the
+shipped probes plus the run's ``gate_recent_prompts`` recent distinct prompts, ``gate_probe_tokens`` each, then
+the KL forward pass), and their ratio. The first check also answers every probe with the reference once (its verdicts are cached), so it
 is slower than the steady state.
 
     .venv/bin/python benchmarks/gate.py                    # 3 steps of 4 samples x 64 tokens, 1 thread
@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--probe-tokens", type=int, default=64)
+    parser.add_argument("--recent-prompts", type=int, default=None, help="gate_recent_prompts (default: the "
+                        "setting's default)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--full", action="store_true", help="Full fine-tuning instead of LoRA.")
     args = parser.parse_args()
@@ -52,7 +54,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = Config.from_dict(dict(model=str(model_dir), device="cpu", run_dir=tmp, method="rl",
                                        lora=not args.full, lr=1e-3, kl_coef=0.05, rollout_batch_size=args.samples,
-                                       gate_probe_tokens=args.probe_tokens, metrics_backends=["jsonl"]))
+                                       gate_probe_tokens=args.probe_tokens, metrics_backends=["jsonl"],
+                                       **({} if args.recent_prompts is None else
+                                          {"gate_recent_prompts": args.recent_prompts})))
         store = Store(Path(tmp) / "store.sqlite")
         text_ids = tokenizer(FILLER * (args.tokens // 20 + 2), add_special_tokens=False)["input_ids"]
         for i in range(args.samples * args.steps):

@@ -67,6 +67,7 @@ from clawloop.trainer import checkpoint as ckpt
 from clawloop.trainer.batch import prepare_items
 from clawloop.trainer.fsdp import FSDPRunner, checkpoint_weights_by_name, gather_optimizer, gather_weights, \
     init_distributed, load_checkpoint_state, shard_model
+from clawloop.trainer.leasing import BatchLeaser
 from clawloop.trainer.metrics import step_record
 from clawloop.trainer.model import TrainModels, load_train_models, output_vocab_size
 from clawloop.trainer.publish import FolderPublisher, unshared_tensors
@@ -256,6 +257,8 @@ def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float
     max_context = getattr(models.causal_lm.config, "max_position_embeddings", None)
     run_dir = Path(config.run_dir)
     publisher = FolderPublisher(models, store, run_dir, report_weights) if rank == 0 else None
+    # A failed step stops every rank (a rank cannot train around it alone), so nothing is retried here.
+    leaser = BatchLeaser(store, config.rollout_batch_size, lease_s=lease_s, count_first=False) if rank == 0 else None
 
     plan = _start(models, optimizer, config, store, run_dir)
     step, version = plan.step, plan.version
@@ -279,8 +282,7 @@ def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float
             if publisher.pending is not None and (served := publisher.retry()) is not None:
                 version = served
             try:
-                lease_id, samples = store.lease_samples(config.rollout_batch_size, lease_s=lease_s,
-                                                        min_n=config.rollout_batch_size)
+                lease_id, samples = leaser.lease()
             except Exception:  # noqa: BLE001 - rank 0 must reach the broadcast, or the other ranks wait forever
                 log.exception("leasing a batch failed; trying again in %.1fs", poll_s)
                 lease_id, samples = "", []

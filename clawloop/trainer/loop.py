@@ -12,7 +12,8 @@
   from ``error_backoff_s`` up to ``max_backoff_s``) before trying again; the error is logged and counted. The
   failed batch's samples are then retried one per step, so samples that train fine go through and one that
   breaks every step it is in is isolated; after ``max_sample_failures`` failed steps it is dropped with reason
-  ``train_error`` (never silently) instead of stopping training forever;
+  ``train_error`` (never silently) instead of stopping training forever (``trainer.leasing``, which every
+  trainer loop leases through);
 * ``rollback(version)`` serves a kept version again (``Trainer.rollback``) once the step in progress, if any, has
   finished; requests keep being answered meanwhile. A rollback asked for while no server ran
   (``clawloop rollback RUN_DIR --to N``, recorded in the store's ``rollback_to``) is applied at ``start()``;
@@ -29,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -38,6 +38,7 @@ from clawloop.config import Config
 from clawloop.memory import trim_heap
 from clawloop.store import Store
 from clawloop.trainer.core import Trainer, make_refresh
+from clawloop.trainer.leasing import BatchLeaser
 from clawloop.trainer.rollback import ROLLBACK_META
 from clawloop.trainer.model import TrainModels
 
@@ -60,7 +61,6 @@ class OnlineTrainer:
         self.error_backoff_s = float(error_backoff_s)
         self.max_backoff_s = float(max_backoff_s)
         self.max_sample_failures = int(max_sample_failures)
-        self._sample_failures: Counter[int] = Counter()
         self._models = models
         self._console = console
         self.core: Trainer | None = None
@@ -178,15 +178,12 @@ class OnlineTrainer:
     # ---- the loop -----------------------------------------------------------------------------------
     async def _run(self) -> None:
         assert self.core is not None and self._wake is not None
-        batch = int(self.config.rollout_batch_size)
+        leaser = BatchLeaser(self.store, int(self.config.rollout_batch_size),
+                             max_sample_failures=self.max_sample_failures)
         consecutive = 0
-        quarantine = 0  # single-sample steps still to take after a failed step
         while not self._stopping:
-            n = 1 if quarantine > 0 else batch
             try:
-                ready = await asyncio.to_thread(self.store.ready_count)
-                lease_id, samples = ("", []) if ready < n else await asyncio.to_thread(
-                    self.store.lease_samples, n, 3600.0, n)
+                lease_id, samples = await asyncio.to_thread(leaser.lease)
             except Exception as exc:  # noqa: BLE001 - e.g. the database is locked for longer than its timeout
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.exception("trainer: reading the store failed; retrying")
@@ -195,44 +192,25 @@ class OnlineTrainer:
             if not samples:
                 await self._sleep(self.poll_interval_s)
                 continue
-            if quarantine > 0:
-                quarantine -= 1
             self._busy = True
             try:
                 assert self._model_lock is not None
                 async with self._model_lock:
                     await asyncio.to_thread(self._train_batch, lease_id, samples)
                 consecutive = 0
-                for s in samples:
-                    self._sample_failures.pop(s.turn_id, None)
+                leaser.succeeded(samples)
             except Exception as exc:  # noqa: BLE001 - a failed step must not end serving
                 self.failures += 1
                 consecutive += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.exception("trainer: step failed; its %d samples go back to ready", len(samples))
                 try:
-                    kept = await asyncio.to_thread(self._give_back, lease_id, [s.turn_id for s in samples])
+                    await asyncio.to_thread(leaser.failed, lease_id, samples)
                 except Exception:  # noqa: BLE001 - the lease then expires on its own
                     log.exception("trainer: releasing lease %s failed; it returns when it expires", lease_id)
-                    kept = 0
-                # Retry the failed samples one per step (they are the oldest ready, so they come first): the
-                # ones that train go through, the one that keeps failing is isolated and eventually dropped.
-                quarantine = max(quarantine, kept)
                 await self._sleep(min(self.max_backoff_s, self.error_backoff_s * 2 ** (consecutive - 1)))
             finally:
                 self._busy = False
-
-    def _give_back(self, lease_id: str, turn_ids: list[int]) -> int:
-        """After a failed step: drop samples that failed too often (recorded), return the rest to ready.
-        Returns how many went back."""
-        for tid in turn_ids:
-            self._sample_failures[tid] += 1
-            if self._sample_failures[tid] >= self.max_sample_failures:
-                self.store.drop_leased_sample(tid, "train_error")
-                del self._sample_failures[tid]
-                log.error("trainer: sample of turn %d was in %d failed steps; dropped (reason train_error)", tid,
-                          self.max_sample_failures)
-        return self.store.release_lease(lease_id)
 
     async def _sleep(self, seconds: float) -> None:
         assert self._wake is not None

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 from clawloop.config import Config
 from clawloop.store import Store, find_store
 from clawloop.trainer.core import Trainer, make_refresh
+from clawloop.trainer.leasing import BatchLeaser
 from clawloop.trainer.model import TrainModels
 from clawloop.trainer.publish import LocalVersion
 
@@ -38,19 +39,16 @@ def train_offline(config: Config, run_dir: str | Path | None = None, max_steps: 
     try:
         if resume:
             trainer.resume()
-        batch = int(config.rollout_batch_size)
+        leaser = BatchLeaser(store, int(config.rollout_batch_size), partial=not full_batches_only)
         steps = samples = 0
         while max_steps is None or steps < max_steps:
-            ready = store.ready_count()
-            if ready == 0 or (ready < batch and full_batches_only):
-                break
-            lease_id, leased = store.lease_samples(batch)
+            lease_id, leased = leaser.lease()
             if not leased:
                 break
             try:
                 metrics = trainer.run_batch(lease_id, leased)
             except BaseException:
-                store.release_lease(lease_id)
+                leaser.failed(lease_id, leased)  # back to ready (counted), then the command fails
                 raise
             if metrics is None:
                 continue
