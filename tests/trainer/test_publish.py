@@ -137,6 +137,7 @@ def test_engines_declare_whether_they_take_adapters():
     assert HFEngine.takes_adapters is False and not takes_adapters(LocalVersion())
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft probing transformers
 @pytest.mark.parametrize("rslora", [False, True], ids=["lora", "rslora"])
 def test_an_adapter_folder_merges_into_the_weights_peft_merges_to(tiny_model_path, tmp_path, rslora):
     """A ``torchrun`` trainer's adapter folder is merged for the embedded engine straight from the base model's
