@@ -748,18 +748,20 @@ class Store:
         if n <= 0:
             return []
         with self._lock:
-            rows = self._db.execute("SELECT id, prompt_ids, messages FROM turns ORDER BY id DESC LIMIT ?",
+            rows = self._db.execute("SELECT id, prompt_ids FROM turns ORDER BY id DESC LIMIT ?",
                                     (max(int(n), int(scan)),)).fetchall()
-        out: list[tuple[int, list[int], list[dict[str, Any]]]] = []
-        seen: set[bytes] = set()
-        for r in rows:
-            if bytes(r["prompt_ids"]) in seen:
-                continue
-            seen.add(bytes(r["prompt_ids"]))
-            out.append((r["id"], _ids_from(r["prompt_ids"]), json.loads(r["messages"])))
-            if len(out) == n:
-                break
-        return out
+            kept: list[Any] = []
+            seen: set[bytes] = set()
+            for r in rows:
+                if bytes(r["prompt_ids"]) not in seen:
+                    seen.add(bytes(r["prompt_ids"]))
+                    kept.append(r)
+                    if len(kept) == n:
+                        break
+            messages = {r["id"]: json.loads(r["messages"]) for r in self._db.execute(
+                f"SELECT id, messages FROM turns WHERE id IN ({','.join('?' * len(kept))})",
+                [r["id"] for r in kept])} if kept else {}
+        return [(r["id"], _ids_from(r["prompt_ids"]), messages[r["id"]]) for r in kept]
 
     def samples(self, state: str | None = None) -> list[SampleRecord]:
         with self._lock:

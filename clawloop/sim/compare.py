@@ -213,7 +213,7 @@ def main_from_args(args: argparse.Namespace, cli: dict[str, Any], out: Callable[
                                                                               args.heldout_n)
         if args.user_url:  # only when given, so folders made before these flags existed still match
             shared["user_url"], shared["user_model"] = args.user_url, args.user_model
-        if args.max_lag:  # likewise
+        if args.max_lag:  # a folder made before pacing existed is continued with --max-lag 0
             shared["max_lag"] = args.max_lag
         settings_path = out_dir / "settings.json"
         if settings_path.exists():

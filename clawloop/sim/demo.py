@@ -148,8 +148,9 @@ class LoopOptions:
     sim_max_tokens: int = 64
     max_lag: int = 0
     """Before each session, wait until fewer than this many answers are waiting to be judged or trained on
-    (0 = never wait). A simulated user talks far faster than a person; on a busy machine it would otherwise run
-    dozens of answers ahead of the trainer, and "interactions to target" would measure the CPU, not the method."""
+    (0 = never wait; never less than one training batch, since the trainer leaves a partial batch waiting for
+    more). A simulated user talks far faster than a person; on a busy machine it would otherwise run dozens of
+    answers ahead of the trainer, and "interactions to target" would measure the CPU, not the method."""
     catch_up_timeout_s: float = 900.0
     label: str = ""
     user_url: str = ""
@@ -323,8 +324,9 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
             waiting_before = None
             if options.max_lag > 0 and state.sessions:
                 t = time.monotonic()
-                if not wait_for_training(runtime, options.catch_up_timeout_s, max_waiting=options.max_lag - 1):
-                    out(f"[pace] still {options.max_lag} or more answers waiting after "
+                lag = max(options.max_lag, int(config.rollout_batch_size))
+                if not wait_for_training(runtime, options.catch_up_timeout_s, max_waiting=lag - 1):
+                    out(f"[pace] still {lag} or more answers waiting after "
                         f"{options.catch_up_timeout_s:.0f}s; going on")
                 pace_time += time.monotonic() - t
                 waiting_before = answers_waiting(runtime)
@@ -472,9 +474,10 @@ def answers_waiting(runtime: Any) -> int:
     return judging + (store.ready_count() if runtime.trainer is not None else 0)
 
 
-def wait_for_training(runtime: Any, timeout_s: float, poll_s: float = 0.5, *, max_waiting: int = 0) -> bool:
+def wait_for_training(runtime: Any, timeout_s: float, poll_s: float = 0.5, *,
+                      max_waiting: int | None = None) -> bool:
     """Until the pipeline has judged every judgeable turn and the trainer has used every full batch; with
-    ``max_waiting`` > 0, until at most that many answers wait to be judged or trained on (the trainer may be busy
+    ``max_waiting``, until at most that many answers wait to be judged or trained on (the trainer may be busy
     with the rest)."""
     from clawloop.store import TurnState
 
@@ -484,7 +487,7 @@ def wait_for_training(runtime: Any, timeout_s: float, poll_s: float = 0.5, *, ma
     deadline = time.monotonic() + timeout_s
     idle_since: float | None = None
     while time.monotonic() < deadline:
-        if max_waiting > 0:
+        if max_waiting is not None:
             if answers_waiting(runtime) <= max_waiting:
                 return True
             time.sleep(poll_s)

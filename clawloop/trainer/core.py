@@ -201,12 +201,12 @@ class Trainer:
         plan = plan_resume(found.step if found is not None else None, self._last_recorded_step())
         requeued = self.store.requeue_after_step(plan.requeue_after) if plan.requeue_after is not None else 0
         self.step = plan.step  # lost steps keep their numbers and rows
-        log.warning("trainer: %s", plan.note)
         if found is None:
             self.last_checkpoint_step = 0
             log.warning("trainer: no checkpoint in %s; %d consumed samples requeued, training again from the "
                         "starting weights as step %d on", self.run_dir, requeued, self.step + 1)
             return {"step": 0, "requeued": requeued}
+        log.warning("trainer: %s", plan.note)
         self.last_checkpoint_step = found.step
         self.policy_version = found.policy_version
         if history.has_version(self.run_dir, found.policy_version):

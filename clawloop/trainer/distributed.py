@@ -39,7 +39,8 @@ Choices:
   with the store's last committed step by the rule the in-process trainer uses (``trainer.resume``): steps
   committed after the checkpoint have their samples requeued where the store can (a local store; the API's
   routes cannot, and a warning names the steps whose samples are missing from the weights), and step numbers
-  go on after the highest one recorded.
+  go on after the highest one recorded. Without a checkpoint nothing is requeued (the store may hold another
+  trainer's steps): training starts from the starting weights and continues the store's numbering.
 
   When the API's engine may serve other weights than the ones loaded (its version differs from the
   checkpoint's, or the store was ahead), the loaded weights are published again before training: under the
@@ -79,8 +80,7 @@ log = logging.getLogger("clawloop.trainer.distributed")
 KEEP_CHECKPOINTS = 2
 
 
-# ---- process group -------------------------------------------------------------------------------------
-# ---- one step --------------------------------------------------------------------------------------------
+# ---- a broadcast batch -----------------------------------------------------------------------------------
 class _Turns:
     """``get_turn`` over the turns that came with a broadcast batch (what ``prepare_items`` reads)."""
 
@@ -132,8 +132,10 @@ def plan_start(store: Any, run_dir: Path,
     ckpt_step = found.step if found is not None else 0
     ckpt_version = found.policy_version if found is not None else 0
     store_ahead = store_step > ckpt_step
+    # Without a checkpoint the store may be another trainer's run (the embedded trainer's, say): its steps are
+    # counted, not retrained.
     resume = plan_resume(found.step if found is not None else None, store_step,
-                         can_requeue=hasattr(store, "requeue_after_step"))
+                         can_requeue=found is not None and hasattr(store, "requeue_after_step"))
     if resume.requeue_after is not None:
         requeued = store.requeue_after_step(resume.requeue_after)
         log.warning("%s (%d samples requeued)", resume.note, requeued)
@@ -305,11 +307,10 @@ def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float
             items, drops, stats = prepare_items(_Turns(batch.turns), batch.samples, config, version, max_context,
                                                 vocab_size)
             if rank == 0:
-                for turn_id, reason in drops:
-                    store.drop_leased_sample(turn_id, reason)
+                _drop(store, batch.lease_id, drops)
             if not items:
                 if rank == 0:
-                    store.release_lease(batch.lease_id)
+                    _release(store, batch.lease_id)
                 continue
             metrics = train_step(models, optimizer, items, config, runner=runner)
             weights = gather_weights(models)
@@ -343,19 +344,34 @@ def _commit(store: Any, lease_id: str, step: int, version: int, metrics: dict[st
             turn_ids: list[int]) -> bool:
     """Rank 0: record the step. A refused commit (the lease was lost: it expired and the batch went back or to
     another trainer) is logged and the rest of the lease released, and the ranks go on: raising here would end
-    rank 0 and with it the whole job (the other ranks wait in the next broadcast until their connection drops). The update stays in the weights, as it does when the
-    in-process trainer's commit fails."""
+    rank 0 and with it the whole job (the other ranks wait in the next broadcast until their connection drops).
+    The update stays in the weights, as it does when the in-process trainer's commit fails."""
     try:
         store.commit_step(lease_id, step, version, step_record(metrics), turn_ids)
         return True
     except Exception:  # noqa: BLE001 - see the docstring
         log.exception("step %d: the store refused the commit (lease %s lost?); its samples are not marked trained "
                       "and go back to ready", step, lease_id)
-        try:
-            store.release_lease(lease_id)
-        except Exception:  # noqa: BLE001 - the lease then expires on its own
-            log.exception("releasing lease %s failed; its samples return when it expires", lease_id)
+        _release(store, lease_id)
         return False
+
+
+def _drop(store: Any, lease_id: str, drops: list[tuple[int, str]]) -> None:
+    """Rank 0: record the samples ``prepare_items`` left out. Like ``_commit``, a store error here is logged, not
+    raised (it would end rank 0 mid-step): an unrecorded drop goes back to ready when the lease ends."""
+    for turn_id, reason in drops:
+        try:
+            store.drop_leased_sample(turn_id, reason, lease_id=lease_id)
+        except Exception:  # noqa: BLE001 - see the docstring
+            log.exception("dropping the sample of turn %d (%s) failed; it returns when the lease ends", turn_id,
+                          reason)
+
+
+def _release(store: Any, lease_id: str) -> None:
+    try:
+        store.release_lease(lease_id)
+    except Exception:  # noqa: BLE001 - the lease then expires on its own
+        log.exception("releasing lease %s failed; its samples return when it expires", lease_id)
 
 
 def _broadcast_ints(*values: int) -> list[int]:

@@ -1,8 +1,10 @@
 """Which samples the next step trains, and what becomes of them when it fails: one leaser for every trainer loop.
 
 The embedded loop (``trainer.loop``), offline training (``trainer.offline``) and rank 0 of the ``torchrun``
-trainer (``trainer.distributed``) all take their batches from a ``BatchLeaser``; they differ only in how they
-wait (an asyncio wake-up, not at all, a broadcast to the other ranks) and in what a failure does to the loop.
+trainer (``trainer.distributed``) all take their batches from a ``BatchLeaser``; they differ in how they wait
+(an asyncio wake-up, not at all, a broadcast to the other ranks) and in what a failure does: the embedded loop
+reports it here and goes on (so the retry and drop rules below are its), offline training reports it and
+stops the command, and a failed ``torchrun`` step stops every rank.
 
 * ``lease()``: one batch of ``batch_size`` ready samples, oldest first, under a new lease (the store leases
   nothing unless a whole batch is ready: ``min_n``), or ``("", [])``. With ``partial``, fewer samples than a

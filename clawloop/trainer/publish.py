@@ -97,14 +97,15 @@ def merge_adapter_folder(adapter_dir: str | Path, base_model_dir: str | Path) ->
     adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text())
     adapter = load_file(str(adapter_dir / "adapter_model.safetensors"))
     scaling = _direct_merge_scaling(adapter_config, list(adapter))
-    base_files = sorted(base_model_dir.glob("*.safetensors"))
+    base_files = _weight_files(base_model_dir)
     if scaling is None or not base_files:
         return merge_adapter_with_peft(adapter_dir, base_model_dir)
     merged: dict[str, torch.Tensor] = {}
     for file in base_files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                merged[key] = f.get_tensor(key).to(torch.float32)
+                tensor = f.get_tensor(key)
+                merged[key] = tensor.to(torch.float32) if tensor.is_floating_point() else tensor
     for key, a_R_In in adapter.items():
         if not key.endswith(".lora_A.weight"):
             continue
@@ -118,6 +119,16 @@ def merge_adapter_folder(adapter_dir: str | Path, base_model_dir: str | Path) ->
     if tied and "lm_head.weight" not in merged and "model.embed_tokens.weight" in merged:
         merged["lm_head.weight"] = merged["model.embed_tokens.weight"]  # stored once, as the model ties them
     return merged
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files that hold the model: those its index names, else ``model.safetensors``; [] when
+    neither is there (the folder is then left to peft and transformers to read)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return [model_dir / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    single = model_dir / "model.safetensors"
+    return [single] if single.is_file() else []
 
 
 def merge_adapter_with_peft(adapter_dir: Path, base_model_dir: Path) -> dict[str, torch.Tensor]:
@@ -240,6 +251,7 @@ class FolderPublisher:
         or None when the report failed (kept for ``retry``)."""
         folder, kind = write_weights_folder(self.models, weights, self.root / f"v{version}")
         if not self.report:
+            self._prune()
             return version
         self.pending = (folder, kind, version)
         return self.retry()
@@ -254,8 +266,11 @@ class FolderPublisher:
             log.exception("reporting weights %s failed; will retry before the next step", folder)
             return None
         self.pending = None
+        self._prune()
+        return served
+
+    def _prune(self) -> None:
         try:
             prune_weights_folders(self.root, KEEP_WEIGHTS_FOLDERS)
         except OSError:
             log.exception("removing old weight folders failed")
-        return served

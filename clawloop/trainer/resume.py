@@ -5,8 +5,9 @@ One rule for the in-process trainer (``Trainer.resume``) and the ``torchrun`` tr
 * the weights come from the newest checkpoint (or are the starting weights when there is none);
 * a step the store committed after that checkpoint was trained into weights that are now lost: its samples
   are requeued (``Store.requeue_after_step``, which keeps the step's row and marks it requeued), so every
-  sample is trained into the resumed weights exactly once. A store that cannot requeue (the API's trainer
-  routes) leaves them out of the weights, and the plan says so;
+  sample is trained into the resumed weights exactly once. Where the caller may not requeue (the API's
+  trainer routes cannot; a ``torchrun`` trainer without a checkpoint may be reading a store another trainer
+  wrote) those samples stay out of the weights, and the plan says so;
 * step numbers go on after the highest one either side recorded: a number is never given to two steps;
 * a store behind the checkpoint (an older store file) is reported; the checkpoint's counters win.
 
@@ -31,7 +32,7 @@ class ResumePlan:
 
 def plan_resume(checkpoint_step: int | None, store_step: int, *, can_requeue: bool = True) -> ResumePlan:
     """``checkpoint_step``: the newest checkpoint's step (None: no checkpoint); ``store_step``: the store's last
-    committed step (0: none)."""
+    committed step (0: none); ``can_requeue``: whether samples of lost steps may be requeued."""
     start = 0 if checkpoint_step is None else int(checkpoint_step)
     store_step = int(store_step)
     step = max(start, store_step)
@@ -40,8 +41,8 @@ def plan_resume(checkpoint_step: int | None, store_step: int, *, can_requeue: bo
         return ResumePlan(step, start, f"the store is at step {store_step}: the samples of steps {start + 1}.."
                           f"{store_step} are trained again into {weights}; step numbers go on after {step}")
     if store_step > start:
-        return ResumePlan(step, None, f"the store is at step {store_step} and cannot requeue: the samples of "
-                          f"steps {start + 1}..{store_step} are not in {weights}; step numbers go on after {step}")
+        return ResumePlan(step, None, f"the store is at step {store_step}: the samples of steps {start + 1}.."
+                          f"{store_step} are not requeued and are not in {weights}; step numbers go on after {step}")
     if store_step < start:
         return ResumePlan(step, None, f"the store is at step {store_step}, behind the checkpoint of step {start}"
                           " (an older store file?): the checkpoint's counters are used")

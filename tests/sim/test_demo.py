@@ -180,3 +180,17 @@ def test_lowest_served_guard_counts_every_scored_version():
     (row,) = compare.aggregate(cells, 0.5)
     assert row["served_guard_lowest"] == 0.79 and row["gate_rejections"] == [1, 2] and row["rollbacks"] == [0, 0]
     assert "| 0.79 (4) | 1,2 | 0 |" in compare.markdown_table([row], 0.5)
+
+
+def test_a_paced_user_never_runs_a_lag_ahead_of_the_trainer(tmp_path, tiny_model_path, capsys):
+    run_dir = tmp_path / "paced"
+    rc = main(["demo", "--model", "tiny", "--interactions", "9", "--eval-every", "0", "--rollout-batch-size", "2",
+               "--heldout-n", "2", "--run-dir", str(run_dir), "--num-threads", "2", "--max-batch-size", "4",
+               "--no-gate", "--max-lag", "3"])
+    assert rc == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    sessions = summary["sessions"]
+    assert len(sessions) == 3 and sessions[0]["waiting_before"] is None  # the first session has nothing to wait for
+    # Every later session started with fewer than 3 answers waiting to be judged or trained on.
+    assert all(s["waiting_before"] is not None and s["waiting_before"] < 3 for s in sessions[1:])
+    assert summary["timings_s"]["pace_s"] >= 0.0 and summary["steps"] >= 4

@@ -27,6 +27,7 @@ def test_a_one_question_conversation_gives_the_guard_its_question():
 
 def test_recent_prompts_are_distinct_newest_first(tmp_path, tiny_tokenizer):
     store = Store(tmp_path / "store.sqlite")
+    assert store.recent_prompts(3) == []  # a run with no turns yet
     asked = ["What is a frog?", "What is a lake?", "What is a frog?", "What is a whale?"]
     for i, q in enumerate(asked):
         messages = [{"role": "user", "content": q}]

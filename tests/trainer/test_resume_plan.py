@@ -15,9 +15,10 @@ def test_without_a_checkpoint_everything_is_trained_again_from_the_start():
     assert (plan.step, plan.requeue_after) == (3, 0) and "starting weights" in plan.note
 
 
-def test_a_store_that_cannot_requeue_is_reported_not_rewound():
+def test_where_requeueing_is_not_allowed_the_plan_says_what_is_missing_and_numbers_go_on():
     plan = plan_resume(2, 5, can_requeue=False)
-    assert (plan.step, plan.requeue_after) == (5, None) and "not in the checkpoint of step 2" in plan.note
+    assert (plan.step, plan.requeue_after) == (5, None) and "steps 3..5 are not requeued" in plan.note
+    assert "not in the checkpoint of step 2" in plan.note
 
 
 def test_a_store_behind_the_checkpoint_takes_the_checkpoints_counters():
