@@ -1,6 +1,6 @@
 """The trainer as its own process, under ``python`` (world size 1) or ``torchrun`` (world size 1..N), with the
 features of the in-process trainer: full fine-tuning or LoRA, the KL reference, several PPO epochs per batch,
-checkpoints with optimizer state, and resume.
+the publication gate, checkpoints with optimizer state, and resume.
 
     torchrun --nproc_per_node 4 -m clawloop.trainer.distributed --api http://api:8000 --admin-key K \
         --config clawloop.toml [--set lora=true --set kl_coef=0.05 --set steps_per_batch=2]
@@ -18,6 +18,11 @@ Choices:
 * No teacher in this process: where the old policy's student top-k differs from the stored provisional set,
   the provisional set is kept and scored exactly under the old policy (counted in the step metrics as
   ``student_topk_kept_provisional``), as offline training does; the in-process trainer would ask its teacher.
+* The publication gate (``gate``, on by default) runs on rank 0 with an unsharded copy of the candidate
+  (``trainer.rank0_gate``) every ``gate_every`` steps; the decision is broadcast. A rejected candidate is not
+  published and every rank loads the last accepted weights and optimizer state back; its step is committed
+  with ``published = 0`` (its samples were trained on), as in the in-process trainer. Steps between checks
+  are not published.
 * Publication, rank 0: full fine-tuning writes the full state dict (gathered with ``get_model_state_dict``,
   full, CPU-offloaded) as ``RUN_DIR/weights/v<version>/model.safetensors`` and reports it with
   ``kind="full"``; LoRA writes only the adapter as a PEFT folder (``adapter_config.json`` +
@@ -72,6 +77,7 @@ from clawloop.trainer.leasing import BatchLeaser
 from clawloop.trainer.metrics import step_record
 from clawloop.trainer.model import TrainModels, load_train_models, output_vocab_size
 from clawloop.trainer.publish import FolderPublisher, unshared_tensors
+from clawloop.trainer.rank0_gate import Rank0Gate
 from clawloop.trainer.resume import plan_resume
 from clawloop.trainer.step import make_optimizer, train_step
 
@@ -275,6 +281,12 @@ def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float
             log.warning("weights republished as version %s", served)
         del weights
         step, version = _broadcast_ints(step, version)
+    gate = Rank0Gate(config, store, device) if rank == 0 and config.gate else None
+    if config.gate:  # the starting (or resumed) weights are the accepted version until a candidate passes
+        weights, optimizer_state = gather_weights(models), gather_optimizer(models, optimizer)
+        if gate is not None:
+            gate.remember(weights, optimizer_state)
+        del weights, optimizer_state
 
     trained = 0
     idle_since = time.monotonic()
@@ -314,12 +326,26 @@ def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float
                 continue
             metrics = train_step(models, optimizer, items, config, runner=runner)
             weights = gather_weights(models)
+            decision, gate_metrics = (PUBLISH, {}) if gate is None else _gate_decision(gate, weights, store,
+                                                                                    step + 1, version)
+            (decision,) = _broadcast_ints(decision)
+            if decision == REJECT:  # every rank goes back to the accepted weights and optimizer state
+                load_checkpoint_state(models, optimizer,
+                                      checkpoint_weights_by_name(models, gate.accepted_weights) if gate else None,
+                                      gate.accepted_optimizer if gate else None, True, config.learning_rate)
+                weights = None  # what was gathered is the rejected candidate
+            elif decision == PUBLISH and config.gate:
+                optimizer_state = gather_optimizer(models, optimizer)
+                if gate is not None:
+                    gate.remember(weights, optimizer_state)
+                del optimizer_state
             if rank == 0:
-                served = publisher.publish(weights, version + 1)
+                served = publisher.publish(weights, version + 1) if decision == PUBLISH else None
                 published = served is not None
                 new_version = served if published else version
                 step += 1
                 metrics.update(stats.as_metrics())
+                metrics.update(gate_metrics)
                 metrics.update({"step": step, "policy_version": new_version, "published": float(published),
                                 "dropped": float(len(drops))})
                 if not _commit(store, batch.lease_id, step, new_version, metrics, [it.turn_id for it in items]):
@@ -330,7 +356,8 @@ def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float
         step, version = _broadcast_ints(step, version)
         trained += 1
         if step % max(1, int(config.checkpoint_every)) == 0 or checkpoint_failed:
-            checkpoint_failed = not _save_checkpoint(models, optimizer, config, run_dir, step, version, True,
+            gathered = decision != REJECT  # after a rejection the weights are the accepted ones again: gather them
+            checkpoint_failed = not _save_checkpoint(models, optimizer, config, run_dir, step, version, gathered,
                                                      weights)
             if not checkpoint_failed:
                 last_checkpoint_step = step
@@ -338,6 +365,33 @@ def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float
     if step != last_checkpoint_step:  # a clean exit keeps everything trained so far
         _save_checkpoint(models, optimizer, config, run_dir, step, version, False, None)
     return trained
+
+
+PUBLISH, HOLD, REJECT = 0, 1, 2
+"""What a trained step's weights become: published, kept unpublished until the next check, thrown away."""
+
+
+def _gate_decision(gate: Rank0Gate, weights: dict[str, torch.Tensor], store: Any, step: int,
+                   version: int) -> tuple[int, dict[str, float]]:
+    """Rank 0: check the candidate when due. Returns the decision and the step's gate metrics; a local store
+    also gets the decision as an event with its evidence."""
+    if not gate.due():
+        return HOLD, {"gate_due_in": float(gate.every - gate.steps_since_check)}
+    result = gate.check(weights)
+    metrics = {"gate_accepted": 1.0 if result.accepted else 0.0, "gate_guard_pass": result.guard_pass,
+               "gate_kl": result.kl, "gate_s": result.seconds}
+    if result.accepted:
+        log.warning("step %d accepted by the publication gate (%s)", step, result.summary())
+    else:
+        log.warning("step %d rejected by the publication gate (%s); back to version %d", step,
+                    "; ".join(result.reasons), version)
+    if hasattr(store, "record_event"):
+        try:
+            store.record_event("gate_accepted" if result.accepted else "gate_rejected", result.evidence(),
+                               step=step, version=version + 1 if result.accepted else version)
+        except Exception:  # noqa: BLE001 - the decision stands without its record
+            log.exception("recording the gate decision of step %d failed", step)
+    return (PUBLISH if result.accepted else REJECT), metrics
 
 
 def _commit(store: Any, lease_id: str, step: int, version: int, metrics: dict[str, Any],

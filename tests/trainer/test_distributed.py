@@ -1,7 +1,9 @@
 """The distributed trainer (FSDP2 on gloo, 2 processes under torchrun) trains a batch exactly like the
 single-process trainer: the same loss, and after the update(s) the same parameters — full fine-tuning, LoRA with
 the KL reference and several PPO epochs — and a trainer restarted from its checkpoint continues exactly where the
-previous one stopped (weights, AdamW state, step and version counters)."""
+previous one stopped (weights, AdamW state, step and version counters). The publication gate runs on rank 0:
+a candidate it rejects is never published and every rank goes back to the accepted weights; a lost lease stops
+no rank."""
 
 from __future__ import annotations
 
@@ -44,7 +46,8 @@ def test_two_gloo_ranks_match_single_process(make_config, base_model, tiny_token
     store_file = run_dir / "store.sqlite"
     store = Store(store_file)
     _fill(store, base_model, tiny_tokenizer)
-    settings = dict(rollout_batch_size=5, micro_batch_size=1, lr=1e-2, grad_clip=1.0)
+    # The step's numbers are compared here; the gate's decisions are tested below.
+    settings = dict(rollout_batch_size=5, micro_batch_size=1, lr=1e-2, grad_clip=1.0, gate=False)
     config = make_config(**settings)
 
     # The single-process reference on the same batch (samples read, not leased: the store stays untouched).
@@ -153,8 +156,8 @@ def test_two_gloo_ranks_lora_with_kl_and_ppo_epochs_match_single_process(make_co
     store_file = run_dir / "store.sqlite"
     store = Store(store_file)
     _fill(store, base_model, tiny_tokenizer)
-    settings = dict(rollout_batch_size=5, micro_batch_size=2, lr=1e-2, grad_clip=1.0, lora=True, lora_rank=4,
-                    lora_alpha=8.0, kl_coef=0.5, steps_per_batch=2)
+    settings = dict(rollout_batch_size=5, micro_batch_size=2, lr=1e-2, grad_clip=1.0, gate=False, lora=True,
+                    lora_rank=4, lora_alpha=8.0, kl_coef=0.5, steps_per_batch=2)
     config = make_config(**settings)
 
     samples = store.samples(TurnState.READY)
@@ -220,7 +223,7 @@ def test_resumed_trainer_continues_weights_optimizer_and_counters(make_config, b
                    hints=["Answer in one word."] if i in (0, 4) else ())
     # advantage_mode raw: this test is about what a resume carries over; with the balanced mode's scaled
     # negatives more parameters get near-cancelling gradients, whose last bits follow the ranks' summation order.
-    settings = dict(rollout_batch_size=3, micro_batch_size=2, lr=1e-2, grad_clip=1.0, kl_coef=0.5,
+    settings = dict(rollout_batch_size=3, micro_batch_size=2, lr=1e-2, grad_clip=1.0, gate=False, kl_coef=0.5,
                     checkpoint_every=1, advantage_mode="raw")
     config = make_config(**settings)
 
@@ -299,3 +302,38 @@ def test_a_lease_lost_during_a_step_neither_stops_nor_stalls_the_ranks(base_mode
     store = Store(store_file)
     assert store.steps() == [] and store.count_samples() == {TurnState.READY: 5}
     store.close()
+
+
+@pytest.mark.timeout(300)
+def test_the_gate_on_rank_0_publishes_what_passes_and_takes_every_rank_back_from_what_fails(
+        base_model, tiny_tokenizer, tiny_model_path, tmp_path):
+    settings = dict(rollout_batch_size=5, micro_batch_size=2, lr=1e-2, lora=True, lora_rank=4, lora_alpha=8.0,
+                    gate=True, gate_every=1, gate_probe_tokens=8, checkpoint_every=1)
+    # The tiny random model writes word salad, so the guard's share is left out; the KL bound decides.
+    outcomes = {}
+    for name, max_kl in (("passes", 1e9), ("fails", 1e-9)):
+        run_dir = tmp_path / name
+        store_file = run_dir / "store.sqlite"
+        store = Store(store_file)
+        _fill(store, base_model, tiny_tokenizer)
+        store.close()
+        done = _run_trainer(_torchrun(2), store_file, run_dir, tiny_model_path,
+                            dict(settings, gate_min_guard_pass=0.0, gate_max_kl=max_kl), max_steps=1)
+        store = Store(store_file)
+        (row,) = store.steps()
+        events = [e["kind"] for e in store.events() if e["kind"].startswith("gate_")]
+        store.close()
+        adapter = load_latest(run_dir).weights
+        outcomes[name] = (row, events, adapter, done.stderr)
+
+    row, events, adapter, _ = outcomes["passes"]
+    assert row["metrics"]["gate_accepted"] == 1.0 and row["metrics"]["published"] == 1.0 and row["policy_version"] == 1
+    assert events == ["gate_accepted"] and (tmp_path / "passes" / "weights" / "v1").is_dir()
+    assert any(float(v.abs().max()) > 0 for k, v in adapter.items() if "lora_B" in k)  # the update is kept
+
+    row, events, adapter, err = outcomes["fails"]
+    assert row["metrics"]["gate_accepted"] == 0.0 and row["metrics"]["published"] == 0.0 and row["policy_version"] == 0
+    assert events == ["gate_rejected"] and "rejected by the publication gate" in err
+    assert not (tmp_path / "fails" / "weights" / "v1").exists()  # never published
+    # Every rank went back to the accepted (starting) weights: the checkpoint after the step holds LoRA's B = 0.
+    assert all(float(v.abs().max()) == 0 for k, v in adapter.items() if "lora_B" in k)
