@@ -108,7 +108,9 @@ def test_killed_trainer_batch_is_trained_once_by_the_next(server, tiny_model_pat
         [sys.executable, "-m", "clawloop.trainer.distributed", "--api", url, "--admin-key", ADMIN_KEY,
          "--max-steps", "1", "--poll-s", "0.2", "--lease-s", "120",
          "--set", f"model={tiny_model_path}", "--set", "device=cpu", "--set", f"run_dir={tmp_path / 'trainer'}",
-         "--set", "rollout_batch_size=3", "--set", "micro_batch_size=3", "--set", "num_threads=1"],
+         "--set", "rollout_batch_size=3", "--set", "micro_batch_size=3", "--set", "num_threads=1",
+         # The gate runs (rank 0); the tiny random model's word salad is not asked to pass the guard.
+         "--set", "gate_min_guard_pass=0"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
     assert trainer.returncode == 0, trainer.stderr[-4000:]
 
@@ -214,7 +216,8 @@ def test_remote_trainer_mode_trains_real_conversations_in_another_process(tiny_m
             [sys.executable, "-m", "clawloop.trainer.distributed", "--api", url, "--max-steps", "1",
              "--poll-s", "0.2", "--set", f"model={tiny_model_path}", "--set", "device=cpu",
              "--set", f"run_dir={tmp_path / 'trainer'}", "--set", "rollout_batch_size=2",
-             "--set", "micro_batch_size=2", "--set", "num_threads=1", "--set", "trainer=remote"],
+             "--set", "micro_batch_size=2", "--set", "num_threads=1", "--set", "trainer=remote",
+             "--set", "gate_min_guard_pass=0"],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert trainer.returncode == 0, trainer.stderr[-4000:]
         assert store.count_samples() == {"consumed": 2}
