@@ -251,15 +251,16 @@ class Config:
                     "shipped general prompts and the run's recent prompts) before it is served; a failing one is "
                     "never served and training returns to the last accepted weights (docs/publication-gate.md).")
     gate_every: int = _f(1, "Check (and publish) every N optimizer steps; the steps in between are not published.")
-    gate_min_guard_pass: float = _f(0.9, "Smallest share of the probes the reference answers soundly that the "
-                                    "candidate must answer soundly too (degeneracy guard).")
+    gate_min_guard_pass: float = _f(0.95, "Smallest share of the probes the reference answers soundly that the "
+                                    "candidate must answer soundly too (degeneracy guard; 0.95 of the ~25 probes "
+                                    "that count allows one regression).")
     gate_max_kl: float = _f(4.0, "Largest mean KL(candidate || reference), nats per token, over the candidate's "
                             "greedy probe answers.")
     gate_probe_tokens: int = _f(64, "Tokens each greedy probe answer may have (the loops of a slightly shifted "
                                  "model often start after 30-40 tokens, in a second sentence).")
     gate_recent_prompts: int = _f(8, "The run's most recent distinct prompts added to the shipped probes at each "
-                                  "check (what users ask is where a regression shows first; a prompt that is one "
-                                  "question also gets the guard's topic and echo rules).")
+                                  "check (what users ask is where a regression shows first; the last user message "
+                                  "is the question for the guard's topic and echo rules).")
     keep_full_versions: int = _f(3, "Full fine-tuning: weights of this many newest accepted versions are kept in "
                                  "RUN_DIR/versions (LoRA adapters are always all kept).")
 

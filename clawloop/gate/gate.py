@@ -10,8 +10,8 @@ A check:
    out to bound the cost);
 2. generates the candidate's greedy answer to each probe (``probe_tokens`` at most);
 3. runs the degeneracy guard on every answer: the text rules everywhere (empty, symbol soup, loops, low
-   diversity) and, where the question is known (the shipped probes, and recent prompts that are one user
-   question), the question rules too (the answer must mention the question's topic and must not merely echo
+   diversity) and, where the question is known (the shipped probes, and a recent prompt's last user message),
+   the question rules too (the answer must mention the question's topic and must not merely echo
    it: "A tree is a tree is a tree." and "The answer is:" are early signs of collapse that the text rules miss). A probe counts against the candidate only when the reference answers it
    soundly: the shipped probes' reference verdicts are computed once, a recent prompt's when it first appears. ``guard_pass`` = candidate-sound / reference-sound; the candidate
    fails when it is below ``min_guard_pass``;
@@ -81,8 +81,8 @@ class _Probe:
     prompt: str
     ids: list[int]
     question: str | None = None
-    """The question, for the guard's question rules: a shipped prompt, or a recent prompt that is one question
-    (``fresh_question``); None for a recent prompt that is a longer conversation."""
+    """The question, for the guard's question rules: a shipped prompt, or a recent prompt's last user message
+    (``question_of``); None when that is not plain text."""
 
 
 class PublicationGate:
@@ -108,7 +108,7 @@ class PublicationGate:
         probes = list(self.shipped)
         for turn_id, ids, messages in (self.recent_prompts() if self.recent_prompts else ()):
             if 0 < len(ids) <= MAX_PROMPT_TOKENS:
-                question = fresh_question(messages)
+                question = question_of(messages)
                 probes.append(_Probe(f"recent:{turn_id}", question or self._last_user_text(ids), list(ids),
                                      question=question))
         return probes
@@ -170,14 +170,14 @@ class PublicationGate:
         return sorted(i for i in ids if i is not None)
 
 
-def fresh_question(messages: Sequence[dict[str, Any]]) -> str | None:
-    """The text of a conversation that is one question (system messages aside, a single user message of plain
-    text), else None. The guard's question rules (on topic, not an echo) apply to such a recent prompt as to a
-    shipped one; in a longer conversation the last message need not say what the answer is about."""
-    turns = [m for m in messages if m.get("role") not in ("system", "developer")]
-    if len(turns) != 1 or turns[0].get("role") != "user":
+def question_of(messages: Sequence[dict[str, Any]]) -> str | None:
+    """The question a recent prompt asks: the text of its last message when that is a user message of plain
+    text, else None (a tool result, an image). The guard's question rules (on topic, not an echo) then apply to
+    it as to a shipped probe; where the last message is not what the answer is about ("Shorter, please."), the
+    reference's answer fails those rules too and the probe is not counted."""
+    if not messages or messages[-1].get("role") != "user":
         return None
-    content = turns[0].get("content")
+    content = messages[-1].get("content")
     if isinstance(content, list):  # content parts: only an all-text message counts
         if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
             return None

@@ -3,7 +3,7 @@ question rules wherever the question is known."""
 
 from __future__ import annotations
 
-from clawloop.gate.gate import PublicationGate, fresh_question
+from clawloop.gate.gate import PublicationGate, question_of
 from clawloop.gate.probes import PROBES
 from clawloop.store import Store, TurnRecord
 
@@ -13,16 +13,18 @@ def _turn(messages, prompt_ids, i):
                       logprobs=[-0.1, -0.2], temperature=1.0, top_p=1.0, policy_version=0, turn_index=0)
 
 
-def test_a_one_question_conversation_gives_the_guard_its_question():
-    assert fresh_question([{"role": "user", "content": " What is a glacier? "}]) == "What is a glacier?"
-    assert fresh_question([{"role": "system", "content": "Be brief."},
-                           {"role": "user", "content": [{"type": "text", "text": "What is a frog?"}]}]) == \
+def test_a_recent_prompt_gives_the_guard_its_last_user_message_as_the_question():
+    assert question_of([{"role": "user", "content": " What is a glacier? "}]) == "What is a glacier?"
+    assert question_of([{"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": [{"type": "text", "text": "What is a frog?"}]}]) == \
         "What is a frog?"
-    # A correction in a longer conversation does not say what the answer is about; an image is not text.
-    assert fresh_question([{"role": "user", "content": "What is a frog?"}, {"role": "assistant", "content": "A."},
-                           {"role": "user", "content": "Shorter, please."}]) is None
-    assert fresh_question([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]) is None
-    assert fresh_question([{"role": "user", "content": "   "}]) is None
+    # Later in a conversation the last message is the question ("Bye!" to it is off topic).
+    assert question_of([{"role": "user", "content": "What is a frog?"}, {"role": "assistant", "content": "A."},
+                        {"role": "user", "content": "Thanks! What is a lake?"}]) == "Thanks! What is a lake?"
+    # A tool result or an image says nothing the guard can check the answer against.
+    assert question_of([{"role": "user", "content": "Run it."}, {"role": "tool", "content": "ok"}]) is None
+    assert question_of([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]) is None
+    assert question_of([{"role": "user", "content": "   "}]) is None and question_of([]) is None
 
 
 def test_recent_prompts_are_distinct_newest_first(tmp_path, tiny_tokenizer):
