@@ -34,11 +34,10 @@ Ordering and crash safety:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -52,8 +51,8 @@ from clawloop.trainer import checkpoint as ckpt
 from clawloop.trainer import versions as history
 from clawloop.trainer.batch import prepare_items
 from clawloop.trainer.metrics import MetricsWriter, step_record
-from clawloop.trainer.model import TrainModels, load_train_models, load_trainable_state_dict, output_vocab_size, \
-    trainable_state_dict
+from clawloop.trainer.model import TrainModels, gate_reference, load_train_models, load_trainable_state_dict, \
+    output_vocab_size, trainable_state_dict
 from clawloop.trainer.old_policy import RefreshFn
 from clawloop.trainer.publish import LocalVersion, publish_weights
 from clawloop.trainer.resume import plan_resume
@@ -164,24 +163,6 @@ class Trainer:
         history.save_version(self.run_dir, version, step, self.accepted.weights if version == self.accepted.version
                              else trainable_state_dict(self.models), self.optimizer.state_dict(),
                              lora=self.models.lora, evidence=evidence, keep_full=self.config.keep_full_versions)
-
-    @contextlib.contextmanager
-    def _gate_reference(self) -> Iterator[torch.nn.Module]:
-        """The model the gate compares the candidate with: the starting weights (LoRA: adapter off; full: the
-        frozen copy), else the last accepted weights swapped in for the duration."""
-        if self.models.lora:
-            with self.models.policy.disable_adapter():  # type: ignore[attr-defined]
-                yield self.models.causal_lm
-            return
-        if self.models.reference is not None:
-            yield self.models.reference
-            return
-        candidate = trainable_state_dict(self.models)
-        load_trainable_state_dict(self.models, self.accepted.weights)
-        try:
-            yield self.models.causal_lm
-        finally:
-            load_trainable_state_dict(self.models, candidate)
 
     def _gate_event(self, kind: str, step: int, version: int | None, detail: dict[str, Any]) -> None:
         self.store.record_event(kind, detail, step=step, version=version)
@@ -294,7 +275,8 @@ class Trainer:
             return False, {"gate_due_in": float(self.config.gate_every - self.steps_since_check)}
         self.steps_since_check = 0
         kl_to = "reference" if self.models.lora or self.models.reference is not None else "last_accepted"
-        result = self.gate.check(self.models.causal_lm, self._gate_reference, kl_to=kl_to)
+        result = self.gate.check(self.models.causal_lm,
+                                 lambda: gate_reference(self.models, self.accepted.weights), kl_to=kl_to)
         self.gate_checks += 1
         self.gate_seconds += result.seconds
         metrics = {"gate_accepted": 1.0 if result.accepted else 0.0, "gate_guard_pass": result.guard_pass,

@@ -107,6 +107,28 @@ def load_train_models(config: Config, model_dir: str | Path | None = None) -> Tr
                        use_reference=use_reference)
 
 
+@contextlib.contextmanager
+def gate_reference(models: TrainModels, accepted_weights: dict[str, torch.Tensor] | None) -> Iterator[torch.nn.Module]:
+    """The model the publication gate compares a candidate (``models`` as they are) with: the starting weights
+    (LoRA: the adapter switched off; full fine-tuning: the frozen copy), else ``accepted_weights`` (the last
+    accepted version's) swapped in for the duration."""
+    if models.lora:
+        with models.policy.disable_adapter():  # type: ignore[attr-defined]
+            yield models.causal_lm
+        return
+    if models.reference is not None:
+        yield models.reference
+        return
+    if accepted_weights is None:
+        raise RuntimeError("no accepted weights to compare the candidate with")
+    candidate = trainable_state_dict(models)
+    load_trainable_state_dict(models, accepted_weights)
+    try:
+        yield models.causal_lm
+    finally:
+        load_trainable_state_dict(models, candidate)
+
+
 def output_vocab_size(models: TrainModels) -> int:
     """Rows of the output layer: the ids the policy can score (a sharded weight reports its full shape)."""
     return int(models.causal_lm.get_output_embeddings().weight.shape[0])

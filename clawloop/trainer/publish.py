@@ -187,7 +187,7 @@ class LocalVersion:
         return self._version
 
 
-# ---- weights folders for another process (the torchrun trainer's rank 0) -------------------------------------------------------------------------------
+# ---- weights folders for another process (the torchrun trainer's rank 0) ------------------------------------
 def unshared_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Tied tensors share storage, which safetensors refuses to write twice: clone the second and later ones."""
     seen: set[int] = set()
@@ -206,7 +206,8 @@ def write_weights_folder(models: TrainModels, weights: dict[str, torch.Tensor], 
     from safetensors.torch import save_file
 
     if not models.lora:
-        write_folder_atomically(folder, lambda tmp: save_file(unshared_tensors(weights), str(tmp / "model.safetensors")))
+        write_folder_atomically(folder, lambda tmp: save_file(unshared_tensors(weights),
+                                                              str(tmp / "model.safetensors")))
         return folder, "full"
     adapter = getattr(models.policy, "active_adapter", "default")
     if isinstance(adapter, (list, tuple)):

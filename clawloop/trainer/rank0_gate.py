@@ -17,16 +17,14 @@ API probes with the shipped prompts only.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from clawloop.config import Config
 from clawloop.gate.gate import GateResult, PublicationGate
-from clawloop.trainer.model import load_train_models, load_trainable_state_dict
+from clawloop.trainer.model import gate_reference, load_train_models, load_trainable_state_dict
 
 
 class Rank0Gate:
@@ -60,17 +58,5 @@ class Rank0Gate:
 
     def check(self, weights: dict[str, torch.Tensor]) -> GateResult:
         load_trainable_state_dict(self.copy, weights)
-        return self.gate.check(self.copy.causal_lm, self._reference, kl_to=self.kl_to)
-
-    @contextlib.contextmanager
-    def _reference(self) -> Iterator[torch.nn.Module]:
-        if self.copy.lora:
-            with self.copy.policy.disable_adapter():  # type: ignore[attr-defined]
-                yield self.copy.causal_lm
-            return
-        if self.copy.reference is not None:
-            yield self.copy.reference
-            return
-        assert self.accepted_weights is not None
-        load_trainable_state_dict(self.copy, self.accepted_weights)  # the candidate is loaded again next check
-        yield self.copy.causal_lm
+        return self.gate.check(self.copy.causal_lm, lambda: gate_reference(self.copy, self.accepted_weights),
+                               kl_to=self.kl_to)
