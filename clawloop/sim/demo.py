@@ -464,14 +464,18 @@ def _point_summary(p: CurvePoint) -> dict[str, Any]:
             "step": p.step, "policy_version": p.policy_version}
 
 
-def answers_waiting(runtime: Any) -> int:
-    """Answers not yet judged (their turn judgeable or being judged) plus samples waiting for the trainer."""
+def answers_being_judged(runtime: Any) -> int:
+    """Turns whose next state has arrived but whose judging has not finished."""
     from clawloop.store import TurnState
 
-    store = runtime.server.store
-    counts = store.count_turns()
-    judging = counts.get(TurnState.JUDGEABLE, 0) + counts.get(TurnState.JUDGING, 0) + runtime.pipeline.busy
-    return judging + (store.ready_count() if runtime.trainer is not None else 0)
+    counts = runtime.server.store.count_turns()
+    return counts.get(TurnState.JUDGEABLE, 0) + counts.get(TurnState.JUDGING, 0) + runtime.pipeline.busy
+
+
+def answers_waiting(runtime: Any) -> int:
+    """Answers not yet judged plus samples waiting for the trainer."""
+    ready = runtime.server.store.ready_count() if runtime.trainer is not None else 0
+    return answers_being_judged(runtime) + ready
 
 
 def wait_for_training(runtime: Any, timeout_s: float, poll_s: float = 0.5, *,
@@ -479,10 +483,7 @@ def wait_for_training(runtime: Any, timeout_s: float, poll_s: float = 0.5, *,
     """Until the pipeline has judged every judgeable turn and the trainer has used every full batch; with
     ``max_waiting``, until at most that many answers wait to be judged or trained on (the trainer may be busy
     with the rest)."""
-    from clawloop.store import TurnState
-
-    store = runtime.server.store
-    pipeline, trainer = runtime.pipeline, runtime.trainer
+    store, trainer = runtime.server.store, runtime.trainer
     batch = int(runtime.server.config.rollout_batch_size)
     deadline = time.monotonic() + timeout_s
     idle_since: float | None = None
@@ -492,10 +493,8 @@ def wait_for_training(runtime: Any, timeout_s: float, poll_s: float = 0.5, *,
                 return True
             time.sleep(poll_s)
             continue
-        counts = store.count_turns()
-        judging = counts.get(TurnState.JUDGEABLE, 0) + counts.get(TurnState.JUDGING, 0) + pipeline.busy
         training = trainer is not None and (trainer.training or store.ready_count() >= batch)
-        if judging == 0 and not training:
+        if answers_being_judged(runtime) == 0 and not training:
             # Idle twice in a row, a poll apart: a sample written just now has had time to wake the trainer.
             if idle_since is not None and time.monotonic() - idle_since >= poll_s:
                 return True

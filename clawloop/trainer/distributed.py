@@ -377,7 +377,11 @@ def _gate_decision(gate: Rank0Gate, weights: dict[str, torch.Tensor], store: Any
     also gets the decision as an event with its evidence."""
     if not gate.due():
         return HOLD, {"gate_due_in": float(gate.every - gate.steps_since_check)}
-    result = gate.check(weights)
+    try:
+        result = gate.check(weights)
+    except Exception:  # noqa: BLE001 - rank 0 must reach the broadcast; an unchecked candidate is never served
+        log.exception("step %d: the publication gate failed; the candidate is rejected", step)
+        return REJECT, {"gate_accepted": 0.0, "gate_error": 1.0}
     metrics = {"gate_accepted": 1.0 if result.accepted else 0.0, "gate_guard_pass": result.guard_pass,
                "gate_kl": result.kl, "gate_s": result.seconds}
     if result.accepted:

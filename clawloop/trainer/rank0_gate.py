@@ -32,7 +32,7 @@ class Rank0Gate:
         from clawloop.engines.model_files import load_tokenizer
 
         self.copy = load_train_models(dataclasses.replace(config, device=str(device)))
-        recent = getattr(store, "recent_prompts", None) if not hasattr(store, "report_weights") else None
+        recent = getattr(store, "recent_prompts", None)  # a local store has them; the API's routes do not
         self.gate = PublicationGate(
             load_tokenizer(self.copy.model_dir), min_guard_pass=config.gate_min_guard_pass,
             max_kl=config.gate_max_kl, probe_tokens=config.gate_probe_tokens,
@@ -44,8 +44,9 @@ class Rank0Gate:
         self.kl_to = "reference" if self.copy.lora or self.copy.reference is not None else "last_accepted"
 
     def remember(self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None) -> None:
-        """The weights and optimizer state of the version now accepted (rank 0's gathered copies)."""
-        self.accepted_weights = {k: v.detach().cpu().clone() for k, v in weights.items()}
+        """The weights and optimizer state of the version now accepted: rank 0's gathered CPU copies, which
+        nothing changes afterwards (publication only writes them), so they are kept as they are."""
+        self.accepted_weights = dict(weights)
         self.accepted_optimizer = optimizer_state
 
     def due(self) -> bool:

@@ -337,3 +337,19 @@ def test_the_gate_on_rank_0_publishes_what_passes_and_takes_every_rank_back_from
     assert not (tmp_path / "fails" / "weights" / "v1").exists()  # never published
     # Every rank went back to the accepted (starting) weights: the checkpoint after the step holds LoRA's B = 0.
     assert all(float(v.abs().max()) == 0 for k, v in adapter.items() if "lora_B" in k)
+
+
+def test_a_gate_that_fails_on_rank_0_rejects_the_candidate_instead_of_stopping_the_job():
+    from clawloop.trainer import distributed
+
+    class BrokenGate:
+        every, steps_since_check = 1, 0
+
+        def due(self):
+            return True
+
+        def check(self, weights):
+            raise RuntimeError("out of memory")
+
+    decision, metrics = distributed._gate_decision(BrokenGate(), {}, store=None, step=3, version=2)
+    assert decision == distributed.REJECT and metrics["gate_error"] == 1.0
