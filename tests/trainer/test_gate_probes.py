@@ -3,7 +3,12 @@ question rules wherever the question is known."""
 
 from __future__ import annotations
 
-from clawloop.gate.gate import PublicationGate, question_of
+import contextlib
+
+import torch
+
+from clawloop.gate import gate as gate_module
+from clawloop.gate.gate import PublicationGate, answer_logprobs, greedy_answers, length_buckets, question_of
 from clawloop.gate.probes import PROBES
 from clawloop.store import Store, TurnRecord
 
@@ -44,3 +49,50 @@ def test_recent_prompts_are_distinct_newest_first(tmp_path, tiny_tokenizer):
     assert len(probes) == len(PROBES) + 3
     assert [(p.source, p.question) for p in probes[len(PROBES):]] == [
         ("recent:4", "What is a whale?"), ("recent:3", "What is a frog?"), ("recent:2", "What is a lake?")]
+
+
+def test_length_buckets_keep_short_probes_apart_from_long_prompts():
+    lengths = [40, 36, 208, 43, 156, 35, 77, 1000]
+    groups = length_buckets(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # every prompt, once
+    assert groups == [[5, 1, 0, 3, 6], [4, 2], [7]]  # sorted by length; a group spans at most 2x its shortest + 32
+    assert length_buckets([]) == []
+
+
+def test_greedy_answers_in_buckets_equal_each_prompt_answered_alone(base_model, tiny_tokenizer):
+    torch.manual_seed(0)
+    prompts = [[1] + [int(t) for t in torch.randint(3, 200, (n,))] for n in (5, 60, 7, 130, 6)]
+    assert len(length_buckets([len(p) for p in prompts])) > 1
+    eos = [tiny_tokenizer.eos_token_id]
+    answers, logprobs = greedy_answers(base_model, prompts, 8, eos)
+    for p, a, lp in zip(prompts, answers, logprobs):
+        alone, alone_lp = greedy_answers(base_model, [p], 8, eos)
+        assert a == alone[0]
+        torch.testing.assert_close(lp, alone_lp[0], atol=1e-4, rtol=1e-4)
+    # The reference pass reads the same positions: the model's own greedy answers score as their generation did.
+    for lp, again in zip(logprobs, answer_logprobs(base_model, prompts, answers)):
+        torch.testing.assert_close(lp, again, atol=1e-4, rtol=1e-4)
+
+
+def test_a_question_asked_again_costs_the_reference_no_second_answer(tmp_path, tiny_tokenizer, base_model,
+                                                                      monkeypatch):
+    store = Store(tmp_path / "store.sqlite")
+    messages = [{"role": "user", "content": "What is a frog?"}]
+    ids = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    store.add_turn(_turn(messages, ids, 0))
+    gate = PublicationGate(tiny_tokenizer, probe_tokens=4, probes=["Name a colour."],
+                           recent_prompts=lambda: store.recent_prompts(4))
+    answered = []
+
+    def counting_greedy_answers(model, prompts, max_tokens, eos_ids):
+        answered.append(len(prompts))
+        return greedy_answers(model, prompts, max_tokens, eos_ids)
+
+    monkeypatch.setattr(gate_module, "greedy_answers", counting_greedy_answers)
+    gate.check(base_model, lambda: contextlib.nullcontext(base_model))
+    assert answered == [2, 2]  # the candidate, then the reference once for each probe
+    store.add_turn(_turn(messages, ids, 1))  # the same question in a new session: a new turn, the same prompt
+    result = gate.check(base_model, lambda: contextlib.nullcontext(base_model))
+    assert [p.source for p in result.probes] == ["shipped", "recent:2"]
+    assert answered == [2, 2, 2]  # the candidate only: the reference's verdict on that prompt is known
