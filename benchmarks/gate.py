@@ -5,8 +5,9 @@ One process loads SmolLM2-135M-Instruct for training the way the demo does (LoRA
 temporary store, and runs ``--steps`` steps through ``clawloop.trainer.core.Trainer`` with the gate checking every
 step (the default). Each line shows the optimizer step's time and the gate check's time (greedy answers to the
 shipped probes plus the run's ``gate_recent_prompts`` recent distinct prompts, ``gate_probe_tokens`` each, then
-the KL forward pass), and their ratio. The first check also answers every probe with the reference once (its verdicts are cached), so it
-is slower than the steady state.
+the KL forward pass), and their ratio. The first check also answers every probe with the reference once (its
+verdicts are kept), so it is slower than the steady state. A last line times the greedy answers to probes of
+mixed lengths in one padded batch and in the gate's length groups, side by side.
 
     .venv/bin/python benchmarks/gate.py                    # 3 steps of 4 samples x 64 tokens, 1 thread
     .venv/bin/python benchmarks/gate.py --threads 2 --probe-tokens 16
@@ -84,8 +85,36 @@ def main() -> None:
                   f"(ratio gate/train {gate_s / train_s:.2f}) | whole step {wall:.2f}s | "
                   f"{'accepted' if m.get('gate_accepted') else 'rejected'} guard {m.get('gate_guard_pass', 0):.2f} "
                   f"KL {m.get('gate_kl', 0):.3f}")
+        compare_batching(trainer, tokenizer, args.probe_tokens)
         trainer.close()
         store.close()
+
+
+def compare_batching(trainer, tokenizer, probe_tokens: int) -> None:
+    """Greedy answers to the shipped probes plus 8 prompts of 60–600 tokens (conversations of growing length, as
+    recent prompts are), once in a single batch padded to the longest prompt and once in length groups (the
+    gate's default), on the same weights, side by side."""
+    from clawloop.gate.gate import greedy_answers, length_buckets
+
+    prompts = [p.ids for p in trainer.gate.shipped]
+    for n in range(8):
+        history = FILLER * (2 * n + 1)
+        messages = [{"role": "user", "content": history}, {"role": "assistant", "content": "Noted."},
+                    {"role": "user", "content": "What was agreed?"}]
+        prompts.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]))
+    eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    model = trainer.models.causal_lm
+    timings, outputs = {}, {}
+    one_batch = lambda lengths: [list(range(len(lengths)))]  # noqa: E731
+    for name, batches in (("one batch", one_batch), ("length groups", length_buckets)):
+        t0 = time.perf_counter()
+        outputs[name], _ = greedy_answers(model, prompts, probe_tokens, eos, batches=batches)
+        timings[name] = time.perf_counter() - t0
+    groups = [len(g) for g in length_buckets([len(p) for p in prompts])]
+    print(f"greedy answers to {len(prompts)} probes ({min(map(len, prompts))}-{max(map(len, prompts))} prompt tokens):"
+          f" one batch {timings['one batch']:.2f}s | length groups {groups} {timings['length groups']:.2f}s | "
+          f"speed-up {timings['one batch'] / timings['length groups']:.2f}x | same answers: "
+          f"{sum(a == b for a, b in zip(outputs['one batch'], outputs['length groups']))}/{len(prompts)}")
 
 
 if __name__ == "__main__":

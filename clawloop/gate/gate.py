@@ -8,13 +8,15 @@ A check:
 1. builds the probe set: the shipped general prompts (``clawloop.gate.probes``) plus the run's most recent
    distinct real prompts (``recent_prompts`` from the store; prompts longer than ``MAX_PROMPT_TOKENS`` are left
    out to bound the cost);
-2. generates the candidate's greedy answer to each probe (``probe_tokens`` at most);
+2. generates the candidate's greedy answer to each probe (``probe_tokens`` at most; probes of similar length are
+   batched together, ``length_buckets``);
 3. runs the degeneracy guard on every answer: the text rules everywhere (empty, symbol soup, loops, low
    diversity) and, where the question is known (the shipped probes, and a recent prompt's last user message),
-   the question rules too (the answer must mention the question's topic and must not merely echo
-   it: "A tree is a tree is a tree." and "The answer is:" are early signs of collapse that the text rules miss). A probe counts against the candidate only when the reference answers it
-   soundly: the shipped probes' reference verdicts are computed once, a recent prompt's when it first appears. ``guard_pass`` = candidate-sound / reference-sound; the candidate
-   fails when it is below ``min_guard_pass``;
+   the question rules too (the answer must mention the question's topic and must not merely echo it: "A tree
+   is a tree is a tree." and "The answer is:" are early signs of collapse that the text rules miss). A probe
+   counts against the candidate only when the reference answers it soundly: the reference's verdict on a probe
+   is computed the first time the probe appears and kept. ``guard_pass`` = candidate-sound / reference-sound;
+   the candidate fails when it is below ``min_guard_pass``;
 4. measures KL(candidate || reference) at every position of the candidate's answers (full vocabulary, nats per
    token, mean over all answer tokens); the candidate fails when it is above ``max_kl``. The reference is the
    starting weights (LoRA: the adapter switched off; full fine-tuning: the frozen copy kept for ``kl_coef > 0``);
@@ -213,14 +215,16 @@ def length_buckets(lengths: Sequence[int], *, ratio: float = 2.0, slack: int = 3
 
 
 @torch.no_grad()
-def greedy_answers(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int,
-                   eos_ids: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy continuations of ``prompts`` (batched by ``length_buckets``, left-padded, with a KV cache), each cut
-    before its first end-of-turn token or after ``max_tokens``, and the model's log-softmax ``[T, V]`` at each
-    answer position (read from the generation's own logits, so no second forward is needed)."""
+def greedy_answers(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, eos_ids: list[int], *,
+                   batches: Callable[[Sequence[int]], list[list[int]]] = length_buckets,
+                   ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy continuations of ``prompts`` (one left-padded batch with a KV cache per group of ``batches``, by
+    default ``length_buckets``), each cut before its first end-of-turn token or after ``max_tokens``, and the
+    model's log-softmax ``[T, V]`` at each answer position (read from the generation's own logits, so no second
+    forward is needed)."""
     answers: list[list[int]] = [[] for _ in prompts]
     logprobs: list[torch.Tensor] = [torch.zeros(0) for _ in prompts]
-    for group in length_buckets([len(p) for p in prompts]):
+    for group in batches([len(p) for p in prompts]):
         group_answers, group_logprobs = _greedy_batch(model, [prompts[i] for i in group], max_tokens, eos_ids)
         for i, a, lp in zip(group, group_answers, group_logprobs):
             answers[i], logprobs[i] = a, lp
