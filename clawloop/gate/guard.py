@@ -23,9 +23,9 @@ Rules (each one names its reason, so reports can say why an answer failed):
 
 With the question given (``check(text, question=...)``), two more rules apply:
 
-* ``echo``: every word of the answer is a word of the question or a function word ("Why do stars shine?"
-  answered with itself): short and on topic, yet no answer. A policy trained toward "one short sentence" found
-  this shortcut, and a user who thanks for it would reward it;
+* ``echo``: every word of the answer is a word of the question (outside quotation marks) or a function word
+  ("Why do stars shine?" answered with itself): short and on topic, yet no answer. A policy trained toward
+  "one short sentence" found this shortcut, and a user who thanks for it would reward it;
 * ``off_topic``: no content word of the question (4+ letters, not a function word) appears in the answer,
   matching on a 5-letter prefix so ``pancakes``/``pancake`` or ``read``/``reading`` count. This catches the
   commonest non-answer of a small model told to open with a greeting ("Hello! I'm here to help. What's your
@@ -58,6 +58,8 @@ ENGLISH_STOPWORDS = frozenset(
 _WORD_RE = re.compile(r"\w+(?:['\u2019]\w+)*", re.UNICODE)
 _LETTERS_RE = re.compile(r"[^\W\d_]+", re.UNICODE)
 _NUMBER_RE = re.compile(r"\d+(?:[.,]\d+)?")
+_QUOTED_RE = re.compile(r'"[^"]*"|“[^”]*”|«[^»]*»')
+"""A quoted span: double quotes, typographic quotes or guillemets (single quotes are also apostrophes)."""
 # Words of a question that say nothing about its topic.
 _NOT_TOPIC = ENGLISH_STOPWORDS | frozenset(
     "make good best does like thing things keep take give get way ways something someone better need "
@@ -99,8 +101,12 @@ def on_topic(question: str, answer: str) -> bool:
 
 def echoes(question: str, answer: str) -> bool:
     """True when the answer adds no word of its own to the question ("Why do stars shine?" answered with
-    "Why do stars shine?" or "Stars shine."): it says nothing, although it is short and on topic."""
-    asked = {w.lower() for w in _LETTERS_RE.findall(question)}
+    "Why do stars shine?" or "Stars shine."): it says nothing, although it is short and on topic.
+
+    Words the question quotes are the wording a user asks for, so saying them is doing what was asked, not an
+    echo: 'I like answers that open with "In short,". Can you do that?' answered with "In short, I can do that."
+    (a gate check flagged exactly that compliant answer of a run learning the preference)."""
+    asked = {w.lower() for w in _LETTERS_RE.findall(_QUOTED_RE.sub(" ", question))}
     said = [w.lower() for w in _LETTERS_RE.findall(answer)]
     # A number the question does not hold is content of its own ("Three hours is 180 minutes.").
     new_numbers = set(_NUMBER_RE.findall(answer)) - set(_NUMBER_RE.findall(question))

@@ -111,6 +111,10 @@ def test_answers_that_ignore_the_question_are_off_topic(question, answer):
         # A number the question does not hold is an answer of its own, not an echo.
         ("How many minutes are in three hours?", "Three hours is 3 * 60 = 180 minutes.", False),
         ("How many minutes are in 3 hours?", "3 hours is minutes.", True),
+        # Saying the words a user quotes is doing what was asked (a gate flagged this compliant answer).
+        ('I like answers that open with "In short,". Can you do that?', "In short, I can do that.", False),
+        ('I like answers that open with “In short,”. Can you do that?', "In short, I can do that.", False),
+        ('I like answers that open with "In short,". Can you do that?', "I like answers, I can do that.", True),
     ],
 )
 def test_an_answer_that_only_repeats_the_question_is_an_echo(question, answer, echo):
