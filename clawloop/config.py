@@ -175,7 +175,8 @@ class Config:
     judge_retries: int = _f(2, "Retries of a failed judge call (with backoff) before the vote counts as invalid.")
     judge_turn_deadline_s: float = _f(0.0, "Time limit of judging one turn (its votes, their retries, then the "
                                       "teacher). A vote that timed out is tried again only while this leaves "
-                                      "time. 0 = room for every retry: judge_timeout_s × (judge_retries + 1) + 60.")
+                                      "time. 0 = room for every retry: judge_timeout_s × (judge_retries + 1) + 60 + the "
+                                      "retries' back-off.")
     judge_context: str = _f("last_user", "What of the request the judge sees: none (answer + next state only, as "
                             "the original), last_user, or full conversation.")
     judge_concurrency: int = _f(4, "Judge calls in flight at once.")
@@ -442,6 +443,9 @@ ENV_ALIASES: dict[str, str] = {
     "SERVED_MODEL_NAME": "served_model_name",
 }
 ENV_PREFIX = "CLAWLOOP_"
+ENV_NOT_SETTINGS = ("cache", "vllm_python", "chromium", "full_disk_mode")
+"""``CLAWLOOP_*`` variables that are not settings, so not an error: the model cache folder (read by the engines),
+the vLLM interpreter for servers clawloop starts, the browser and the disk-fault mode of the test tools."""
 
 
 def values_from_env(env: Mapping[str, str]) -> dict[str, Any]:
@@ -456,7 +460,7 @@ def values_from_env(env: Mapping[str, str]) -> dict[str, Any]:
             name = key[len(ENV_PREFIX):].lower()
             if name in names:
                 values[name] = raw
-            elif name not in ("cache",):  # CLAWLOOP_CACHE is the model cache folder, read by engines
+            elif name not in ENV_NOT_SETTINGS:
                 raise ConfigError(f"environment variable {key} names no setting")
     return values
 

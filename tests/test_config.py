@@ -85,6 +85,10 @@ def test_unknown_settings_fail_loudly(tmp_path):
         Config.load(env={}, top_k=3)
     with pytest.raises(ConfigError, match="CLAWLOOP_TOPKK"):
         Config.load(env={"CLAWLOOP_TOPKK": "3"})
+    # Variables the README names for other tools (the vLLM interpreter, the model cache) are not settings but
+    # must not stop a server that inherits them.
+    for name in ("CLAWLOOP_VLLM_PYTHON", "CLAWLOOP_CACHE", "CLAWLOOP_CHROMIUM", "CLAWLOOP_FULL_DISK_MODE"):
+        assert Config.load(env={name: "/somewhere"}).topk == Config().topk
     with pytest.raises(ConfigError, match="does not exist"):
         Config.load(file=tmp_path / "missing.toml", env={})
     broken = tmp_path / "broken.toml"

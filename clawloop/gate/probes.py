@@ -25,7 +25,7 @@ PROBES: tuple[str, ...] = (
     # falls into greedy loops ("A turtle is a reptile … They are found in … They are found in …") while it still
     # answers everything else soundly. Animals first: a measured demo version that looped on 3 of 14 held-out
     # definitions of living things passed twelve everyday probes and eight definitions of objects, and failed
-    # on turtle, lizard and squirrel below (docs/publication-gate.md).
+    # on turtle, lizard, squirrel and owl below (docs/publication-gate.md).
     "What is a turtle?",
     "What is a lizard?",
     "What is a squirrel?",

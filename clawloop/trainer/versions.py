@@ -6,7 +6,7 @@ Layout under ``run_dir/versions``::
     v7/optimizer.pt          AdamW state at that version (LoRA only: full fine-tuning's is twice the model)
     v7/version.json          version, step, time, mode and the gate's evidence
 
-Each folder is written atomically (``checkpoint.write_folder_atomically``). LoRA adapters are small and all kept;
+Each folder is written atomically (``clawloop.atomic.write_folder_atomically``). LoRA adapters are small and all kept;
 full fine-tuning keeps the newest ``keep_full`` versions (plus version 0, the starting weights, only while it is
 among them). The store's ``versions`` table is the index (status accepted / rolled_back and the evidence); the
 folders hold the weights. Version 0 is the starting weights.
