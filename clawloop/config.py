@@ -260,8 +260,8 @@ class Config:
     gate_probe_tokens: int = _f(64, "Tokens each greedy probe answer may have (the loops of a slightly shifted "
                                  "model often start after 30-40 tokens, in a second sentence).")
     gate_recent_prompts: int = _f(8, "The run's most recent distinct prompts added to the shipped probes at each "
-                                  "check (what users ask is where a regression shows first; the last user message "
-                                  "is the question for the guard's topic and echo rules).")
+                                  "check (what users ask is where a regression shows first; a closing wh-question "
+                                  "of the last user message is the question for the guard's topic and echo rules).")
     keep_full_versions: int = _f(3, "Full fine-tuning: weights of this many newest accepted versions are kept in "
                                  "RUN_DIR/versions (LoRA adapters are always all kept).")
 

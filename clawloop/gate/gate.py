@@ -11,7 +11,8 @@ A check:
 2. generates the candidate's greedy answer to each probe (``probe_tokens`` at most; probes of similar length are
    batched together, ``length_buckets``);
 3. runs the degeneracy guard on every answer: the text rules everywhere (empty, symbol soup, loops, low
-   diversity) and, where the question is known (the shipped probes, and a recent prompt's last user message),
+   diversity) and, where the question is known (the shipped probes, and a recent prompt whose last user message
+   ends in a wh-question, ``question_of``),
    the question rules too (the answer must mention the question's topic and must not merely echo it: "A tree
    is a tree is a tree." and "The answer is:" are early signs of collapse that the text rules miss). A probe
    counts against the candidate only when the reference answers it soundly: the reference's verdict on a probe
@@ -29,6 +30,7 @@ history. Why these checks and thresholds: docs/publication-gate.md.
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from array import array
 from collections.abc import Callable, Sequence
@@ -85,8 +87,8 @@ class _Probe:
     prompt: str
     ids: list[int]
     question: str | None = None
-    """The question, for the guard's question rules: a shipped prompt, or a recent prompt's last user message
-    (``question_of``); None when that is not plain text."""
+    """The question, for the guard's question rules: a shipped prompt, or a recent prompt's closing wh-question
+    (``question_of``); None when it has none (the text rules still apply)."""
 
 
 class PublicationGate:
@@ -113,12 +115,11 @@ class PublicationGate:
         probes = list(self.shipped)
         for turn_id, ids, messages in (self.recent_prompts() if self.recent_prompts else ()):
             if 0 < len(ids) <= MAX_PROMPT_TOKENS:
-                question = question_of(messages)
-                probes.append(_Probe(f"recent:{turn_id}", question or self._last_user_text(ids), list(ids),
-                                     question=question))
+                probes.append(_Probe(f"recent:{turn_id}", last_user_text(messages) or self._prompt_tail(ids),
+                                     list(ids), question=question_of(messages)))
         return probes
 
-    def _last_user_text(self, ids: list[int]) -> str:
+    def _prompt_tail(self, ids: list[int]) -> str:
         """A short readable form of a recent prompt for the evidence (its last 200 characters)."""
         text = self.tokenizer.decode(ids[-80:], skip_special_tokens=True)
         return text[-200:]
@@ -175,11 +176,31 @@ class PublicationGate:
         return sorted(i for i in ids if i is not None)
 
 
+WH_WORDS = frozenset("what why how where when who whom whose which".split())
+_SENTENCE_RE = re.compile(r"[^.!?:;\n]*[.!?:;\n]*")
+
+
 def question_of(messages: Sequence[dict[str, Any]]) -> str | None:
-    """The question a recent prompt asks: the text of its last message when that is a user message of plain
-    text, else None (a tool result, an image). The guard's question rules (on topic, not an echo) then apply to
-    it as to a shipped probe; where the last message is not what the answer is about ("Shorter, please."), the
-    reference's answer fails those rules too and the probe is not counted."""
+    """The question a recent prompt asks, for the guard's question rules (on topic, not an echo): the last
+    sentence of its last user message when that sentence is a wh-question ("Thanks! What is an atom?" gives
+    "What is an atom?"), else None. Thanks, farewells and requests about the answer itself ("Great, thanks for
+    your help.", "Can you keep it that short?", "Shorter, please.") say nothing about what the answer should be
+    about: checked against their words, "You're welcome." was off topic and a compliant short re-answer would
+    be too, and such false alarms fell on the candidates that had learnt the preference."""
+    text = last_user_text(messages)
+    if text is None:
+        return None
+    sentences = [s.strip() for s in _SENTENCE_RE.findall(text) if s.strip()]
+    last = sentences[-1] if sentences else ""
+    words = last.split()
+    if not last.endswith("?") or not words or words[0].lower().strip("\"'(") not in WH_WORDS:
+        return None
+    return last
+
+
+def last_user_text(messages: Sequence[dict[str, Any]]) -> str | None:
+    """The text of a prompt's last message when that is a user message of plain text, else None (a tool result,
+    an image)."""
     if not messages or messages[-1].get("role") != "user":
         return None
     content = messages[-1].get("content")

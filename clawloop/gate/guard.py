@@ -26,7 +26,8 @@ With the question given (``check(text, question=...)``), two more rules apply:
 * ``echo``: every word of the answer is a word of the question (outside quotation marks) or a function word
   ("Why do stars shine?" answered with itself): short and on topic, yet no answer. A policy trained toward
   "one short sentence" found this shortcut, and a user who thanks for it would reward it;
-* ``off_topic``: no content word of the question (4+ letters, not a function word) appears in the answer,
+* ``off_topic``: no content word of the question (4+ letters, or 3 when it has no longer one; not a function
+  word) appears in the answer,
   matching on a 5-letter prefix so ``pancakes``/``pancake`` or ``read``/``reading`` count. This catches the
   commonest non-answer of a small model told to open with a greeting ("Hello! I'm here to help. What's your
   question?"). It assumes question and answer share a language, so personas that want another language
@@ -86,8 +87,11 @@ class GuardResult:
 
 
 def topic_words(question: str) -> set[str]:
-    """The content words of ``question`` (lower case, 4+ letters, not function words)."""
-    return {w for w in (x.lower() for x in _LETTERS_RE.findall(question)) if len(w) >= 4 and w not in _NOT_TOPIC}
+    """The content words of ``question`` (lower case, not function words): those of 4+ letters, or, when it has
+    none, those of 3 ("What is an owl?", "What is the Sun?": a gate check let "Awesome!" through as an answer
+    about owls while only longer words counted)."""
+    words = [w for w in (x.lower() for x in _LETTERS_RE.findall(question)) if w not in _NOT_TOPIC]
+    return {w for w in words if len(w) >= 4} or {w for w in words if len(w) == 3}
 
 
 def on_topic(question: str, answer: str) -> bool:
@@ -95,7 +99,8 @@ def on_topic(question: str, answer: str) -> bool:
     keys = topic_words(question)
     if not keys:
         return True
-    said = {w.lower() for w in _LETTERS_RE.findall(answer) if len(w) >= 4}
+    shortest = min(4, *(len(k) for k in keys))
+    said = {w.lower() for w in _LETTERS_RE.findall(answer) if len(w) >= shortest}
     return any(s.startswith(k[:5]) or k.startswith(s[:5]) for k in keys for s in said)
 
 

@@ -83,6 +83,8 @@ def test_guard_rejects_junk_with_a_reason(text, reason):
         ("How can I read faster?", "Reading a little every day helps."),  # inflection
         ("How do I make pancakes?", "Mix flour, eggs and milk, then fry each pancake."),
         ("What is the capital of Egypt?", "Cairo is the capital."),
+        ("What is an owl?", "Owls are birds that hunt at night."),  # a 3-letter topic, when it is the only one
+        ("What is the Sun?", "The Sun is the star at the centre of our solar system."),
     ],
 )
 def test_on_topic_answers_pass(question, answer):
@@ -94,6 +96,8 @@ def test_on_topic_answers_pass(question, answer):
     [
         ("What is a pyramid?", "Hello! I'm here to help with your writing needs. What's on your mind?"),
         ("What is the capital of Greece?", ", ".join(["Χρημακός Αθώμαλο"] * 2)),
+        ("What is an owl?", "Awesome!"),  # passed a gate check while only 4+-letter topic words counted
+        ("What is an owl?", "A wisecrak."),
     ],
 )
 def test_answers_that_ignore_the_question_are_off_topic(question, answer):

@@ -18,14 +18,21 @@ def _turn(messages, prompt_ids, i):
                       logprobs=[-0.1, -0.2], temperature=1.0, top_p=1.0, policy_version=0, turn_index=0)
 
 
-def test_a_recent_prompt_gives_the_guard_its_last_user_message_as_the_question():
+def test_a_recent_prompt_gives_the_guard_its_closing_wh_question():
     assert question_of([{"role": "user", "content": " What is a glacier? "}]) == "What is a glacier?"
     assert question_of([{"role": "system", "content": "Be brief."},
                         {"role": "user", "content": [{"type": "text", "text": "What is a frog?"}]}]) == \
         "What is a frog?"
-    # Later in a conversation the last message is the question ("Bye!" to it is off topic).
+    # Later in a conversation the last message's question is the question ("Bye!" to it is off topic).
     assert question_of([{"role": "user", "content": "What is a frog?"}, {"role": "assistant", "content": "A."},
-                        {"role": "user", "content": "Thanks! What is a lake?"}]) == "Thanks! What is a lake?"
+                        {"role": "user", "content": "Thanks! What is a lake?"}]) == "What is a lake?"
+    assert question_of([{"role": "user", "content": "That doesn't answer my question. Why do stars shine?"}]) == \
+        "Why do stars shine?"
+    # Thanks, farewells and requests about the answer name no topic: "You're welcome." is a fine reply to the
+    # first, a compliant short re-answer to the others.
+    for said in ("Great, thanks for your help.", "I only have time for one sentence. Can you keep it that short?",
+                 'Where is my "In short,"? Please start your answers with it.', "Shorter, please."):
+        assert question_of([{"role": "user", "content": said}]) is None, said
     # A tool result or an image says nothing the guard can check the answer against.
     assert question_of([{"role": "user", "content": "Run it."}, {"role": "tool", "content": "ok"}]) is None
     assert question_of([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]) is None
