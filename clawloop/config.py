@@ -175,8 +175,8 @@ class Config:
     judge_retries: int = _f(2, "Retries of a failed judge call (with backoff) before the vote counts as invalid.")
     judge_turn_deadline_s: float = _f(0.0, "Time limit of judging one turn (its votes, their retries, then the "
                                       "teacher). A vote that timed out is tried again only while this leaves "
-                                      "time. 0 = room for every retry: judge_timeout_s × (judge_retries + 1) + 60 + the "
-                                      "retries' back-off.")
+                                      "time. 0 = room for every retry: judge_timeout_s × (judge_retries + 1) + "
+                                      "60 + the retries' back-off.")
     judge_context: str = _f("last_user", "What of the request the judge sees: none (answer + next state only, as "
                             "the original), last_user, or full conversation.")
     judge_concurrency: int = _f(4, "Judge calls in flight at once.")
