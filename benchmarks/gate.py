@@ -91,9 +91,9 @@ def main() -> None:
 
 
 def compare_batching(trainer, tokenizer, probe_tokens: int) -> None:
-    """Greedy answers to the shipped probes plus 8 prompts of 60–600 tokens (conversations of growing length, as
-    recent prompts are), once in a single batch padded to the longest prompt and once in length groups (the
-    gate's default), on the same weights, side by side."""
+    """Greedy answers to the shipped probes plus 8 prompts of growing length, up to about 500 tokens
+    (conversations, as recent prompts are), once in a single batch padded to the longest prompt and once in
+    length groups (the gate's default), on the same weights, side by side."""
     from clawloop.gate.gate import greedy_answers, length_buckets
 
     prompts = [p.ids for p in trainer.gate.shipped]

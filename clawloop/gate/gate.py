@@ -129,8 +129,11 @@ class PublicationGate:
     def check(self, candidate: torch.nn.Module, reference: Callable[[], ContextManager[torch.nn.Module]],
               kl_to: str = "reference") -> GateResult:
         """Decide on ``candidate`` (the training model as it is now). ``reference()`` enters a context in which
-        it yields the model to compare with (``kl_to`` names it in the evidence)."""
+        it yields the model to compare with (``kl_to`` names it in the evidence). Only the fixed starting weights
+        (``kl_to="reference"``) have their verdicts kept between checks; the last accepted version changes."""
         t0 = time.monotonic()
+        if kl_to != "reference":
+            self._reference_ok.clear()
         probes = self.probe_set()
         prompts = [p.ids for p in probes]
         answers, cand_lp = greedy_answers(candidate, prompts, self.probe_tokens, self._eos_ids())
@@ -177,7 +180,9 @@ class PublicationGate:
 
 
 WH_WORDS = frozenset("what why how where when who whom whose which".split())
-_SENTENCE_RE = re.compile(r"[^.!?:;\n]*[.!?:;\n]*")
+_SENTENCE_END_RE = re.compile(r"(?<=[.!?:;])\s+|\n+")
+"""Where a sentence ends: punctuation followed by white space ("Node.js" and "10:30" stay whole), or a new line."""
+_CLOSERS = "\"'”’)]*_ \t"
 
 
 def question_of(messages: Sequence[dict[str, Any]]) -> str | None:
@@ -186,14 +191,16 @@ def question_of(messages: Sequence[dict[str, Any]]) -> str | None:
     "What is an atom?"), else None. Thanks, farewells and requests about the answer itself ("Great, thanks for
     your help.", "Can you keep it that short?", "Shorter, please.") say nothing about what the answer should be
     about: checked against their words, "You're welcome." was off topic and a compliant short re-answer would
-    be too, and such false alarms fell on the candidates that had learnt the preference."""
+    be too, and such false alarms fell on the candidates that had learnt the preference. The price: a recent
+    prompt that asks in another form ("Explain photosynthesis.", "Can you tell me what a fossil is?", "What is
+    X? One word, please.") gets the text rules only; the shipped probes keep the question rules for every form."""
     text = last_user_text(messages)
     if text is None:
         return None
-    sentences = [s.strip() for s in _SENTENCE_RE.findall(text) if s.strip()]
-    last = sentences[-1] if sentences else ""
-    words = last.split()
-    if not last.endswith("?") or not words or words[0].lower().strip("\"'(") not in WH_WORDS:
+    sentences = [s.strip() for s in _SENTENCE_END_RE.split(text) if any(ch.isalpha() for ch in s)]
+    last = sentences[-1].rstrip(_CLOSERS).rstrip("!") if sentences else ""
+    first = re.match(r"[^\W\d_]+", last.lstrip("\"'“‘(*_").lower())
+    if not last.endswith("?") or first is None or first.group() not in WH_WORDS:  # "What's" counts as "what"
         return None
     return last
 

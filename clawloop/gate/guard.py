@@ -23,7 +23,7 @@ Rules (each one names its reason, so reports can say why an answer failed):
 
 With the question given (``check(text, question=...)``), two more rules apply:
 
-* ``echo``: every word of the answer is a word of the question (outside quotation marks) or a function word
+* ``echo``: every word of the answer is a word of the question or a function word
   ("Why do stars shine?" answered with itself): short and on topic, yet no answer. A policy trained toward
   "one short sentence" found this shortcut, and a user who thanks for it would reward it;
 * ``off_topic``: no content word of the question (4+ letters, or 3 when it has no longer one; not a function
@@ -59,13 +59,14 @@ ENGLISH_STOPWORDS = frozenset(
 _WORD_RE = re.compile(r"\w+(?:['\u2019]\w+)*", re.UNICODE)
 _LETTERS_RE = re.compile(r"[^\W\d_]+", re.UNICODE)
 _NUMBER_RE = re.compile(r"\d+(?:[.,]\d+)?")
-_QUOTED_RE = re.compile(r'"[^"]*"|“[^”]*”|«[^»]*»')
-"""A quoted span: double quotes, typographic quotes or guillemets (single quotes are also apostrophes)."""
 # Words of a question that say nothing about its topic.
 _NOT_TOPIC = ENGLISH_STOPWORDS | frozenset(
     "make good best does like thing things keep take give get way ways something someone better need "
     "tell know mean means".split()
 )
+# Three-letter words that name no topic either, for questions whose only content words are that short.
+_NOT_SHORT_TOPIC = frozenset("see say now new old use try ask far put set out off own too yet got lot let way "
+                             "get day two few big".split())
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,10 @@ class GuardResult:
 def topic_words(question: str) -> set[str]:
     """The content words of ``question`` (lower case, not function words): those of 4+ letters, or, when it has
     none, those of 3 ("What is an owl?", "What is the Sun?": a gate check let "Awesome!" through as an answer
-    about owls while only longer words counted)."""
+    about owls while only longer words counted; 3-letter words match on their prefix, so "sun" also takes
+    "Sunday")."""
     words = [w for w in (x.lower() for x in _LETTERS_RE.findall(question)) if w not in _NOT_TOPIC]
-    return {w for w in words if len(w) >= 4} or {w for w in words if len(w) == 3}
+    return {w for w in words if len(w) >= 4} or {w for w in words if len(w) == 3 and w not in _NOT_SHORT_TOPIC}
 
 
 def on_topic(question: str, answer: str) -> bool:
@@ -106,12 +108,8 @@ def on_topic(question: str, answer: str) -> bool:
 
 def echoes(question: str, answer: str) -> bool:
     """True when the answer adds no word of its own to the question ("Why do stars shine?" answered with
-    "Why do stars shine?" or "Stars shine."): it says nothing, although it is short and on topic.
-
-    Words the question quotes are the wording a user asks for, so saying them is doing what was asked, not an
-    echo: 'I like answers that open with "In short,". Can you do that?' answered with "In short, I can do that."
-    (a gate check flagged exactly that compliant answer of a run learning the preference)."""
-    asked = {w.lower() for w in _LETTERS_RE.findall(_QUOTED_RE.sub(" ", question))}
+    "Why do stars shine?" or "Stars shine."): it says nothing, although it is short and on topic."""
+    asked = {w.lower() for w in _LETTERS_RE.findall(question)}
     said = [w.lower() for w in _LETTERS_RE.findall(answer)]
     # A number the question does not hold is content of its own ("Three hours is 180 minutes.").
     new_numbers = set(_NUMBER_RE.findall(answer)) - set(_NUMBER_RE.findall(question))

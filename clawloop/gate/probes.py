@@ -36,4 +36,4 @@ PROBES: tuple[str, ...] = (
     "What is an umbrella?",
 )
 """Twenty probes: a collapse shows on almost every one; the early signs (loops on simple definitions) on a few,
-so the definitions are a larger share than in everyday traffic. Few enough to check in one batch."""
+so the definitions are a larger share than in everyday traffic. Of similar length, so they share a batch."""

@@ -105,6 +105,11 @@ def test_answers_that_ignore_the_question_are_off_topic(question, answer):
     assert check(answer).ok or "off_topic" not in check(answer).reasons  # only checked with a question
 
 
+def test_short_words_that_name_no_topic_are_not_checked():
+    assert check("I see a garden.", question="What do you see?").ok  # "see" is not what the answer is about
+    assert "off_topic" in check("Awesome!", question="What is the Sun?").reasons
+
+
 @pytest.mark.parametrize(
     "question, answer, echo",
     [
@@ -115,10 +120,7 @@ def test_answers_that_ignore_the_question_are_off_topic(question, answer):
         # A number the question does not hold is an answer of its own, not an echo.
         ("How many minutes are in three hours?", "Three hours is 3 * 60 = 180 minutes.", False),
         ("How many minutes are in 3 hours?", "3 hours is minutes.", True),
-        # Saying the words a user quotes is doing what was asked (a gate flagged this compliant answer).
-        ('I like answers that open with "In short,". Can you do that?', "In short, I can do that.", False),
-        ('I like answers that open with “In short,”. Can you do that?', "In short, I can do that.", False),
-        ('I like answers that open with "In short,". Can you do that?', "I like answers, I can do that.", True),
+        ('What does "carpe diem" mean?', "Carpe diem.", True),  # quoting the subject does not make it an answer
     ],
 )
 def test_an_answer_that_only_repeats_the_question_is_an_echo(question, answer, echo):

@@ -31,8 +31,15 @@ def test_a_recent_prompt_gives_the_guard_its_closing_wh_question():
     # Thanks, farewells and requests about the answer name no topic: "You're welcome." is a fine reply to the
     # first, a compliant short re-answer to the others.
     for said in ("Great, thanks for your help.", "I only have time for one sentence. Can you keep it that short?",
-                 'Where is my "In short,"? Please start your answers with it.', "Shorter, please."):
+                 'Where is my "In short,"? Please start your answers with it.', "Shorter, please.",
+                 'I like answers that open with "In short,". Can you do that?'):
         assert question_of([{"role": "user", "content": said}]) is None, said
+    # Real prompts' forms: a contraction, a dot or colon inside the sentence, something after the question mark.
+    for said, question in (("What's a glacier?", "What's a glacier?"), ("What is Node.js?", "What is Node.js?"),
+                           ("So. What happens at 10:30?", "What happens at 10:30?"),
+                           ('"What is a turtle?"', '"What is a turtle?'),
+                           ("Hi!\nWhat is a turtle?! 🐢", "What is a turtle?")):
+        assert question_of([{"role": "user", "content": said}]) == question, said
     # A tool result or an image says nothing the guard can check the answer against.
     assert question_of([{"role": "user", "content": "Run it."}, {"role": "tool", "content": "ok"}]) is None
     assert question_of([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]) is None
