@@ -44,6 +44,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import functools
+import inspect
 import logging
 import os
 import queue
@@ -75,6 +77,18 @@ from clawloop.engines.sampling import choose_tokens, sampling_logprobs, top_alte
 from clawloop.memory import trim_heap
 
 log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg_of(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """The forward's KV-cache argument. transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name
+    warns on every call and goes in 5.40); earlier 5.x releases know only ``past_key_values``."""
+    return {_cache_kwarg_of(type(model)): cache, "use_cache": True}
+
 
 SWAP_MODES = ("double_buffer", "drain")
 Weights = Mapping[str, torch.Tensor] | Callable[[torch.nn.Module], Any] | torch.nn.Module
@@ -423,8 +437,7 @@ class HFEngine:
 
         with torch.inference_mode():
             cache = DynamicCache()
-            self._model(input_ids=torch.tensor([[self.pad_id]], device=self.device), past_key_values=cache,
-                        use_cache=True)
+            self._model(input_ids=torch.tensor([[self.pad_id]], device=self.device), **cache_kwargs(self._model, cache))
         if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
             raise EngineError(f"{type(self._model).__name__} uses a cache this engine cannot batch")
 
@@ -597,11 +610,11 @@ class HFEngine:
         cache = DynamicCache()
         t0 = time.perf_counter()
         if len(group) == 1:  # no padding: the plain causal forward
-            out = batch.model(input_ids=ids_N_W, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = batch.model(input_ids=ids_N_W, logits_to_keep=1, **cache_kwargs(batch.model, cache))
         else:
             pos_N_W = (mask_N_W.cumsum(dim=1) - 1).clamp(min=0)
             out = batch.model(input_ids=ids_N_W, attention_mask=mask_N_W, position_ids=pos_N_W,
-                              past_key_values=cache, use_cache=True, logits_to_keep=1)
+                              logits_to_keep=1, **cache_kwargs(batch.model, cache))
         self.stats["prefills"] += len(group)
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_s"] += time.perf_counter() - t0
@@ -639,8 +652,7 @@ class HFEngine:
                 input_ids=batch.next_B[:, None],
                 attention_mask=mask_B_L,
                 position_ids=batch.pos_B[:, None],
-                past_key_values=batch.cache,
-                use_cache=True,
+                **cache_kwargs(batch.model, batch.cache),
             )
             logits_B_V = out.logits[:, -1, :].float()
             t1 = time.perf_counter()

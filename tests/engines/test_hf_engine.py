@@ -6,6 +6,7 @@ References are computed independently with plain full forwards of the same model
 from __future__ import annotations
 
 import asyncio
+import warnings
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from clawloop.engines.base import (
     ScoreRequest,
     TokenEvent,
 )
-from clawloop.engines.hf import HFEngine
+from clawloop.engines.hf import HFEngine, cache_kwargs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
@@ -118,6 +119,24 @@ def test_top_logprobs_are_the_best_alternatives(tiny_engine, chat_ids):
         values, ids = logprobs[P - 1 + t].topk(4)
         assert [i for i, _ in g.top_logprobs[t]] == ids.tolist()
         assert torch.allclose(torch.tensor([v for _, v in g.top_logprobs[t]]), values, atol=1e-4)
+
+
+def test_the_kv_cache_goes_in_under_the_name_the_installed_transformers_declares(tiny_model_path, chat_ids):
+    """A fresh install gets the newest transformers 5.x: its forward renamed ``past_key_values`` to ``cache`` and
+    warns on the old name at every call, which would fill a user's console; the engine must use the new name."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    ids = chat_ids("Name a colour.")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        with torch.no_grad():
+            cache = DynamicCache()
+            first = model(input_ids=torch.tensor([ids]), **cache_kwargs(model, cache))
+            step = model(input_ids=first.logits[:, -1:].argmax(-1), **cache_kwargs(model, cache))
+    assert cache.get_seq_length() == len(ids) + 1  # the cache was filled: it reached the model under its name
+    solo = full_logits(model, ids + [int(first.logits[0, -1].argmax())])[-1]
+    torch.testing.assert_close(step.logits[0, -1].float(), solo, atol=1e-4, rtol=1e-4)
 
 
 def test_stop_string_cuts_text_and_keeps_ids_through_the_completing_token(tiny_engine, chat_ids, tiny_tokenizer):
