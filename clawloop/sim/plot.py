@@ -6,7 +6,9 @@ optimizer step of each evaluation written next to its point, plus the share of t
 rolling mean over sessions.
 
 ``comparison(cells, path, target)`` — one panel per persona, one line per method: the mean held-out score over
-seeds at each evaluation point, with the min-max band over seeds.
+seeds at each evaluation point of any seed, with the min-max band over seeds. Runs are scored at different
+interaction counts (on a schedule, and whenever a new version starts being served), so a seed without a point
+there counts with its latest score before it (``score_at``): the version it was serving then.
 """
 
 from __future__ import annotations
@@ -68,6 +70,17 @@ def learning_curve(summary: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
+def score_at(curve: Sequence[dict[str, Any]], interactions: int) -> float | None:
+    """The held-out score of the version a run was serving after ``interactions``: its latest evaluation at or
+    before that count (None before the first)."""
+    score = None
+    for point in sorted(curve, key=lambda p: p["interactions"]):
+        if point["interactions"] > interactions:
+            break
+        score = point["score"]
+    return score
+
+
 def comparison(cells: Sequence[dict[str, Any]], path: str | Path, target: float | None = None) -> Path:
     """``cells``: results of ``compare.run_cell`` (each with method, persona, seed and a curve)."""
     plt = _pyplot()
@@ -79,17 +92,19 @@ def comparison(cells: Sequence[dict[str, Any]], path: str | Path, target: float 
             if c["persona"] == persona:
                 by_method[c["method"]].append(c)
         for method, runs in sorted(by_method.items()):
-            # Evaluation points are at the same interaction counts in every run of a cell grid.
-            xs = sorted({p["interactions"] for r in runs for p in r["curve"]})
-            means, lows, highs = [], [], []
-            for x in xs:
-                vals = [p["score"] for r in runs for p in r["curve"] if p["interactions"] == x]
+            xs, means, lows, highs = [], [], [], []
+            for x in sorted({p["interactions"] for r in runs for p in r["curve"]}):
+                vals = [v for v in (score_at(r["curve"], x) for r in runs) if v is not None]
+                if not vals:
+                    continue
+                xs.append(x)
                 means.append(sum(vals) / len(vals))
                 lows.append(min(vals))
                 highs.append(max(vals))
             colour = METHOD_COLOURS.get(method)
-            ax.plot(xs, means, "o-", color=colour, label=f"{method} (n={len(runs)})")
-            ax.fill_between(xs, lows, highs, color=colour, alpha=0.15)
+            # A score holds until the next evaluation: steps, not slopes between points.
+            ax.plot(xs, means, "o-", color=colour, drawstyle="steps-post", label=f"{method} (n={len(runs)})")
+            ax.fill_between(xs, lows, highs, color=colour, alpha=0.15, step="post")
         if target is not None:
             ax.axhline(target, color="k", ls=":", lw=1, label=f"target {target:g}")
         ax.set_title(f"persona '{persona}'")

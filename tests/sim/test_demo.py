@@ -162,6 +162,18 @@ def test_a_version_scored_between_evaluation_points_does_not_change_interactions
     assert compare.interactions_to_target(curve, 0.5) == 16
 
 
+def test_the_comparison_plot_reads_a_seed_between_its_points_as_the_version_it_was_serving():
+    from clawloop.sim.plot import score_at
+
+    # Seeds are scored at different counts (a new version is scored when it starts being served): between its
+    # points a seed still serves its last scored version, so averaging only the seeds scored at a count would
+    # draw a dip that no user saw.
+    curve = [{"interactions": 0, "score": 0.0}, {"interactions": 21, "score": 0.64},
+             {"interactions": 36, "score": 0.86}]
+    assert score_at(curve, 20) == 0.0 and score_at(curve, 21) == 0.64 and score_at(curve, 24) == 0.64
+    assert score_at(curve, 72) == 0.86 and score_at([{"interactions": 3, "score": 0.5}], 0) is None
+
+
 def test_lowest_served_guard_counts_every_scored_version():
     from clawloop.sim.demo import CurvePoint, served_guard
 
