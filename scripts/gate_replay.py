@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         p for p in (args.out / "cells").iterdir() if (p / "versions").is_dir())
     torch.set_num_threads(1)
     models = load_train_models(demo_config())  # the comparison's model and LoRA shape: the demo preset
-    gate = PublicationGate(load_tokenizer(models.model_dir), min_guard_pass=1.0, probe_tokens=64,
-                           probes=EXTRA_PROBES)
+    # Only the gate's per-probe verdicts are used (pooled below); its own accept/reject is not.
+    gate = PublicationGate(load_tokenizer(models.model_dir), probe_tokens=64, probes=EXTRA_PROBES)
     rows = []
     for cell in cells:
         heldout = heldout_guard_by_version(cell)

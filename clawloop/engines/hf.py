@@ -437,7 +437,8 @@ class HFEngine:
 
         with torch.inference_mode():
             cache = DynamicCache()
-            self._model(input_ids=torch.tensor([[self.pad_id]], device=self.device), **cache_kwargs(self._model, cache))
+            self._model(input_ids=torch.tensor([[self.pad_id]], device=self.device),
+                        **cache_kwargs(self._model, cache))
         if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
             raise EngineError(f"{type(self._model).__name__} uses a cache this engine cannot batch")
 
