@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clawloop.temperature import GREEDY_BELOW
+
 
 class ConfigError(ValueError):
     """A setting has a value clawloop cannot run with."""
@@ -326,6 +328,10 @@ class Config:
                      "judge_retries", "num_threads", "default_temperature", "judge_temperature",
                      "train_temperature"):
             positive(name, 0.0, strict=False)
+        for name in ("default_temperature", "judge_temperature", "train_temperature"):
+            if 0 < getattr(self, name) < GREEDY_BELOW:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be 0 or >= {GREEDY_BELOW:g} (below that a "
+                                  "temperature is greedy: set 0)")
         if self.judge_turn_deadline_s < 0:
             raise ConfigError(f"judge_turn_deadline_s must be >= 0 (0 = automatic), got {self.judge_turn_deadline_s}")
         for name in ("judge_timeout_s", "session_idle_timeout_s", "lora_alpha", "tis_cap"):

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from clawloop.engines.base import Engine, ScoreRequest
+from clawloop.temperature import effective_temperature
 from clawloop.judge.prompts import content_text
 from clawloop.store import TurnRecord
 
@@ -52,12 +53,12 @@ def train_temperature(config: Any, turn: TurnRecord | float) -> float:
     """The temperature of every train-side log-prob (student, old policy, teacher, reference) for a turn.
 
     ``config.train_temperature`` when it is positive; otherwise the turn's own sampling temperature, with greedy
-    turns (temperature 0) scored at 1.0.
+    turns (temperature 0, or below ``GREEDY_BELOW`` in a store written before that rule) scored at 1.0.
     """
     fixed = float(getattr(config, "train_temperature", 0.0) or 0.0)
     if fixed > 0:
         return fixed
-    sampled = float(turn if isinstance(turn, (int, float)) else turn.temperature)
+    sampled = effective_temperature(float(turn if isinstance(turn, (int, float)) else turn.temperature))
     return sampled if sampled > 0 else 1.0
 
 

@@ -12,7 +12,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "clawloop"
 # Lowest first. A module belongs to the layer of the longest prefix that names it; "clawloop" names only the
 # package's __init__, so a new top-level module has no layer until it is given one.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("clawloop", "clawloop.memory", "clawloop.atomic", "clawloop.retry")),
+    ("base", ("clawloop", "clawloop.memory", "clawloop.atomic", "clawloop.retry", "clawloop.temperature")),
     ("records", ("clawloop.store", "clawloop.wire")),
     ("engines, renderers", ("clawloop.engines", "clawloop.renderers")),
     ("config", ("clawloop.config",)),

@@ -26,6 +26,7 @@ from typing import Any
 
 from clawloop.api import safejson
 from clawloop.api.errors import bad_request
+from clawloop.temperature import effective_temperature
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
          "function": "tool"}
@@ -91,6 +92,13 @@ def _number(body: dict[str, Any], key: str, lo: float, hi: float, lo_open: bool 
         bracket = "(" if lo_open else "["
         raise bad_request(f"'{key}' must be in {bracket}{lo:g}, {hi:g}], got {value!r}.", key, "invalid_value")
     return value
+
+
+def _temperature(body: dict[str, Any]) -> float | None:
+    """``temperature`` in [0, 2]; a value below ``GREEDY_BELOW`` is greedy (0.0), as it is served, stored and
+    trained: the turn records the temperature the answer was really sampled at."""
+    value = _number(body, "temperature", 0.0, 2.0)
+    return None if value is None else effective_temperature(value)
 
 
 def _integer(body: dict[str, Any], key: str, lo: int, hi: int | None = None) -> int | None:
@@ -354,7 +362,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         model=model,
         tools=tools,
         tool_choice=tool_choice,
-        temperature=_number(body, "temperature", 0.0, 2.0),
+        temperature=_temperature(body),
         top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True),
         max_tokens=max_tokens,
         stop=stop,

@@ -24,6 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from clawloop.temperature import GREEDY_BELOW
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -49,6 +51,9 @@ def check_sampling(params: SamplingParams) -> None:
         raise EngineError("max_tokens must be >= 1")
     if params.temperature < 0:
         raise EngineError("temperature must be >= 0")
+    if 0 < params.temperature < GREEDY_BELOW:
+        raise EngineError(f"temperature must be 0 (greedy) or >= {GREEDY_BELOW:g}; "
+                          "pass it through clawloop.temperature.effective_temperature")
     if not 0 < params.top_p <= 1:
         raise EngineError("top_p must be in (0, 1]")
     if params.top_logprobs < 0:

@@ -60,7 +60,7 @@ class TrainItem:
     """ℓ_T at the sampled ids under the chosen hint (legacy ``combine`` method only)."""
     token_weights_T: torch.Tensor | None = None
     """Truncated importance weights (stale samples under ``tis``), None = all ones."""
-    info: dict[str, float] = field(default_factory=dict)
+    info: dict[str, float | str] = field(default_factory=dict)
 
     @property
     def turn_id(self) -> int:

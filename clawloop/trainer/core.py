@@ -18,6 +18,9 @@ Ordering and crash safety:
 
 * The optimizer update happens before anything is recorded; if training raises, the caller releases the
   lease and the samples go back to ready (nothing was updated).
+* A sample whose loss or gradient is not finite is dropped with that reason and the rest of the batch trains
+  (``trainer.step.finite_share``). A step that changed no weight is not committed, gated or published; its
+  samples go back to ready once (``_void_update``).
 * Weights are published before the step is committed so the step row carries the version those weights were
   actually served under. A publication failure does not undo the step: it is committed with the previous
   version label and publication is retried before the next step.
@@ -56,7 +59,8 @@ from clawloop.trainer.model import TrainModels, gate_reference, load_train_model
 from clawloop.trainer.old_policy import RefreshFn
 from clawloop.trainer.publish import LocalVersion, publish_weights
 from clawloop.trainer.resume import plan_resume
-from clawloop.trainer.step import make_optimizer, train_step
+from clawloop.trainer.step import EXCLUDED, UPDATE_SKIPPED, VoidedUpdates, excluded_samples, make_optimizer, \
+    train_step, update_applied
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +133,8 @@ class Trainer:
         self.gate_checks = 0
         self.gate_rejections = 0
         self.gate_seconds = 0.0
+        self.voided = VoidedUpdates()
+        """Samples of updates skipped as non-finite (see ``_void_update``)."""
         self.accepted = self._snapshot(self.policy_version)
         if self.policy_version == 0 and not history.has_version(self.run_dir, 0):
             self._save_version(0, self.step, {"starting_weights": True})
@@ -345,6 +351,12 @@ class Trainer:
             return None
         metrics = train_step(self.models, self.optimizer, items, self.config, refresh=self.refresh,
                              fuse_old=self.fuse_old)
+        for turn_id, reason in excluded_samples(items):
+            self.store.drop_leased_sample(turn_id, reason, lease_id=lease_id)
+        items = [it for it in items if EXCLUDED not in it.info]
+        if not update_applied(metrics):
+            self._void_update(lease_id, items)
+            return None
         step = self.step + 1
         published, gate_metrics = self._check(step)
         metrics.update(stats.as_metrics())
@@ -362,6 +374,20 @@ class Trainer:
         self.last_metrics = metrics
         self.after_commit(metrics)
         return metrics
+
+    def _void_update(self, lease_id: str, items: list[Any]) -> None:
+        """A step that changed no weight (its update was skipped as non-finite, or no sample reached it) is not a
+        step: nothing is committed, gated or published. Its samples go back to ready for another batch, except
+        those already in such a step before, which are dropped (a sample cannot stall training forever)."""
+        again = self.voided.second_time(items)
+        for turn_id in again:
+            self.store.drop_leased_sample(turn_id, UPDATE_SKIPPED, lease_id=lease_id)
+        self.store.release_lease(lease_id)
+        self.store.record_event("update_skipped", {"turn_ids": [it.turn_id for it in items], "dropped": again},
+                                step=self.step, version=self.policy_version)
+        log.error("trainer: the update on %d samples was not finite and is skipped (no step, nothing published); "
+                  "%d go back to ready, %d dropped after a second try", len(items), len(items) - len(again),
+                  len(again))
 
     def after_commit(self, metrics: dict[str, Any]) -> None:
         """Bookkeeping of a committed step. The step stands whatever happens here (its samples are consumed in

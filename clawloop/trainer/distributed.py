@@ -80,7 +80,8 @@ from clawloop.trainer.model import TrainModels, load_train_models, output_vocab_
 from clawloop.trainer.publish import FolderPublisher, unshared_tensors
 from clawloop.trainer.rank0_gate import Rank0Gate
 from clawloop.trainer.resume import plan_resume
-from clawloop.trainer.step import make_optimizer, train_step
+from clawloop.trainer.step import EXCLUDED, UPDATE_SKIPPED, VoidedUpdates, excluded_samples, make_optimizer, \
+    train_step, update_applied
 
 log = logging.getLogger("clawloop.trainer.distributed")
 
@@ -290,6 +291,7 @@ def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float
         del weights, optimizer_state
 
     trained = 0
+    voided = VoidedUpdates()  # rank 0: samples of updates skipped as non-finite
     idle_since = time.monotonic()
     while max_steps <= 0 or trained < max_steps:
         batch = None
@@ -326,6 +328,18 @@ def run(config: Config, store: Any | None, *, max_steps: int = 0, lease_s: float
                     _release(store, batch.lease_id)
                 continue
             metrics = train_step(models, optimizer, items, config, runner=runner)
+            if rank == 0:
+                _drop(store, batch.lease_id, excluded_samples(items))
+            items = [it for it in items if EXCLUDED not in it.info]
+            if not update_applied(metrics):  # the same on every rank: no weight moved, so no step and no version
+                if rank == 0:
+                    again = voided.second_time(items)
+                    log.error("the update on %d samples was not finite and is skipped (no step, nothing "
+                              "published); %d dropped after a second try, the rest go back to ready", len(items),
+                              len(again))
+                    _drop(store, batch.lease_id, [(turn_id, UPDATE_SKIPPED) for turn_id in again])
+                    _release(store, batch.lease_id)
+                continue
             weights = gather_weights(models)
             decision, gate_metrics = (PUBLISH, {}) if gate is None else _gate_decision(gate, weights, store,
                                                                                     step + 1, version)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from clawloop.config import Config
+from clawloop.temperature import effective_temperature
 from clawloop.losses import TopKTargets, logprobs_at, select_hints, topk_overlap, truncated_importance_weights
 from clawloop.store import TurnRecord
 from clawloop.trainer.batch import TrainItem, micro_batches
@@ -68,7 +69,7 @@ def old_side_from_logits(item: TrainItem, logits_T_V: torch.Tensor, config: Conf
     behaviour_T = item.behaviour_logprobs_T.to(old_T.device)
     item.info["behaviour_gap"] = float((old_T - behaviour_T).abs().mean())
     item.token_weights_T = None
-    if item.importance_correct and item.turn.temperature > 0:
+    if item.importance_correct and effective_temperature(item.turn.temperature) > 0:
         # Greedy turns have no sampling distribution to correct against: weight 1.
         item.token_weights_T = truncated_importance_weights(old_T, behaviour_T, config.tis_cap)
         item.info["tis_weight_mean"] = float(item.token_weights_T.mean())

@@ -21,7 +21,10 @@ Choices:
   the loss uses — one forward instead of two, and ρ = 1 exactly. With several PPO epochs a separate no-grad
   forward (``old_policy.old_policy_pass``) runs first and every epoch reuses it.
 * AdamW with the configured lr, betas and weight decay; the global gradient norm is clipped at ``grad_clip``.
-  An update whose gradient is not finite is skipped (the step still completes and says so in its metrics).
+* Non-finite numbers stay with the sample that made them: a sample whose loss, or whose gradient on its own
+  logits, is not finite is left out of the update (``finite_share``) and reported with its reason
+  (``excluded_samples``); the rest of the batch trains. An update whose global gradient is still not finite is
+  skipped (``updates_applied`` < epochs in the metrics), and the trainer then neither commits nor publishes it.
 * The model runs in eval mode (no dropout) throughout.
 * A sample that cannot get an OPD term (``opd_on_unhinted = anchor`` but no anchor targets were stored, e.g.
   its teacher call failed) trains its RL term only and is counted (``anchor_missing``), rather than failing the
@@ -35,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import torch
@@ -111,6 +114,58 @@ def settings_for(item: TrainItem, settings: ObjectiveSettings) -> ObjectiveSetti
     return settings
 
 
+EXCLUDED = "excluded_nonfinite"
+"""``TrainItem.info`` key of a sample left out of the update, with the reason (``NONFINITE_LOSS`` or
+``NONFINITE_GRADIENT``); the trainer drops such a sample with that reason instead of committing it."""
+NONFINITE_LOSS = "nonfinite_loss"
+NONFINITE_GRADIENT = "nonfinite_gradient"
+UPDATE_SKIPPED = "update_skipped_nonfinite"
+"""Drop reason of a sample that was in two updates skipped as non-finite (no single sample was to blame)."""
+
+
+def finite_share(loss: torch.Tensor, logits_T_V: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
+    """One sample's part of the update, or why it has none: (surrogate, None) or (None, reason).
+
+    A sample whose loss, or whose gradient on its own logits, is not finite would turn the whole batch's summed
+    gradient into NaN (and the update into a skip). Its logits gradient is taken here, checked, and handed on as
+    the surrogate ``sum(logits * g)``, whose gradient on the logits is exactly ``g``: the parameters get the very
+    gradient ``loss.backward()`` would give them, and one sample's bad numbers stay its own. A loss with no graph
+    (no active term) has no share: (None, None)."""
+    if not bool(torch.isfinite(loss.detach()).all()):
+        return None, NONFINITE_LOSS
+    if not loss.requires_grad:
+        return None, None
+    (grad_T_V,) = torch.autograd.grad(loss, logits_T_V)
+    if not bool(torch.isfinite(grad_T_V).all()):
+        return None, NONFINITE_GRADIENT
+    return (logits_T_V * grad_T_V).sum(), None
+
+
+def update_applied(metrics: dict[str, Any]) -> bool:
+    """Whether a ``train_step`` changed the weights at all. One that did not (every update skipped or empty) is
+    never committed as a step, gated or published: the weights are the ones already served."""
+    return float(metrics.get("updates_applied", 0.0)) > 0
+
+
+class VoidedUpdates:
+    """Which samples were in an update skipped as non-finite. Such a batch goes back to ready once; a sample in
+    a second one is dropped (``UPDATE_SKIPPED``), so no sample can stall training forever. In memory: a restart
+    gives every sample its second chance again."""
+
+    def __init__(self) -> None:
+        self.times: Counter[int] = Counter()
+
+    def second_time(self, items: list[TrainItem]) -> list[int]:
+        """Count ``items`` as voided once more; the turn ids now voided twice (to drop, the rest to release)."""
+        self.times.update(it.turn_id for it in items)
+        return [it.turn_id for it in items if self.times[it.turn_id] >= 2]
+
+
+def excluded_samples(items: list[TrainItem]) -> list[tuple[int, str]]:
+    """(turn id, reason) of every sample ``train_step`` left out of the update."""
+    return [(it.turn_id, str(it.info[EXCLUDED])) for it in items if EXCLUDED in it.info]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -146,12 +201,15 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
         timings["time_old_forward_s"] += time.perf_counter() - t0
 
     epoch_parts: list[tuple[dict[str, float], dict[str, int], int]] = []
+    excluded: set[int] = set()  # id() of the samples whose loss or gradient was not finite
     grad_norms: list[float] = []
     skipped = 0
+    empty = 0
     checkpointed = 0
     for _ in range(epochs):
         optimizer.zero_grad(set_to_none=True)
         acc = MetricsAccumulator()
+        contributed = 0  # samples of this rank whose share reached the gradient this epoch
         for g in range(rounds):
             group = groups[g] if g < len(groups) else []  # [] keeps FSDP's collectives in step
             if fuse and models.use_reference:
@@ -165,13 +223,23 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
             timings["time_forward_s"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             for item, logits_T_V in forward.samples():
+                if id(item) in excluded:
+                    continue  # left out in an earlier epoch: it adds nothing to this update either
                 if fuse:
                     old_side_from_logits(item, logits_T_V, config, refresh)
                 result = sample_objective(objective_sample(item, logits_T_V, reward_of[id(item)]),
                                           settings_for(item, settings))
-                forward.add_loss(result.loss / n)  # the whole batch's n: the sum over ranks is the batch mean
+                # The whole batch's n: the sum over ranks is the batch mean.
+                share, reason = finite_share(result.loss / n, logits_T_V)
+                if reason is not None:
+                    excluded.add(id(item))
+                    item.info[EXCLUDED] = reason
+                    continue
+                if share is not None:
+                    forward.add_loss(share)
+                    contributed += 1
                 acc.add(result.metrics)
-                del logits_T_V, result
+                del logits_T_V, result, share
             _sync(device)
             timings["time_loss_s"] += time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -182,10 +250,12 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
         t0 = time.perf_counter()
         max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
         grad_norm = scalar(torch.nn.utils.clip_grad_norm_(params, max_norm))  # the same on every rank
-        if math.isfinite(grad_norm):
-            optimizer.step()
-        else:
+        if not math.isfinite(grad_norm):
             skipped += 1
+        elif sum(runner.gather(contributed)) == 0:
+            empty += 1  # no sample reached the gradient: no update (weight decay alone would still move weights)
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
         timings["time_optimizer_s"] += time.perf_counter() - t0
@@ -202,6 +272,8 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
     metrics.update(timings)
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["updates_skipped_nonfinite"] = float(skipped)
+    metrics["updates_applied"] = float(epochs - skipped - empty)
+    metrics["samples_excluded_nonfinite"] = float(sum(1 for it in items if EXCLUDED in it.info))
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])
     metrics["samples"] = float(n)
     metrics["world_size"] = float(runner.world)
