@@ -100,7 +100,9 @@ def text_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | 
 
 
 def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages for a template that handles tools itself (arguments as objects, as such templates expect)."""
+    """Messages for a template that handles tools itself (arguments as objects, as such templates expect). The
+    objects' keys are user text the template may write out; ``SafeChatTokenizer`` neutralises keys as well as
+    strings."""
     out = []
     for msg in messages:
         m: dict[str, Any] = {"role": msg["role"], "content": msg["content"]}
