@@ -26,19 +26,25 @@ from clawloop.store import STORE_FILENAME, find_store
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from clawloop.serve import RunFolderError
+
     config = config_from_args(args)
     if config.train:
         from clawloop.runtime import run
     else:
         from clawloop.serve import run
-    kwargs = {"resume": args.resume} if config.train else {}
-    if args.resume and not config.train:
-        print("clawloop serve: --resume needs training on (drop --no-train)", file=sys.stderr)
-        return 2
+    kwargs = {"resume": args.resume, "fresh": args.fresh} if config.train else {}
+    for flag, given in (("--resume", args.resume), ("--fresh", args.fresh)):
+        if given and not config.train:
+            print(f"clawloop serve: {flag} needs training on (drop --no-train)", file=sys.stderr)
+            return 2
     try:
         run(config, log_level=args.log_level, **kwargs)
     except KeyboardInterrupt:  # Ctrl-C / SIGINT after a clean shutdown: not an error
         pass
+    except RunFolderError as exc:  # a known state of the run folder: its own paragraph, no traceback
+        print(f"clawloop serve: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -111,6 +117,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from clawloop.runtime import check_resumable
+    from clawloop.serve import RunFolderError, open_run_store
     from clawloop.trainer.offline import train_offline
 
     run_dir = Path(args.run_dir)
@@ -118,6 +126,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"clawloop train: {run_dir} holds no run ({STORE_FILENAME} missing)", file=sys.stderr)
         return 2
     config = config_from_args(args).replace(run_dir=str(run_dir))
+    try:  # the checks `clawloop serve --resume` makes, before any model is loaded
+        open_run_store(run_dir).close()
+        check_resumable(run_dir)
+    except RunFolderError as exc:
+        print(f"clawloop train: {exc}", file=sys.stderr)
+        return 2
     summary = train_offline(config, run_dir, args.max_steps)
     print(json.dumps(summary, default=str))
     return 0
@@ -195,8 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="Serve the policy behind an OpenAI-compatible API.")
     add_cli_arguments(serve)
-    serve.add_argument("--resume", action="store_true", help="Continue the run in --run-dir from its latest "
-                       "checkpoint (samples of steps after it are trained again, none twice).")
+    serve.add_argument("--resume", action="store_true", help="Continue the run in --run-dir from its newest "
+                       "intact checkpoint (samples of steps after it are trained again, none twice; a damaged "
+                       "checkpoint is skipped, and the log says which).")
+    serve.add_argument("--fresh", action="store_true", help="Start the run in --run-dir over from the starting "
+                       "weights: its checkpoints/ and versions/ are moved to RUN_DIR/archive/<date-time>/ (nothing "
+                       "is deleted; the store's record is kept and step and version numbers go on). Without "
+                       "--resume or --fresh, a run folder that holds checkpoints or versions is refused.")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="Log level of the server.")
     serve.set_defaults(func=cmd_serve)

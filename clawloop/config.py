@@ -159,7 +159,8 @@ class Config:
     default_turn_type: str = _f("main", "Turn type of requests that do not say ('main' trains, 'side' does not).")
     session_idle_timeout_s: float = _f(900.0, "A session with no request for this long is ended; its last turn "
                                        "is closed with reason no_next_state.")
-    max_sessions: int = _f(10000, "Most live sessions kept in memory; the least recently used is ended beyond it.")
+    max_sessions: int = _f(10000, "Most live sessions kept in memory, all keys together; beyond it the least "
+                           "recently used idle session of the key holding the most is ended.")
     run_dir: str = _f("runs/default", "Folder of this run: SQLite store, metrics, checkpoints, exports.")
 
     # ---- judge (process reward model) -----------------------------------------------------------------
@@ -264,8 +265,12 @@ class Config:
     gate_recent_prompts: int = _f(8, "The run's most recent distinct prompts added to the shipped probes at each "
                                   "check (what users ask is where a regression shows first; a closing wh-question "
                                   "of the last user message is the question for the guard's topic and echo rules).")
-    keep_full_versions: int = _f(3, "Full fine-tuning: weights of this many newest accepted versions are kept in "
-                                 "RUN_DIR/versions (LoRA adapters are always all kept).")
+    keep_full_versions: int = _f(3, "Full fine-tuning: weights of this many newest versions are kept in "
+                                 "RUN_DIR/versions, and the version being served whatever its age.")
+    keep_lora_versions: int = _f(20, "LoRA: adapters of this many newest versions are kept in RUN_DIR/versions, and "
+                                 "always version 0 and the version being served; the optimizer state only with the "
+                                 "newest and the served one (a rollback to an older version starts a fresh "
+                                 "optimizer).")
 
     # ------------------------------------------------------------------------------------------------------
     @property
@@ -321,7 +326,7 @@ class Config:
                      "default_max_tokens", "judge_max_tokens", "judge_concurrency", "lora_rank",
                      "steps_per_batch", "micro_batch_size", "checkpoint_every", "max_sessions",
                      "max_response_tokens", "max_body_bytes", "max_train_tokens", "micro_batch_tokens",
-                     "gate_every", "gate_probe_tokens", "keep_full_versions"):
+                     "gate_every", "gate_probe_tokens", "keep_full_versions", "keep_lora_versions"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
         for name in ("weight_decay", "hint_min_chars", "max_staleness",

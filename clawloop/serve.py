@@ -12,8 +12,10 @@ Extension points for the rest of the run (left empty by serving itself):
   engine closes. Each may read ``server.engine``, ``server.store`` and ``server.sessions``.
 
 Start-up order: open the store (``RUN_DIR/store.sqlite``) and run ``store.recover()`` (both only when no store
-is given), start or attach to the vLLM servers the config names (``clawloop.engines.fleet``; ``server.config``
-then holds their URLs) and build the engine (unless one is given), connect to a remote engine, rebuild the live sessions from the turns still awaiting
+is given; a run folder that cannot be written or a store that does not read stops start-up with a
+``RunFolderError``, a paragraph naming the file and what to do), start or attach to the vLLM servers the config
+names (``clawloop.engines.fleet``; ``server.config`` then holds their URLs) and build the engine (unless one is
+given), connect to a remote engine, rebuild the live sessions from the turns still awaiting
 their next state (so a restart loses no pairing), start the idle sweeper and the components, then accept
 requests. Shutdown leaves awaiting turns as they are for the next start. The engine and store are closed, and the vLLM
 servers it started stopped, at shutdown only when the server created them.
@@ -24,12 +26,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import sqlite3
+import tempfile
 import threading
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from clawloop.api.app import ChatService, create_app
+from clawloop.api.framing import OpenAIShapedFraming
 from clawloop.api.metrics import ServingMetrics
 from clawloop.api.trainer_routes import mount_trainer_routes
 from clawloop.api.sessions import JudgeableHook, SessionManager
@@ -45,8 +50,49 @@ class Component(Protocol):
     async def stop(self) -> None: ...
 
 
+class RunFolderError(RuntimeError):
+    """The run folder cannot be started as it is. The message is one paragraph for the person at the command
+    line: the file or folder at fault and what to do about it."""
+
+
 def store_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / STORE_FILENAME
+
+
+def ensure_writable(folder: Path) -> None:
+    """Create ``folder`` if needed and write a scratch file in it; a folder this process cannot write to is a
+    ``RunFolderError`` (found by trying: permission bits do not tell, e.g. under root or a read-only mount)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise RunFolderError(
+            f"clawloop cannot write to {folder} ({exc.strerror or exc}). A run keeps its store, checkpoints and "
+            f"versions in its folder and writes there from the start. Make it writable (e.g. chmod -R u+w "
+            f"{folder}, or remount its disk read-write), or give another folder with --run-dir.") from None
+
+
+def open_run_store(run_dir: str | Path) -> Store:
+    """The run's store, opened for writing; see ``RunFolderError`` for what stops it."""
+    folder = Path(run_dir)
+    ensure_writable(folder)
+    path = store_path(folder)
+    try:
+        if path.exists():
+            with open(path, "ab"):  # a store file that cannot be written (the folder could be)
+                pass
+        return Store(path)
+    except PermissionError as exc:
+        raise RunFolderError(
+            f"clawloop cannot write the run's store {path} ({exc.strerror}). Make it writable (e.g. chmod u+w "
+            f"{path}), or give another folder with --run-dir.") from None
+    except sqlite3.DatabaseError as exc:
+        raise RunFolderError(
+            f"The run's store {path} cannot be read: SQLite says \"{exc}\". It is the record of every turn, "
+            "sample and step of the run, and was probably cut short (a full disk, a copy that did not finish). "
+            f"Restore it from a backup (with its -wal file, if there is one), or start a new run in another "
+            "folder with --run-dir; this folder's checkpoints and versions cannot be resumed without it.") from None
 
 
 def build_engine(config: Config, fleet: Any = None) -> Any:
@@ -100,12 +146,7 @@ class Server:
         """Create store, engine, sessions and the app (idempotent). Returns the FastAPI app."""
         if self.app is not None:
             return self.app
-        if self.store is None:
-            self.store = Store(store_path(self.config.run_dir))
-            # Only a store this server opened: a given store may have live leases of a trainer in this process.
-            recovered = self.store.recover()
-            if any(recovered.values()):
-                log.warning("recovered interrupted work: %s", recovered)
+        self.open_store()
         if self.engine is None:
             self._start_fleet()
             self.engine = build_engine(self.config, self.fleet)
@@ -117,6 +158,23 @@ class Server:
         self.app = create_app(self.service, lifespan=self._lifespan)
         mount_trainer_routes(self.app, self.store, self.engine, self.config)  # remote trainers lease batches here
         return self.app
+
+    def open_store(self) -> Store:
+        """Open the run's store and recover interrupted work, unless a store was given (idempotent). Raises
+        ``RunFolderError`` before anything heavy is built (see ``open_run_store``)."""
+        if self.store is None:
+            self.store = open_run_store(self.config.run_dir)
+            # Only a store this server opened: a given store may have live leases of a trainer in this process.
+            recovered = self.store.recover()
+            if any(recovered.values()):
+                log.warning("recovered interrupted work: %s", recovered)
+        return self.store
+
+    def close_store(self) -> None:
+        """Close the store if this server opened it (at shutdown, or when start-up stops early)."""
+        if self._own_store and self.store is not None:
+            self.store.close()
+            self.store = None
 
     def _start_fleet(self) -> None:
         """Start (or attach to) the vLLM servers the config names; ``self.config`` then holds their URLs."""
@@ -171,7 +229,8 @@ class Server:
 
         app = self.build()
         uv_config = uvicorn.Config(app, host=self.config.host, port=self.port, log_level=self.log_level,
-                                   lifespan="on", timeout_graceful_shutdown=5, access_log=False)
+                                   lifespan="on", timeout_graceful_shutdown=5, access_log=False,
+                                   http=OpenAIShapedFraming)
         return uvicorn.Server(uv_config)
 
     # ---- in-process -------------------------------------------------------------------------------------
@@ -212,9 +271,7 @@ class Server:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
-        if self._own_store and self.store is not None:
-            self.store.close()
-            self.store = None
+        self.close_store()
         self.stop_fleet()
 
     def __enter__(self) -> "Server":
@@ -232,9 +289,7 @@ class Server:
         try:
             server.run()
         finally:
-            if self._own_store and self.store is not None:
-                self.store.close()
-                self.store = None
+            self.close_store()
             self.stop_fleet()
 
 

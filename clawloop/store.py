@@ -16,8 +16,9 @@ steps after the checkpoint a run resumes from, so no sample is trained twice or 
 Nothing is ever deleted or truncated: the store is the record. ``export_jsonl`` appends to files. Steps whose
 weights were lost in a crash stay in ``steps`` and are marked by a copy in ``requeued_steps`` on resume (step
 numbers are never reused); ``versions`` indexes the published
-versions (their weights are in ``RUN_DIR/versions``) and ``events`` records gate decisions, rollbacks and
-requeues with their evidence. Tables are only ever added, so an older store opens as it is.
+versions (their weights are in ``RUN_DIR/versions``; status ``accepted``, ``rolled_back``, ``uncommitted`` for one
+whose step a crash kept from committing, ``archived`` after a fresh start) and ``events`` records gate decisions,
+rollbacks, requeues and repairs with their evidence. Tables are only ever added, so an older store opens as it is.
 """
 
 from __future__ import annotations
@@ -446,15 +447,19 @@ class Store:
             t.state = TurnState.JUDGING
         return turns
 
-    def count_turns(self) -> dict[str, int]:
+    def count_turns(self, owner: str | None = None) -> dict[str, int]:
+        """Turns by state; only ``owner``'s when given."""
+        where, args = ("WHERE owner=?", (owner,)) if owner is not None else ("", ())
         with self._lock:
-            rows = self._db.execute("SELECT state, COUNT(*) AS n FROM turns GROUP BY state").fetchall()
+            rows = self._db.execute(f"SELECT state, COUNT(*) AS n FROM turns {where} GROUP BY state", args).fetchall()
         return {r["state"]: r["n"] for r in rows}
 
-    def drop_reasons(self) -> dict[str, int]:
+    def drop_reasons(self, owner: str | None = None) -> dict[str, int]:
+        """Dropped turns by reason; only ``owner``'s when given."""
+        where, args = (" AND owner=?", (owner,)) if owner is not None else ("", ())
         with self._lock:
-            rows = self._db.execute("SELECT reason, COUNT(*) AS n FROM turns WHERE state=? GROUP BY reason",
-                                    (TurnState.DROPPED,)).fetchall()
+            rows = self._db.execute(f"SELECT reason, COUNT(*) AS n FROM turns WHERE state=?{where} GROUP BY reason",
+                                    (TurnState.DROPPED, *args)).fetchall()
         return {r["reason"]: r["n"] for r in rows}
 
     def vote_stats(self, top_errors: int = 3) -> dict[str, Any]:
@@ -472,7 +477,8 @@ class Store:
         """At start-up: put interrupted work back where it can be picked up again.
 
         judging -> judgeable (its partial votes are marked superseded by bumping the attempt on the next run);
-        leased samples -> ready (the trainer that held them is gone with the old process).
+        leased samples -> ready (the trainer that held them is gone with the old process);
+        versions whose step never committed -> uncommitted (``_mark_uncommitted_versions``).
 
         Once per opened store: whoever starts first (the server that opened the store, or a pipeline given one)
         recovers, and later calls change nothing and return zeros, so that work this process has started since
@@ -487,6 +493,7 @@ class Store:
             leased = [r["turn_id"] for r in db.execute("SELECT turn_id FROM samples WHERE state=?",
                                                        (TurnState.LEASED,)).fetchall()]
             self._back_to_ready(db, leased)
+            self._mark_uncommitted_versions(db)
         return {"judging_to_judgeable": judged, "leased_to_ready": len(leased)}
 
     # ---- votes -----------------------------------------------------------------------------------------
@@ -705,6 +712,47 @@ class Store:
         with self._tx() as db:
             db.execute("INSERT INTO versions (version, step, created_at, status, evidence) VALUES (?,?,?,?,?)",
                        (int(version), int(step), time.time(), status, json.dumps(evidence, default=str)))
+
+    def _mark_uncommitted_versions(self, db: sqlite3.Connection) -> list[int]:
+        """Crash repair, at start-up: a version is recorded (and published) just before its step commits, so a
+        process killed in between leaves an ``accepted`` version for a step that never committed; the resumed
+        trainer then numbers its next step the same. Such versions become ``uncommitted``: never listed as
+        accepted, never rolled back to. They are the accepted versions of a step after the last committed one,
+        and, where several accepted versions claim one step (a store written before this repair), all but the
+        newest (numbers only grow, so the newest is the one whose step committed). An ``uncommitted`` event
+        names them. Returns them."""
+        last = db.execute("SELECT MAX(step) FROM steps").fetchone()[0]
+        rows = db.execute("SELECT version, step FROM versions WHERE status='accepted' ORDER BY version").fetchall()
+        newest_of_step = {r["step"]: r["version"] for r in rows}
+        lost = [(r["version"], r["step"]) for r in rows
+                if last is None or r["step"] > last or newest_of_step[r["step"]] != r["version"]]
+        if not lost:
+            return []
+        db.executemany("UPDATE versions SET status='uncommitted' WHERE version=?", [(v,) for v, _ in lost])
+        db.execute("INSERT INTO events (created_at, kind, step, version, detail) VALUES (?,?,?,?,?)",
+                   (time.time(), "uncommitted", last, None,
+                    json.dumps({"versions": [v for v, _ in lost], "steps": [s for _, s in lost],
+                                "last_committed_step": last})))
+        return [v for v, _ in lost]
+
+    def version_status(self, version: int) -> str | None:
+        """The recorded status of ``version`` (None: not recorded, e.g. version 0, the starting weights)."""
+        with self._lock:
+            row = self._db.execute("SELECT status FROM versions WHERE version=?", (int(version),)).fetchone()
+        return None if row is None else row["status"]
+
+    def archive_versions(self, detail: dict[str, Any]) -> list[int]:
+        """A fresh start moved the version folders away: the accepted versions become ``archived`` (no longer
+        served or rolled back to; their rows and evidence stay) and a ``fresh_start`` event records ``detail``.
+        Returns them."""
+        with self._tx() as db:
+            archived = [r["version"] for r in db.execute(
+                "SELECT version FROM versions WHERE status='accepted' ORDER BY version")]
+            db.execute("UPDATE versions SET status='archived' WHERE status='accepted'")
+            db.execute("INSERT INTO events (created_at, kind, step, version, detail) VALUES (?,?,?,?,?)",
+                       (time.time(), "fresh_start", None, None,
+                        json.dumps({"archived_versions": archived, **detail}, default=str)))
+        return archived
 
     def versions(self) -> list[dict[str, Any]]:
         with self._lock:

@@ -3,8 +3,10 @@
 * ``POST /v1/admin/rollback {"version": N}`` — serve kept version ``N`` again, at once: the embedded trainer loads
   its weights (and its optimizer state when kept), the engine swaps them in between requests under the version
   number ``N`` (the same weights, so the same number), and training continues from them. Requests are answered
-  throughout; the swap waits only for a training step in progress. 404 when the version is not kept, 409 when
-  this process has no embedded trainer (its weights come from elsewhere).
+  throughout; the swap waits only for a training step in progress. 404 when the version is not kept; 409 when
+  this process has no embedded trainer (its weights come from elsewhere), when the version never committed (a
+  crash came between its publication and its step's commit: ``uncommitted``) or when its files are damaged
+  (``version_damaged``; nothing is loaded, the served weights stay as they are).
 * ``GET /v1/admin/versions`` — the version history: every version with its step, time, status and gate
   verdict, the gate's counters and the recent gate/rollback/requeue events.
 
@@ -14,6 +16,7 @@ See docs/publication-gate.md.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +27,9 @@ from clawloop.api import safejson
 from clawloop.api.auth import require_admin
 from clawloop.api.errors import APIError
 from clawloop.store import Store
+from clawloop.trainer.versions import DamagedVersion
+
+log = logging.getLogger(__name__)
 
 RECENT_EVENTS = 50
 
@@ -44,10 +50,20 @@ def mount_admin_routes(app: FastAPI, store: Store, config: Any, trainer: Callabl
         if online is None or online.core is None:
             raise APIError(409, "Rollback needs the embedded trainer of this run (this server has none).",
                            "invalid_request_error", None, "no_trainer")
+        if await asyncio.to_thread(store.version_status, version) == "uncommitted":
+            raise APIError(409, f"Version {version} cannot be served again: the process stopped after publishing "
+                           "it and before committing its step, so its samples were trained again after the restart "
+                           "(status uncommitted). The served version is unchanged.", "invalid_request_error",
+                           "version", "version_uncommitted")
         try:
             return {"object": "clawloop.rollback", **await online.rollback(version)}
         except FileNotFoundError as exc:
             raise APIError(404, str(exc), "invalid_request_error", "version", "version_not_found") from None
+        except DamagedVersion as exc:
+            log.error("rollback to version %d refused: %s", version, exc)
+            raise APIError(409, f"Version {version} cannot be served again: its folder is damaged ({exc.problem}). "
+                           "The served version is unchanged.", "invalid_request_error", "version",
+                           "version_damaged") from None
         except ValueError as exc:
             raise APIError(409, str(exc), "invalid_request_error", "version", None) from None
 

@@ -6,18 +6,24 @@ Routes (each chat/model route is also mounted under ``/sessions/{session_id}``, 
 * ``GET /v1/models``, ``GET /v1/models/{id}`` — the one served model.
 * ``POST /v1/sessions/{id}/end`` — end a session (its pending turn is dropped as ``no_next_state``).
 * ``GET /v1/status`` — run status as JSON (samples waiting, turns by state, drop reasons, policy version,
-  last optimizer step).
+  last optimizer step). With per-user keys a user key gets its own figures only (its turns by state, drop
+  reasons and live sessions, plus the policy version and judge set-up); the run-wide status is admin data and
+  answers whoever passes ``require_admin`` (e.g. the admin key).
 * ``GET /healthz`` and ``GET /metrics`` (Prometheus text) — open, no key needed.
 
 Order of work in a chat request: API key -> body (size-limited read, JSON) -> validation -> rendering and the
 context-length check -> session (lock + pairing of the previous turn; main turns only) -> generation (awaited,
 the engine runs on its own thread, the event loop never waits on the model) -> the turn is committed to the
 store -> the answer goes out. For a stream the commit happens after the last token and before the chunk with
-the ``finish_reason``; a stream the client abandons is not stored (the client never saw the whole answer).
+the ``finish_reason``; a stream the client abandons is not stored (the client never saw the whole answer). An
+error after a stream's headers went out ends the stream with the error event a non-streamed request would have
+been answered with (``stream_error``): a full disk is ``storage_unavailable`` either way.
 
 Every response to a chat request carries ``X-Session-Id`` and ``X-Policy-Version`` headers and a ``clawloop``
-field (``session_id``, ``turn_id`` (None for side turns), ``policy_version``, ``turn_type``); in a stream the
-field rides on the ``finish_reason`` chunk.
+field (``session_id``, ``turn_id`` (None for side turns), ``policy_version``, ``turn_type``, and for main turns
+``paired_turn_id``); in a stream the field rides on the ``finish_reason`` chunk. Turn ids are the store's own
+(one sequence for the whole run) in the shared namespace; a per-user key is given opaque ids instead
+(``auth.TurnIdMask``), which do not count other keys' turns.
 """
 
 from __future__ import annotations
@@ -36,10 +42,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clawloop.api import safejson
-from clawloop.api.auth import KeyRing, require_user
+from clawloop.api.auth import KeyRing, TurnIdMask, is_admin, require_user
 from clawloop.api.client_traffic import housekeeping_kind
-from clawloop.api.errors import APIError, bad_request, install_error_handlers
-from clawloop.api.guard import BrowserGuard, CatchAll
+from clawloop.api.errors import APIError, bad_request, error_body, install_error_handlers
+from clawloop.api.guard import BrowserGuard, CatchAll, storage_failure, storage_unavailable_body
 from clawloop.api.metrics import ServingMetrics, labelled
 from clawloop.api.schemas import (
     ChatRequest,
@@ -54,8 +60,8 @@ from clawloop.api.token_texts import TokenTexts
 from clawloop.config import Config
 from clawloop.engines.base import Engine, EngineError, Generation, PromptTooLongError, SamplingParams, TokenEvent
 from clawloop.judge.describe import describe as describe_judge
-from clawloop.renderers import (ChatRenderer, ParsedAnswer, RenderedPrompt, ToolCallStreamFilter, assistant_message,
-                                parse_answer)
+from clawloop.renderers import (ChatRenderer, ParsedAnswer, RenderedPrompt, TemplateRefusedError, ToolCallStreamFilter,
+                                assistant_message, parse_answer)
 from clawloop.store import Store, TurnRecord
 
 log = logging.getLogger("clawloop.api")
@@ -106,6 +112,19 @@ def _headers(session_id: str, policy_version: int) -> dict[str, str]:
     return {"X-Session-Id": session_id, POLICY_VERSION_HEADER: str(policy_version)}
 
 
+def stream_error(exc: Exception) -> dict[str, Any]:
+    """The error event that ends a stream which failed after its headers went out: the error body a non-streamed
+    request would have been answered with (so a full disk is ``storage_unavailable`` here too)."""
+    if isinstance(exc, APIError):
+        log.warning("stream ended with %s: %s", exc.code, exc.message)
+        return exc.body()
+    if storage_failure(exc):
+        log.error("storage failure while streaming: %s", exc)
+        return storage_unavailable_body()
+    log.error("internal error while streaming", exc_info=exc)
+    return error_body("The server had an internal error while streaming.", "server_error", None, "internal_error")
+
+
 def warn_context_overflow(prompt_len: int, context: int, max_tokens: int | None) -> None:
     """Say in the server log why a client gets ``context_length_exceeded``: clients often only report 'context
     overflow' and the person running the server has to know which side to change."""
@@ -143,6 +162,8 @@ class ChatService:
         self.end_ids = frozenset(getattr(self.tokenizer, "all_special_ids", []) or []) | frozenset(
             getattr(engine, "eos_token_ids", ()) or ())
         self.extra_stats: dict[str, int] = {"streams_abandoned": 0, "engine_errors": 0, "requests_abandoned": 0}
+        # Only per-user keys need masked ids; the shared namespace keeps the store's ids (and writes no secret).
+        self.turn_ids = TurnIdMask.of_store(store) if KeyRing.from_config(config).per_user else TurnIdMask.unused()
 
     # ---- preparation ---------------------------------------------------------------------------------
     def prepare(self, body: Any, headers: Any, path_session_id: str | None) -> PreparedChat:
@@ -166,7 +187,11 @@ class ChatService:
             raise bad_request(f"This model's maximum context length is {context} tokens; the messages take at "
                               f"least {at_least} tokens. Shorten the messages.", "messages",
                               "context_length_exceeded")
-        rendered = self.renderer.render(req.messages, req.tools, req.tool_choice)
+        try:
+            rendered = self.renderer.render(req.messages, req.tools, req.tool_choice)
+        except TemplateRefusedError as exc:
+            raise bad_request(f"The model's chat template refused these messages: {exc}", "messages",
+                              "template_refused") from None
         params = self._sampling(req, len(rendered.ids))
         return PreparedChat(req, rendered, params, session_id, turn_type, done)
 
@@ -226,11 +251,11 @@ class ChatService:
             assistant_message=message, tools=prep.rendered.tools, finish_reason=finish_reason)
 
     def _extension(self, session_id: str, turn_id: int | None, policy_version: int, turn_type: str,
-                   ctx: TurnContext | None) -> dict[str, Any]:
-        ext: dict[str, Any] = {"session_id": session_id, "turn_id": turn_id, "policy_version": policy_version,
-                               "turn_type": turn_type}
+                   ctx: TurnContext | None, owner: str) -> dict[str, Any]:
+        ext: dict[str, Any] = {"session_id": session_id, "turn_id": self.turn_ids.public(owner, turn_id),
+                               "policy_version": policy_version, "turn_type": turn_type}
         if ctx is not None:
-            ext["paired_turn_id"] = ctx.paired_turn_id
+            ext["paired_turn_id"] = self.turn_ids.public(owner, ctx.paired_turn_id)
         return ext
 
     # ---- the request -----------------------------------------------------------------------------------
@@ -335,7 +360,7 @@ class ChatService:
                 "finish_reason": finish_reason,
             }],
             "usage": self.usage(len(prep.rendered.ids), len(gen.token_ids)),
-            "clawloop": self._extension(session_id, turn_id, gen.policy_version, prep.turn_type, ctx),
+            "clawloop": self._extension(session_id, turn_id, gen.policy_version, prep.turn_type, ctx, owner),
         }
         return JSONResponse(body, headers=_headers(session_id, gen.policy_version))
 
@@ -389,16 +414,14 @@ class ChatService:
             for i, call in enumerate(parsed.tool_calls):
                 yield sse(maker.tool_call(i, call))
             _, finish_reason, turn_id = await self._record_answer(prep, gen, parsed, ctx, owner)
-            ext = self._extension(session_id, turn_id, gen.policy_version, prep.turn_type, ctx)
+            ext = self._extension(session_id, turn_id, gen.policy_version, prep.turn_type, ctx, owner)
             yield sse(maker.finish(finish_reason, tail_lp if tail_lp else None, clawloop=ext))
             if prep.req.include_usage:
                 yield sse(maker.usage(self.usage(len(prep.rendered.ids), len(gen.token_ids))))
             yield DONE
             finished = True
-        except Exception:  # after the headers went out the only way to report is in the stream
-            log.exception("internal error while streaming")
-            yield sse({"error": {"message": "The server had an internal error while streaming.",
-                                 "type": "server_error", "param": None, "code": "internal_error"}})
+        except Exception as exc:  # after the headers went out the only way to report is in the stream
+            yield sse(stream_error(exc))
             yield DONE
             finished = True
         finally:
@@ -416,20 +439,42 @@ class ChatService:
         return {"id": self.config.served_model_name, "object": "model", "created": self.started_at,
                 "owned_by": "clawloop", "max_model_len": int(self.engine.max_context)}
 
+    def judge_setup(self) -> dict[str, Any]:
+        """Which judge this server runs and what it can see (configuration, no activity)."""
+        return {**describe_judge(self.config), "judging": bool(self.config.train)}
+
+    async def user_status(self, owner: str) -> dict[str, Any]:
+        """What a per-user key may see of the run: its own turns and sessions, and what serves it."""
+        turns, reasons = await asyncio.gather(asyncio.to_thread(self.store.count_turns, owner),
+                                              asyncio.to_thread(self.store.drop_reasons, owner))
+        return {
+            "object": "clawloop.status",
+            "scope": "user",
+            "model": self.config.served_model_name,
+            "policy_version": self.engine.policy_version,
+            "turns_by_state": turns,
+            "drop_reasons": reasons,
+            "judge": self.judge_setup(),
+            "live_sessions": self.sessions.live_count(owner),
+            "uptime_s": round(time.time() - self.started_at, 3),
+        }
+
     async def status(self) -> dict[str, Any]:
+        """The whole run's status (admin data once keys are per-user)."""
         turns, reasons, samples, last, votes = await asyncio.gather(
             asyncio.to_thread(self.store.count_turns), asyncio.to_thread(self.store.drop_reasons),
             asyncio.to_thread(self.store.count_samples), asyncio.to_thread(self.store.last_step),
             asyncio.to_thread(self.store.vote_stats))
         return {
             "object": "clawloop.status",
+            "scope": "run",
             "model": self.config.served_model_name,
             "policy_version": self.engine.policy_version,
             "samples_waiting": int(samples.get("ready", 0)),
             "samples_by_state": samples,
             "turns_by_state": turns,
             "drop_reasons": reasons,
-            "judge": {**describe_judge(self.config), "judging": bool(self.config.train), **votes},
+            "judge": {**self.judge_setup(), **votes},
             "live_sessions": len(self.sessions),
             "last_step": None if last is None else {"step": last[0], "metrics": last[1]},
             "uptime_s": round(time.time() - self.started_at, 3),
@@ -536,11 +581,14 @@ def create_app(service: ChatService, lifespan: Any = None) -> FastAPI:
         if not known:
             raise APIError(404, f"No live session {sid!r}.", "invalid_request_error", "session_id",
                            "session_not_found")
-        return {"id": sid, "object": "session", "ended": True, "dropped_turn_id": dropped}
+        return {"id": sid, "object": "session", "ended": True,
+                "dropped_turn_id": service.turn_ids.public(owner, dropped)}
 
     async def status(request: Request) -> Any:
-        require_user(request)
-        return await service.status()
+        if is_admin(request, config):
+            return await service.status()
+        owner = require_user(request)
+        return await (service.user_status(owner) if owner else service.status())
 
     async def healthz() -> Any:
         return {"status": "ok", "model": config.served_model_name, "policy_version": service.engine.policy_version}

@@ -8,7 +8,10 @@ every configured key (no early exit on the first match, so timing does not tell 
   is a fingerprint of the key (never the key itself), stored with each turn, and sessions are scoped to it
   (``clawloop.api.sessions``). With only ``api_key`` all clients share one principal (owner ``""``).
 * **Admin routes** (``/v1/trainer/*``, rollback and anything else that hands out run data or changes the served
-  weights) call ``require_admin`` and nothing else; see its docstring for the rule.
+  weights) call ``require_admin`` and nothing else; see its docstring for the rule. A user route whose answer
+  has an admin version (``/v1/status``) asks ``is_admin`` instead of refusing.
+* **Turn ids** a per-user key is given are masked (``TurnIdMask``): the store numbers all turns in one sequence,
+  and a key that saw its own ids grow would learn how much everyone else talks to the server.
 
 The design and the threat model are written up in docs/security.md.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,6 +111,41 @@ class KeyRing:
         return owner_of(hit) if self.per_user else ""
 
 
+class TurnIdMask:
+    """The turn ids a per-user key is shown: ``turn_<24 hex>``, an HMAC-SHA256 of (owner, the store's id) under a
+    secret kept in the run's store (meta ``turn_id_secret``). Stable across restarts and the same wherever the
+    turn is named (``turn_id``, ``paired_turn_id``, ``dropped_turn_id``), different per owner, and without the
+    secret they say nothing about how many turns other keys stored. The shared namespace (owner ``""``) is shown
+    the store's ids, as everyone in it can see everything anyway."""
+
+    SECRET_META_KEY = "turn_id_secret"
+
+    def __init__(self, secret: bytes | None):
+        self.secret = secret
+
+    @classmethod
+    def of_store(cls, store: Any) -> "TurnIdMask":
+        """The mask of the run ``store`` belongs to (its secret is created on first use)."""
+        secret = store.get_meta(cls.SECRET_META_KEY)
+        if secret is None:
+            secret = secrets.token_hex(32)
+            store.set_meta(cls.SECRET_META_KEY, secret)
+        return cls(bytes.fromhex(secret))
+
+    @classmethod
+    def unused(cls) -> "TurnIdMask":
+        """For servers without per-user keys, where every owner is ``""``."""
+        return cls(None)
+
+    def public(self, owner: str, turn_id: int | None) -> int | str | None:
+        if turn_id is None or not owner:
+            return turn_id
+        if self.secret is None:
+            raise RuntimeError("per-user owners need a TurnIdMask made by TurnIdMask.of_store")
+        digest = hmac.new(self.secret, f"{owner}\x1f{turn_id}".encode("utf-8"), hashlib.sha256).hexdigest()
+        return "turn_" + digest[:24]
+
+
 def require_user(request: Request) -> str:
     """Check the user key of ``request`` against the app's ``KeyRing``; returns the caller's owner name."""
     ring: KeyRing = request.app.state.keyring
@@ -169,3 +208,12 @@ def require_admin(request: Request, config: Any) -> None:
     if not same_origin(request):
         raise APIError(403, "Admin routes refuse cross-origin requests.", "permission_error", None,
                        "cross_origin")
+
+
+def is_admin(request: Request, config: Any) -> bool:
+    """Whether ``request`` passes ``require_admin``, for a route that answers others too (with less)."""
+    try:
+        require_admin(request, config)
+    except APIError:
+        return False
+    return True

@@ -13,7 +13,8 @@
 ``CatchAll`` turns any exception that escapes the routes into an OpenAI-shaped 500 (or a 503 when the run
 directory's disk or database refuses writes) *as a response*: Starlette's own last-resort handler re-raises
 after answering, which makes the server close the keep-alive connection, so pooled client requests behind it
-fail with resets.
+fail with resets. A stream whose headers are already out reports the same error in its last event
+(``clawloop.api.app``), built by the same functions here, so the two kinds of request fail alike.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ async def send_json(send: Send, status: int, body: dict[str, Any], headers: list
 def is_json_type(content_type: str) -> bool:
     media = content_type.split(";", 1)[0].strip().lower()
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def storage_unavailable_body() -> dict[str, Any]:
+    """The error of a request that needed a write the run directory refused (503 when it can still be a status)."""
+    return error_body("The server cannot write its run directory right now (disk full or unavailable); nothing "
+                      "was stored for this request. Retry later.", "server_error", None, "storage_unavailable")
 
 
 def storage_failure(exc: BaseException) -> bool:
@@ -151,10 +158,7 @@ class CatchAll:
                 return
             if storage_failure(exc):
                 log.error("storage failure on %s %s: %s", scope.get("method"), scope.get("path"), exc)
-                await send_json(send, 503, error_body(
-                    "The server cannot write its run directory right now (disk full or unavailable); nothing "
-                    "was stored for this request. Retry later.", "server_error", None, "storage_unavailable"),
-                    [(b"retry-after", b"5")])
+                await send_json(send, 503, storage_unavailable_body(), [(b"retry-after", b"5")])
                 return
             log.error("internal error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
             await send_json(send, 500, error_body("The server had an internal error while handling the request.",

@@ -31,13 +31,29 @@ lock; if another request continued the session first, the request forks into a n
 take no lock and change no state: they are served and counted only.
 
 Ending. ``X-Session-Done`` / ``session_done`` (after the request is served), ``POST /v1/sessions/{id}/end``,
-the idle timeout (a background sweeper) and LRU eviction beyond ``max_sessions`` all end a session: its
-pending turn is dropped with reason ``no_next_state`` (recorded, never silent) and its state is forgotten.
+the idle timeout (a background sweeper) and eviction beyond ``max_sessions`` all end a session: its pending turn
+is dropped with reason ``no_next_state`` (recorded, never silent) and its state is forgotten.
+
+A session that has never stored a turn lives only while a request holds it: when the last request holding it
+lets go without committing (the client left, the engine failed, the disk was full), it is forgotten at once
+(counted as ended ``unused``). Nothing refers to it (prefix keys only exist for stored answers), so nothing is
+lost, and a request that stored nothing leaves no trace in the session table.
 
 Ownership. With per-user keys every session belongs to the key that opened it (its *owner*, a fingerprint of the
 key, stored with each turn): sessions are looked up under (owner, id), so another key naming the same id gets a
 session of its own, and prefix matching only looks among the caller's sessions. Without per-user keys the
 owner is ``""`` and every client shares one namespace (docs/security.md).
+
+Limit and eviction. ``max_sessions`` bounds the live sessions in memory, all owners together. Eviction runs when
+a turn is stored (a request that stores nothing never pushes anyone out) and, while more than ``max_sessions``
+are live, ends the least recently used idle session *of the owner holding the most live sessions*; when the
+storing request's own owner is among those holding the most, its own session goes. So an owner who fills the
+table (a key at the limit) only ever ends its own sessions, another owner loses a session only while holding
+more than the owner whose turn was stored, and with one owner (no per-user keys, owner ``""``) this is plain
+least-recently-used eviction over the shared namespace. When every session of the owner to evict from is busy
+(a request in flight), the table overshoots until a later commit; it never takes from a smaller owner instead.
+Eviction runs after the new turn is stored: when ending the victim cannot be written (disk full), the victim
+stays live, the error is logged, and the next commit tries again.
 
 Faults. The store is written before memory changes: a pairing, a drop or an end whose store write fails (disk
 full) leaves the session exactly as it was, and the request fails with the error.
@@ -51,7 +67,8 @@ answer is its last assistant message (each session is also indexed by its pendin
 
 Restart. ``restore()`` rebuilds live sessions from the store's ``awaiting_next`` turns (latest per session;
 older ones of the same session are dropped as ``no_next_state``), including their prefix keys, so a restart
-loses no pairing. Their idle clock starts again at restore time. Shutdown leaves pending turns awaiting.
+loses no pairing. Beyond ``max_sessions`` the same rule as eviction picks what is dropped (the oldest turn of the
+owner holding the most). Their idle clock starts again at restore time. Shutdown leaves pending turns awaiting.
 """
 
 from __future__ import annotations
@@ -63,7 +80,7 @@ import json
 import logging
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,6 +194,8 @@ class Session:
     last_turn_id: int | None = None
     prefix_keys: tuple[str, ...] = ()
     ended: bool = False
+    holders: int = 0
+    """Requests holding the session's lock or waiting for it (a session nobody holds may be forgotten)."""
 
 
 def new_session_id() -> str:
@@ -188,9 +207,25 @@ def session_key(owner: str, session_id: str) -> str:
     return f"{owner}\x1f{session_id}" if owner else session_id
 
 
+def turns_beyond_limit(turns: list[TurnRecord], limit: int) -> list[TurnRecord]:
+    """Which of these pending turns (one per session, oldest first) to drop so that ``limit`` remain: one at a time,
+    the oldest turn of the owner holding the most (on a tie, the owner whose oldest turn is oldest), as eviction
+    chooses."""
+    by_owner: dict[str, deque[TurnRecord]] = {}
+    for t in turns:
+        by_owner.setdefault(t.owner, deque()).append(t)
+    dropped = []
+    for _ in range(max(0, len(turns) - limit)):
+        owner = max(by_owner, key=lambda o: (len(by_owner[o]), -by_owner[o][0].id))
+        dropped.append(by_owner[owner].popleft())
+        if not by_owner[owner]:
+            del by_owner[owner]
+    return dropped
+
+
 class TurnContext:
     """A main request's hold on its session: created locked and paired; ``commit`` stores the new turn;
-    ``release`` (always called, exactly once) unlocks."""
+    ``release`` (always called, exactly once) unlocks, and forgets the session if it has never stored a turn."""
 
     def __init__(self, manager: "SessionManager", session: Session, how: str):
         self.manager = manager
@@ -219,9 +254,7 @@ class TurnContext:
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self.session.last_seen = self.manager.clock()
-            if self.session.lock.locked():
-                self.session.lock.release()
+            self.manager._let_go(self.session)
 
 
 class SessionManager:
@@ -233,6 +266,7 @@ class SessionManager:
         self.on_judgeable = on_judgeable
         self.clock = clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._live_by_owner: Counter[str] = Counter()
         self._prefix: dict[str, tuple[str, int]] = {}
         """prefix key -> (session id, turn id) of the turn that ended with that answer."""
         self.stats: Counter[str] = Counter()
@@ -250,6 +284,10 @@ class SessionManager:
         s = self.get(session_id, owner)
         return None if s is None or s.pending is None else s.pending.turn_id
 
+    def live_count(self, owner: str) -> int:
+        """How many sessions ``owner`` has in memory."""
+        return self._live_by_owner.get(owner, 0)
+
     # ---- lifecycle -----------------------------------------------------------------------------------------
     async def restore(self) -> int:
         """Rebuild sessions from awaiting_next turns in the store (see module docstring). Returns how many."""
@@ -261,18 +299,20 @@ class SessionManager:
             if older is not None:
                 await asyncio.to_thread(self.store.drop_turn, older.id, NO_NEXT_STATE)
             latest[key] = t
-        keep = sorted(latest.values(), key=lambda t: t.id)
-        overflow = keep[: max(0, len(keep) - self.max_sessions)]
+        pending = sorted(latest.values(), key=lambda t: t.id)
+        overflow = turns_beyond_limit(pending, self.max_sessions)
         for t in overflow:
             await asyncio.to_thread(self.store.drop_turn, t.id, NO_NEXT_STATE)
+        dropped_ids = {t.id for t in overflow}
+        keep = [t for t in pending if t.id not in dropped_ids]
         now = self.clock()
-        for t in keep[len(overflow):]:
+        for t in keep:
             s = Session(id=t.session_id, last_seen=now, owner=t.owner, turn_index=t.turn_index + 1,
                         last_turn_id=t.id)
-            self._sessions[session_key(s.owner, s.id)] = s
+            self._add(s)
             self._set_pending(s, PendingTurn(t.id, t.messages, t.assistant_message))
-        self.stats["restored"] += len(keep) - len(overflow)
-        return len(keep) - len(overflow)
+        self.stats["restored"] += len(keep)
+        return len(keep)
 
     def start(self) -> None:
         if self._sweeper is None:
@@ -311,17 +351,45 @@ class SessionManager:
         return ended
 
     # ---- resolution --------------------------------------------------------------------------------------
+    def _add(self, s: Session) -> None:
+        self._sessions[session_key(s.owner, s.id)] = s
+        self._live_by_owner[s.owner] += 1
+
     def _touch(self, session_id: str, owner: str = "") -> Session:
         key = session_key(owner, session_id)
         s = self._sessions.get(key)
         if s is None:
             s = Session(id=session_id, last_seen=self.clock(), owner=owner)
-            self._sessions[key] = s
+            self._add(s)
             self.stats["sessions_started"] += 1
         else:
             self._sessions.move_to_end(key)
         s.last_seen = self.clock()
         return s
+
+    async def _hold(self, s: Session) -> None:
+        """Lock ``s`` for a request (counted as a holder while it waits, so it is not forgotten under it)."""
+        s.holders += 1
+        try:
+            await s.lock.acquire()
+        except BaseException:  # cancelled while waiting: it holds nothing
+            s.holders -= 1
+            self._forget_if_unused(s)
+            raise
+
+    def _let_go(self, s: Session) -> None:
+        """A request is done with ``s`` (whose lock it holds): unlock it, and forget it if it stored nothing."""
+        s.holders -= 1
+        s.last_seen = self.clock()
+        if s.lock.locked():
+            s.lock.release()
+        self._forget_if_unused(s)
+
+    def _forget_if_unused(self, s: Session) -> None:
+        # turn_index counts the turns stored in the session (restored sessions start past their stored turn), so 0
+        # means it holds nothing: no pending turn, no prefix keys, nothing for a later request to continue.
+        if s.holders == 0 and s.turn_index == 0 and not s.ended:
+            self._forget(s, "unused")
 
     def match_prefix(self, messages: list[dict[str, Any]], owner: str = "") -> tuple[str, int, int] | None:
         """(session id, turn id, messages consumed) of the longest prefix that is the last turn of one of
@@ -360,32 +428,33 @@ class SessionManager:
         self.stats["side_turns"] += 1
         return sid
 
+    def _find_main(self, explicit_id: str | None, messages: list[dict[str, Any]],
+                   owner: str) -> tuple[Session, str, int | None, int | None]:
+        """(session, how it was found, messages consumed by a prefix match, the turn that match ended with)."""
+        if explicit_id is not None:
+            return self._touch(explicit_id, owner), "explicit", None, None
+        hit = self.match_prefix(messages, owner)
+        if hit is None and is_compacted_history(messages):
+            hit = self.match_answer(messages, owner)
+        if hit is None:
+            return self._touch(new_session_id(), owner), "new", None, None
+        return self._touch(hit[0], owner), "prefix", hit[2], hit[1]
+
     async def begin_main(self, explicit_id: str | None, messages: list[dict[str, Any]],
                          owner: str = "") -> TurnContext:
         """Find (or open) ``owner``'s session of a main request, lock it, and pair its pending turn."""
         messages = conversation_messages(messages)
         while True:
-            if explicit_id is not None:
-                session, how, consumed, matched_turn = self._touch(explicit_id, owner), "explicit", None, None
-            else:
-                hit = self.match_prefix(messages, owner)
-                if hit is None and is_compacted_history(messages):
-                    hit = self.match_answer(messages, owner)
-                if hit is None:
-                    session, how, consumed, matched_turn = self._touch(new_session_id(), owner), "new", None, None
-                else:
-                    session, how = self._touch(hit[0], owner), "prefix"
-                    matched_turn, consumed = hit[1], hit[2]
-            await self._evict_beyond_limit(protect=session)
-            await session.lock.acquire()
+            session, how, consumed, matched_turn = self._find_main(explicit_id, messages, owner)
+            await self._hold(session)
             if session.ended:  # ended while we waited for it: start over with a fresh session
-                session.lock.release()
+                self._let_go(session)
                 continue
             if how == "prefix" and session.last_turn_id != matched_turn:
                 # Someone continued this session from the same point first: this request branches off.
-                session.lock.release()
+                self._let_go(session)
                 session, how, consumed = self._touch(new_session_id(), owner), "fork", None
-                await session.lock.acquire()
+                await self._hold(session)
             ctx = TurnContext(self, session, how)
             try:
                 await self._pair(ctx, messages, consumed)
@@ -467,6 +536,7 @@ class SessionManager:
         self._set_pending(s, PendingTurn(turn_id, turn.messages, turn.assistant_message))
         s.last_seen = self.clock()
         self.stats["turns_stored"] += 1
+        await self._make_room(s)
         return turn_id
 
     async def _end_locked(self, s: Session, why: str) -> int | None:
@@ -479,13 +549,20 @@ class SessionManager:
             await asyncio.to_thread(self.store.drop_turn, dropped, NO_NEXT_STATE)
             s.pending = None
             self.stats["turns_dropped_no_next_state"] += 1
+        self._forget(s, why)
+        return dropped
+
+    def _forget(self, s: Session, why: str) -> None:
+        """Take an ended session out of memory (its pending turn, if any, was dropped in the store first)."""
         s.ended = True
         key = session_key(s.owner, s.id)
         if self._sessions.get(key) is s:
             del self._sessions[key]
+            self._live_by_owner[s.owner] -= 1
+            if not self._live_by_owner[s.owner]:
+                del self._live_by_owner[s.owner]
         self._drop_keys(s)
         self.stats[f"sessions_ended_{why}"] += 1
-        return dropped
 
     async def _end_unlocked(self, s: Session, why: str) -> int | None:
         async with s.lock:
@@ -503,9 +580,30 @@ class SessionManager:
         if s is not None:
             await self._end_unlocked(s, why)
 
-    async def _evict_beyond_limit(self, protect: Session) -> None:
+    # ---- eviction (see "Limit and eviction" in the module docstring) ---------------------------------------
+    def _eviction_victim(self, storing: Session) -> Session | None:
+        """The least recently used idle session of the owner holding the most live sessions (``storing``'s owner
+        on a tie); None when all of that owner's sessions are busy."""
+        most = max(self._live_by_owner.values())
+        if self._live_by_owner[storing.owner] == most:
+            may_lose = {storing.owner}
+        else:
+            may_lose = {owner for owner, n in self._live_by_owner.items() if n == most}
+        for s in self._sessions.values():  # least recently used first
+            if s.owner in may_lose and s is not storing and s.holders == 0 and not s.lock.locked():
+                return s
+        return None
+
+    async def _evict_beyond_limit(self, storing: Session) -> None:
         while len(self._sessions) > self.max_sessions:
-            victim = next((s for s in self._sessions.values() if s is not protect and not s.lock.locked()), None)
+            victim = self._eviction_victim(storing)
             if victim is None:
-                return  # every other session is busy: allow the overshoot until one finishes
+                return  # the owner to take from is busy: allow the overshoot until one of its requests finishes
             await self._end_unlocked(victim, "evicted")
+
+    async def _make_room(self, storing: Session) -> None:
+        """Evict after ``storing`` stored a turn; that turn stands whatever happens here."""
+        try:
+            await self._evict_beyond_limit(storing)
+        except Exception:  # e.g. disk full while dropping the victim's turn: it stays live, the next commit retries
+            log.exception("evicting sessions beyond max_sessions failed")

@@ -10,8 +10,8 @@ served with. Modules:
 """
 
 from clawloop.renderers.chat import ChatRenderer, RenderedPrompt, chat_render_fn
-from clawloop.renderers.safe_tokenizer import SafeChatTokenizer
+from clawloop.renderers.safe_tokenizer import SafeChatTokenizer, TemplateRefusedError
 from clawloop.renderers.tool_calls import ParsedAnswer, ToolCallStreamFilter, assistant_message, parse_answer
 
-__all__ = ["ChatRenderer", "ParsedAnswer", "RenderedPrompt", "SafeChatTokenizer", "ToolCallStreamFilter",
-           "assistant_message", "chat_render_fn", "parse_answer"]
+__all__ = ["ChatRenderer", "ParsedAnswer", "RenderedPrompt", "SafeChatTokenizer", "TemplateRefusedError",
+           "ToolCallStreamFilter", "assistant_message", "chat_render_fn", "parse_answer"]

@@ -28,6 +28,8 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
+import jinja2
+
 OPEN, CLOSE = "\ue000", "\ue001"
 """Private-use characters around a placeholder: no special token's text holds them, so a placeholder never joins
 the template's text into a marker."""
@@ -76,6 +78,12 @@ def ascii_json(text: str) -> str:
 
 def alternatives(texts: list[str], flags: int = 0) -> re.Pattern[str] | None:
     return re.compile("|".join(re.escape(t) for t in texts), flags) if texts else None
+
+
+class TemplateRefusedError(ValueError):
+    """The chat template would not render these messages: it raised (``raise_exception``, as Qwen3's does for a
+    system message that is not first) or met a field it needs missing. The messages are at fault, not the
+    server: the API answers a 400."""
 
 
 class SafeChatTokenizer:
@@ -196,8 +204,11 @@ class SafeChatTokenizer:
         keyword's value is user data to the template, so it is neutralised like the messages."""
         safe_messages, pieces = self.neutralise(messages)
         safe_kwargs = {name: self.neutralise(value, pieces)[0] for name, value in template_kwargs.items()}
-        text = self.tokenizer.apply_chat_template(safe_messages, tokenize=False, add_generation_prompt=True,
-                                                  **safe_kwargs)
+        try:
+            text = self.tokenizer.apply_chat_template(safe_messages, tokenize=False, add_generation_prompt=True,
+                                                      **safe_kwargs)
+        except jinja2.TemplateError as exc:  # the template's own refusal (raise_exception), or a missing field
+            raise TemplateRefusedError(str(exc)) from None
         return self.encode_template_text(text, pieces)
 
     # ---- size --------------------------------------------------------------------------------------------

@@ -14,11 +14,19 @@ checkpoint (or no ``latest`` at all), never a half-written one.
 The store is the other half of the state: resuming calls ``store.requeue_after_step(step)`` so samples consumed
 by steps after the checkpoint (whose weights died with the process) become ready again and train exactly once.
 Only the newest ``keep_last`` checkpoints are kept: each one holds a full optimizer state.
+
+Damage: a file cut short afterwards (a full disk, a copy that did not finish) is found before anything is loaded
+(``checkpoint_problem`` opens each file with its own reader without reading the tensors). ``load_latest`` then
+falls back from the checkpoint ``latest`` names to the newest older one that is intact, and logs which one it
+skipped and why; when none is intact it raises ``DamagedCheckpoints`` (resuming from the starting weights
+instead would be a silent fresh start).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import pickle
 import shutil
 import time
 from dataclasses import dataclass
@@ -26,11 +34,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from clawloop.atomic import write_folder_atomically, write_text_atomically
 
+log = logging.getLogger(__name__)
+
 LATEST = "latest"
+
+READ_ERRORS = (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, SafetensorError)
+"""What reading a damaged weights or optimizer file raises (each reader has its own)."""
 
 
 @dataclass
@@ -70,10 +84,14 @@ def save_checkpoint(run_dir: str | Path, step: int, policy_version: int, weights
 
 
 def _step_of(path: Path) -> int | None:
-    if not path.is_dir() or not path.name.startswith("step_"):
+    return _step_of_name(path.name) if path.is_dir() else None
+
+
+def _step_of_name(name: str) -> int | None:
+    if not name.startswith("step_"):
         return None
     try:
-        return int(path.name[len("step_"):])
+        return int(name[len("step_"):])
     except ValueError:
         return None
 
@@ -82,8 +100,14 @@ def _prune(root: Path, keep_last: int, protect: str) -> None:
     if keep_last < 1:
         return
     found = sorted((s, p) for p in root.iterdir() if (s := _step_of(p)) is not None)
-    for _, path in found[:-keep_last]:
-        if path.name != protect:
+    # Only intact checkpoints count towards ``keep_last``: after a resume that skipped a damaged one, keeping it
+    # in place of an older intact one would leave fewer checkpoints to fall back to.
+    intact = [path for _, path in found if path.name == protect or checkpoint_problem(path) is None]
+    keep = {path.name for path in intact[-keep_last:]} | {protect}
+    for _, path in found:
+        if path.name not in keep:
+            if path not in intact:
+                log.warning("checkpoint %s is damaged (%s) and is removed", path, checkpoint_problem(path))
             shutil.rmtree(path, ignore_errors=True)
     # Leftovers of a crash in the middle of a write.
     for path in root.iterdir():
@@ -105,6 +129,116 @@ def latest_checkpoint_path(run_dir: str | Path) -> Path | None:
     return path
 
 
+# ---- damage ------------------------------------------------------------------------------------------------
+def safetensors_problem(path: Path) -> str | None:
+    """Why ``path`` is not a whole safetensors file (None when it is). Only the header is read: the file is
+    mapped, and the header must account for every byte of it, so a file cut short is found at once."""
+    if not path.is_file():
+        return f"{path.name} is missing"
+    try:
+        with safe_open(str(path), framework="pt") as opened:
+            opened.keys()
+    except READ_ERRORS as exc:
+        return _unreadable(path, exc)
+    return None
+
+
+def torch_file_problem(path: Path, *, optional: bool = False) -> str | None:
+    """Why ``path`` is not a whole ``torch.save`` file (None when it is, or when it is ``optional`` and absent).
+    Loaded memory-mapped: the archive's directory and the pickle are read, the tensors' bytes are not."""
+    if not path.is_file():
+        return None if optional else f"{path.name} is missing"
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except READ_ERRORS as exc:
+        return _unreadable(path, exc)
+    return None
+
+
+def json_problem(path: Path, required: tuple[str, ...]) -> str | None:
+    """Why ``path`` is not a JSON object holding the integer fields ``required`` (None when it is)."""
+    if not path.is_file():
+        return f"{path.name} is missing"
+    try:
+        values = json.loads(path.read_text())
+        for key in required:
+            int(values[key])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.debug("%s does not read: %s: %s", path, type(exc).__name__, exc)
+        return f"{path.name} is not a readable record (damaged JSON or missing fields)"
+    return None
+
+
+def _unreadable(path: Path, exc: BaseException) -> str:
+    """The problem as said to a person; the reader's own words go to the debug log."""
+    log.debug("%s does not read: %s: %s", path, type(exc).__name__, exc)
+    return f"{path.name} is cut short or corrupt"
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why checkpoint folder ``path`` cannot be resumed from: the file and what is wrong with it (None: intact)."""
+    if not path.is_dir():
+        return "the folder is missing"
+    return (json_problem(path / "state.json", ("step", "policy_version"))
+            or safetensors_problem(path / "weights.safetensors")
+            or torch_file_problem(path / "optimizer.pt", optional=True))
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A checkpoint passed over on resume, and why."""
+
+    path: Path
+    problem: str
+
+
+class DamagedCheckpoints(RuntimeError):
+    """Checkpoints exist but none of them can be resumed from."""
+
+    def __init__(self, root: Path, skipped: list[Skipped]):
+        self.root = root
+        self.skipped = skipped
+        listed = "; ".join(f"{s.path.name}: {s.problem}" for s in skipped)
+        super().__init__(f"no checkpoint in {root} can be resumed from ({listed})")
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Every ``step_<N>`` folder under the run's checkpoints, newest first, intact or not."""
+    return [path for _, path in _step_folders(run_dir)]
+
+
+def _step_folders(run_dir: str | Path) -> list[tuple[int, Path]]:
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(((s, p) for p in root.iterdir() if (s := _step_of(p)) is not None), reverse=True)
+
+
+def resume_candidates(run_dir: str | Path) -> list[Path]:
+    """The checkpoints to resume from, in the order to try them: the one ``latest`` names, then the older ones,
+    newest first. Without a readable pointer every ``step_<N>`` folder, newest first (a crash between a first
+    checkpoint's folder and its pointer leaves such a folder complete)."""
+    root = checkpoints_dir(run_dir)
+    pointer = root / LATEST
+    named = pointer.read_text().strip() if pointer.is_file() else ""
+    named_step = _step_of_name(named)
+    folders = _step_folders(run_dir)
+    if named_step is None:
+        return [path for _, path in folders]
+    return [root / named] + [path for step, path in folders if step < named_step]
+
+
+def newest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[Skipped]]:
+    """The checkpoint a resume uses (None: there is none to use) and the damaged ones passed over before it."""
+    skipped: list[Skipped] = []
+    for path in resume_candidates(run_dir):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(Skipped(path, problem))
+    return None, skipped
+
+
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint:
     path = Path(path)
     state = json.loads((path / "state.json").read_text())
@@ -116,5 +250,27 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 
 def load_latest(run_dir: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint | None:
-    path = latest_checkpoint_path(run_dir)
-    return None if path is None else load_checkpoint(path, map_location)
+    """The newest intact checkpoint, loaded (None when the run has none). A damaged one is skipped with a warning
+    naming it and the one used instead; ``DamagedCheckpoints`` when checkpoints exist but none is intact."""
+    skipped: list[Skipped] = []
+    for path in resume_candidates(run_dir):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            try:
+                found = load_checkpoint(path, map_location)
+            except READ_ERRORS as exc:  # damage the readers' quick look could not see
+                problem = f"its files do not load ({type(exc).__name__}: {exc})"
+            else:
+                _report_fallback(skipped, found.path)
+                return found
+        log.warning("checkpoint %s is damaged and is skipped: %s", path, problem)
+        skipped.append(Skipped(path, problem))
+    if skipped:
+        raise DamagedCheckpoints(checkpoints_dir(run_dir), skipped)
+    return None
+
+
+def _report_fallback(skipped: list[Skipped], used: Path) -> None:
+    if skipped:
+        log.warning("resuming from checkpoint %s, the newest intact one (skipped: %s)", used.name,
+                    ", ".join(s.path.name for s in skipped))

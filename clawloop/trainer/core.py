@@ -168,7 +168,8 @@ class Trainer:
     def _save_version(self, version: int, step: int, evidence: dict[str, Any]) -> None:
         history.save_version(self.run_dir, version, step, self.accepted.weights if version == self.accepted.version
                              else trainable_state_dict(self.models), self.optimizer.state_dict(),
-                             lora=self.models.lora, evidence=evidence, keep_full=self.config.keep_full_versions)
+                             lora=self.models.lora, evidence=evidence,
+                             keep=history.versions_to_keep(self.config, self.models.lora), serving=self.policy_version)
 
     def _gate_event(self, kind: str, step: int, version: int | None, detail: dict[str, Any]) -> None:
         self.store.record_event(kind, detail, step=step, version=version)
@@ -319,7 +320,7 @@ class Trainer:
                 group["lr"] = self.config.learning_rate
             optimizer = "restored"
         else:
-            optimizer = "reset (not kept for full fine-tuning)"
+            optimizer = "reset (not kept with this version)"
         self.policy_version = publish_weights(self.engine, self.models, version=version)
         self.needs_publish, self.pending_version = False, None
         self.accepted = self._snapshot(version)

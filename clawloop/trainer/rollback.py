@@ -2,8 +2,9 @@
 
 * With ``url`` (the server running RUN_DIR): ``POST /v1/admin/rollback {"version": N}`` with the admin key; the
   server swaps the weights in at once and its trainer continues from them.
-* Without: the version must be kept in ``RUN_DIR/versions``; the store's ``rollback_to`` is set, and the next start
-  of the run (``clawloop serve --run-dir RUN_DIR``, with or without ``--resume``) serves version N before training.
+* Without: the version must be kept in ``RUN_DIR/versions``, intact, and not ``uncommitted`` (a crash came between
+  its publication and its step's commit); the store's ``rollback_to`` is set, and the next start of the run
+  (``clawloop serve --run-dir RUN_DIR``, with or without ``--resume``) serves version N before training.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def rollback_command(run_dir: str | Path, version: int, *, url: str = "", admin_
     if url:
         return _live(url, version, admin_key if admin_key is not None else os.environ.get("CLAWLOOP_ADMIN_KEY", ""))
     from clawloop.store import Store, find_store
-    from clawloop.trainer.versions import has_version, list_versions
+    from clawloop.trainer.versions import has_version, list_versions, version_problem
 
     try:
         path = find_store(run_dir)
@@ -37,8 +38,17 @@ def rollback_command(run_dir: str | Path, version: int, *, url: str = "", admin_
         print(f"clawloop rollback: version {version} is not kept in {run_dir / 'versions'} (kept: {kept})",
               file=sys.stderr)
         return 2
+    problem = version_problem(run_dir, version)
+    if problem is not None:
+        print(f"clawloop rollback: version {version} in {run_dir / 'versions'} is damaged ({problem}) and cannot be "
+              "served again", file=sys.stderr)
+        return 2
     store = Store(path)
     try:
+        if store.version_status(version) == "uncommitted":
+            print(f"clawloop rollback: version {version} never committed (a crash came before its step did) and "
+                  "cannot be served again", file=sys.stderr)
+            return 2
         store.set_meta(ROLLBACK_META, str(int(version)))
     finally:
         store.close()

@@ -178,6 +178,7 @@ def test_sessions_belong_to_their_key(make_server, tmp_path):
         r = _chat(c, ALICE, first)
         assert r.status_code == 200
         alice_sid, alice_turn = r.json()["clawloop"]["session_id"], r.json()["clawloop"]["turn_id"]
+        [alice_stored] = [t.id for t in srv.store.turns()]  # a key is shown masked ids, the store keeps its own
         answer = r.json()["choices"][0]["message"]
         replay = first + [{"role": "assistant", "content": answer["content"]},
                           {"role": "user", "content": "Bob's correction"}]
@@ -187,17 +188,17 @@ def test_sessions_belong_to_their_key(make_server, tmp_path):
         bob = r.json()["clawloop"]
         assert bob["session_id"] != alice_sid and bob["paired_turn_id"] is None
         assert r.headers["X-Session-Id"] != alice_sid
-        assert srv.store.get_turn(alice_turn).state == TurnState.AWAITING_NEXT
+        assert srv.store.get_turn(alice_stored).state == TurnState.AWAITING_NEXT
         # Bob naming Alice's session id continues a session of his own under that id.
         r = _chat(c, BOB, replay, session_id=alice_sid)
         assert r.status_code == 200 and r.json()["clawloop"]["paired_turn_id"] is None
         bob_turn = r.json()["clawloop"]["turn_id"]
-        assert srv.store.get_turn(alice_turn).state == TurnState.AWAITING_NEXT
-        assert srv.store.get_turn(bob_turn).owner == owner_of(BOB) != owner_of(ALICE)
+        assert srv.store.get_turn(alice_stored).state == TurnState.AWAITING_NEXT
+        assert srv.store.turns()[-1].owner == owner_of(BOB) != owner_of(ALICE)
         # Bob cannot end Alice's session; ending "his" session of that id leaves Alice's alone.
         r = c.post(f"/v1/sessions/{alice_sid}/end", headers={"Authorization": f"Bearer {BOB}"})
         assert r.status_code == 200 and r.json()["dropped_turn_id"] == bob_turn
-        assert srv.store.get_turn(alice_turn).state == TurnState.AWAITING_NEXT
+        assert srv.store.get_turn(alice_stored).state == TurnState.AWAITING_NEXT
         assert c.post(f"/v1/sessions/{alice_sid}/end", headers={"Authorization": f"Bearer {BOB}"}).status_code == 404
     srv.stop()
     # Ownership is durable: after a restart Alice's continuation pairs her turn, Bob's replay does not.
@@ -205,8 +206,8 @@ def test_sessions_belong_to_their_key(make_server, tmp_path):
     with httpx.Client(base_url=srv.base_url, timeout=60) as c:
         r = _chat(c, BOB, replay)
         assert r.json()["clawloop"]["paired_turn_id"] is None
-        assert srv.store.get_turn(alice_turn).state == TurnState.AWAITING_NEXT
+        assert srv.store.get_turn(alice_stored).state == TurnState.AWAITING_NEXT
         r = _chat(c, ALICE, replay[:-1] + [{"role": "user", "content": "Alice's own follow-up"}])
         assert r.json()["clawloop"]["session_id"] == alice_sid
         assert r.json()["clawloop"]["paired_turn_id"] == alice_turn
-        assert srv.store.get_turn(alice_turn).next_state == [{"role": "user", "content": "Alice's own follow-up"}]
+        assert srv.store.get_turn(alice_stored).next_state == [{"role": "user", "content": "Alice's own follow-up"}]

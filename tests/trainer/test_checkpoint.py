@@ -108,10 +108,12 @@ def test_a_half_written_checkpoint_is_never_loaded(tmp_path):
     assert not partial.exists()
     found = ckpt.load_latest(tmp_path)
     assert found.step == 2 and found.optimizer == {"state": {}, "param_groups": []}
-    # A pointer to a folder that is not a complete checkpoint is an error, not a silent fresh start.
+    # A pointer to a folder that is not a complete checkpoint is not followed: resume falls back to the newest
+    # complete one (and says so, tests/trainer/test_damaged_checkpoints.py), never to a silent fresh start.
     (ckpt.checkpoints_dir(tmp_path) / "latest").write_text("step_7\n")
     with pytest.raises(RuntimeError, match="not a complete checkpoint"):
-        ckpt.load_latest(tmp_path)
+        ckpt.latest_checkpoint_path(tmp_path)
+    assert ckpt.load_latest(tmp_path).step == 2
 
 
 def test_checkpoint_of_a_different_mode_is_refused(make_config, base_model, tiny_tokenizer, tmp_path):
