@@ -15,7 +15,7 @@ from clawloop.trainer import checkpoint as ckpt
 from clawloop.trainer.core import Trainer
 from clawloop.trainer.publish import LocalVersion
 
-from trainer_helpers import add_sample
+from trainer_helpers import train_steps
 
 
 def cut_short(path: Path) -> None:
@@ -28,10 +28,7 @@ def _two_checkpoints(config, base_model, tiny_tokenizer):
     """A run with checkpoints step_1 and step_2 (the one ``latest`` names); returns its store and the trainable
     weights at step 1."""
     store = Store(Path(config.run_dir) / "store.sqlite")
-    for i in range(6):
-        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i % 2 else -1.0)
-    trainer = Trainer(config, store, LocalVersion(), console=None)
-    trainer.run_batch(*store.lease_samples(2))
+    trainer = train_steps(config, store, base_model, tiny_tokenizer, steps=1)
     at_step_1 = [p.detach().clone() for p in trainer.models.trainable_parameters()]
     trainer.run_batch(*store.lease_samples(2))
     trainer.close()

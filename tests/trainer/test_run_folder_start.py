@@ -28,10 +28,8 @@ from clawloop.serve import free_port
 from clawloop.store import Store
 from clawloop.trainer import checkpoint as ckpt
 from clawloop.trainer import versions as history
-from clawloop.trainer.core import Trainer
-from clawloop.trainer.publish import LocalVersion
 
-from trainer_helpers import add_sample
+from trainer_helpers import train_steps
 
 START_TIMEOUT_S = 240
 
@@ -51,12 +49,7 @@ def trained_run(make_config, base_model, tiny_tokenizer) -> Path:
     config = make_config(method="rl", checkpoint_every=1)
     run_dir = Path(config.run_dir)
     store = Store(run_dir / "store.sqlite")
-    for i in range(6):
-        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i % 2 else -1.0)
-    trainer = Trainer(config, store, LocalVersion(), console=None)
-    trainer.run_batch(*store.lease_samples(2))
-    trainer.run_batch(*store.lease_samples(2))
-    trainer.close()
+    train_steps(config, store, base_model, tiny_tokenizer).close()
     store.close()
     assert checkpoint_names(run_dir) == ["step_1", "step_2"]
     assert history.list_versions(run_dir) == [0, 1, 2]

@@ -24,7 +24,7 @@ from clawloop.trainer import versions as history
 from clawloop.trainer.core import Trainer
 from clawloop.trainer.publish import LocalVersion
 
-from trainer_helpers import add_sample
+from trainer_helpers import add_sample, train_steps
 
 ADMIN_KEY = "history-admin-key-5b1e"
 
@@ -170,11 +170,7 @@ def test_full_versions_never_prune_the_served_one(make_config, base_model, tiny_
     config = make_config(method="rl", keep_full_versions=1)
     run_dir = Path(config.run_dir)
     store = Store(run_dir / "store.sqlite")
-    for i in range(6):
-        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i % 2 else -1.0)
-    trainer = Trainer(config, store, LocalVersion(), console=None)
-    trainer.run_batch(*store.lease_samples(2))
-    trainer.run_batch(*store.lease_samples(2))
+    trainer = train_steps(config, store, base_model, tiny_tokenizer)
     assert sorted(_folders(run_dir)) == [1, 2]  # v2 newest, v1 served while it was saved
     trainer.rollback(1)
     trainer.run_batch(*store.lease_samples(2))  # v3, saved while v1 was served

@@ -95,3 +95,17 @@ def add_sample(store: Store, model, tokenizer, i: int, *, reward: float = 1.0, h
     kind = ("rl+opd" if reward else "opd") if hints else "rl"
     assert store.put_sample(SampleRecord(turn_id=tid, reward=reward, kind=kind, hints=hints, targets=targets))
     return tid
+
+
+def train_steps(config, store: Store, model, tokenizer, steps: int = 2):
+    """A ``Trainer`` (``LocalVersion`` engine) after ``steps`` committed steps of two samples each, rewards
+    alternating, on a store given ``2 * steps + 2`` samples (two are left ready)."""
+    from clawloop.trainer.core import Trainer
+    from clawloop.trainer.publish import LocalVersion
+
+    for i in range(2 * steps + 2):
+        add_sample(store, model, tokenizer, i, reward=1.0 if i % 2 else -1.0)
+    trainer = Trainer(config, store, LocalVersion(), console=None)
+    for _ in range(steps):
+        trainer.run_batch(*store.lease_samples(2))
+    return trainer
