@@ -1,10 +1,12 @@
-"""Screenshots of every dashboard page from a real short run (tiny model, rule judge, real steps), for docs/dashboard/.
+"""Screenshots of every dashboard page from a real run of the default model, for docs/dashboard/ and the README.
 
-    python scripts/dashboard_screenshots.py [--out docs/dashboard] [--port 31050] [--run-dir DIR] [--demo]
+    python scripts/dashboard_screenshots.py --run-dir DIR [--out docs/dashboard] [--port 31060] [--model default]
 
-The live pages come from a running server; with ``--demo`` a short ``clawloop demo`` on the tiny model runs too
-and its finished folder is shown by ``clawloop dashboard RUN_DIR``'s app (``finished-*.png``: the held-out
-evaluations and the gate's decisions of a demo).
+When DIR holds no run yet, ``clawloop demo --run-dir DIR`` runs first (what ``make demo`` runs: SmolLM2-135M-
+Instruct, the simulated ``brief`` user, the rule judge, online training behind the publication gate; about 12
+minutes on a 2-core CPU). The finished folder is then shown the way ``clawloop dashboard DIR`` shows it and each
+page is photographed: the conversation picked is one with a turn whose step the gate rejected when there is one
+(else the newest with a trained turn), the sample is the newest with teacher targets, with a token hovered.
 
 Uses the system Chromium through Playwright (``CLAWLOOP_CHROMIUM`` or the first of chromium / chromium-browser /
 google-chrome on PATH); scripts/setup_chromium.sh installs it on Debian. Prints each file written and any
@@ -15,19 +17,30 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
-import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "dashboard"))
 
-import httpx  # noqa: E402
-
 from browser_support import chromium_path  # noqa: E402
-from dashboard_support import QUESTIONS, converse, run_config, start_run, wait_for  # noqa: E402
+from dashboard_support import wait_for  # noqa: E402
 
-def serve_in_thread(app, port: int):
+PAGES = ("overview", "conversations", "sample", "training", "versions")
+WIDTH = 1360
+MAX_HEIGHT = 2400
+"""Longest picture kept (a long conversation is cut there)."""
+
+
+def run_demo(run_dir: Path, model: str) -> None:
+    from clawloop.cli import main as cli
+
+    rc = cli(["demo", "--run-dir", str(run_dir), "--model", model])
+    if rc != 0:
+        raise SystemExit(f"the demo failed (exit {rc})")
+
+
+def serve_in_thread(app: Any, port: int) -> tuple[Any, Any]:
     import threading
 
     import uvicorn
@@ -39,88 +52,77 @@ def serve_in_thread(app, port: int):
     return server, thread
 
 
-def finished_demo_shots(browser, out: Path, port: int, errors: list[str]) -> None:
-    from clawloop.cli import main as cli
-    from clawloop.config import Config
-    from clawloop.dashboard.standalone import build_app
-
-    run_dir = tempfile.mkdtemp(prefix="clawloop-dash-demo-")
-    rc = cli(["demo", "--model", "tiny", "--interactions", "12", "--eval-every", "4", "--rollout-batch-size", "2",
-              "--heldout-n", "3", "--run-dir", run_dir, "--num-threads", "2", "--max-batch-size", "4", "--seed", "1",
-              "--gate-every", "1", "--gate-probe-tokens", "8", "--port", str(port)])
-    if rc != 0:
-        raise SystemExit(f"the demo failed (exit {rc})")
-    app, _ = build_app(run_dir, Config.load(env={}, port=port + 1), model="tiny")
-    server, thread = serve_in_thread(app, port + 1)
-    try:
-        page = browser.new_page(viewport={"width": 1360, "height": 900}, device_scale_factor=1)
-        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        for name in ("overview", "training", "versions"):
-            page.goto(f"http://127.0.0.1:{port + 1}/dashboard/#{name}")
-            page.wait_for_timeout(2500)
-            path = out / f"finished-{name}.png"
-            page.screenshot(path=str(path), full_page=True)
-            print(path)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+def session_to_show(view: Any) -> str | None:
+    """A session with a turn of a rejected step, else the newest session with a trained turn, else the newest."""
+    sessions = [s["session_id"] for s in view.sessions()["sessions"]]
+    fates = {sid: {t["fate"]["fate"] for t in view.session(sid)["turns"]} for sid in sessions}
+    for wanted in ("rejected", "trained"):
+        for sid in sessions:
+            if wanted in fates[sid]:
+                return sid
+    return sessions[0] if sessions else None
 
 
-PAGES = [("overview", "#overview"), ("conversations", "#conversations"), ("sample", "#sample"),
-         ("training", "#training"), ("versions", "#versions")]
+def photograph(page: Any, base: str, name: str, view: Any, out: Path) -> Path:
+    if name == "conversations":
+        sid = session_to_show(view)
+        page.goto(f"{base}/#conversations/{sid}" if sid else f"{base}/#conversations")
+        page.wait_for_selector("#session-detail article.turn, #session-list li.muted", timeout=15000)
+    else:
+        page.goto(f"{base}/#{name}")
+    page.wait_for_timeout(2500)  # one poll: charts laid out, every part rendered
+    tokens = page.locator("#tokens .tok")
+    if name == "sample" and tokens.count():
+        tokens.nth(min(3, tokens.count() - 1)).hover()  # the tooltip with both top-k sets
+        page.wait_for_timeout(300)
+    path = out / f"{name}.png"
+    height = min(MAX_HEIGHT, page.evaluate("document.documentElement.scrollHeight"))
+    full = name != "sample"  # the sample keeps its hover tooltip in the first screen
+    page.screenshot(path=str(path), full_page=full,
+                    clip={"x": 0, "y": 0, "width": WIDTH, "height": height} if full else None)
+    return path
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", required=True, help="A finished run folder, or where to run the demo first.")
     parser.add_argument("--out", default=str(ROOT / "docs" / "dashboard"))
-    parser.add_argument("--port", type=int, default=31050)
-    parser.add_argument("--run-dir", default="")
-    parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--demo", action="store_true", help="Also a short tiny-model demo, shown when finished.")
+    parser.add_argument("--port", type=int, default=31060, help="The dashboard's port while photographing.")
+    parser.add_argument("--model", default="default", help="The demo's model when it runs (default: SmolLM2).")
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright
+
+    from clawloop.config import Config
+    from clawloop.dashboard.standalone import build_app
+    from clawloop.store import find_store
 
     exe = chromium_path()
     if exe is None:
         print("no Chromium found: run scripts/setup_chromium.sh", file=sys.stderr)
         return 2
+    run_dir = Path(args.run_dir)
+    try:
+        find_store(run_dir)
+    except FileNotFoundError:
+        run_demo(run_dir, args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    run_dir = args.run_dir or tempfile.mkdtemp(prefix="clawloop-dash-")
-    runtime = start_run(run_config(run_dir, port=args.port, gate=True))
+    app, view = build_app(run_dir, Config.load(env={}, port=args.port))
+    server, thread = serve_in_thread(app, args.port)
     errors: list[str] = []
     try:
-        with httpx.Client(base_url=runtime.server.base_url, timeout=120) as http:
-            for i in range(args.sessions):
-                converse(http, f"demo-{i}", QUESTIONS[i % len(QUESTIONS)], corrected=i % 3 != 1)
-            wait_for(lambda: runtime.trainer.step >= args.sessions // 2, timeout_s=300, what="training steps")
-            converse(http, "latest", "Name an ocean.", corrected=True, end=False)  # one turn still pending
-            time.sleep(1.0)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
-            page = browser.new_page(viewport={"width": 1360, "height": 900}, device_scale_factor=1)
+            page = browser.new_page(viewport={"width": WIDTH, "height": 900}, device_scale_factor=1)
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
-            for name, frag in PAGES:
-                page.goto(f"{runtime.server.base_url}/dashboard/{frag}")
-                page.wait_for_timeout(2500)
-                if name == "conversations":
-                    page.click("#session-list li[data-session='demo-0']")
-                    page.wait_for_timeout(1500)
-                if name == "sample":
-                    page.hover("#tokens .tok >> nth=3")
-                    page.wait_for_timeout(300)
-                path = out / f"{name}.png"
-                page.screenshot(path=str(path), full_page=name not in ("sample",))
-                print(path)
-            page.close()  # it polls: closed before its server stops
-            if args.demo:
-                runtime.stop()
-                finished_demo_shots(browser, out, args.port + 10, errors)
+            for name in PAGES:
+                print(photograph(page, f"http://127.0.0.1:{args.port}/dashboard", name, view, out))
+            page.close()
             browser.close()
     finally:
-        runtime.stop()
+        server.should_exit = True
+        thread.join(timeout=30)
     for e in errors:
         print(f"console error: {e}", file=sys.stderr)
     return 1 if errors else 0

@@ -51,10 +51,118 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def fate_of(turn_state: str, reason: str, sample: SampleRecord | None) -> dict[str, Any]:
-    """What became of a turn as a training sample, in one short phrase plus its parts."""
+JUDGE_META = "judge_setup"
+"""Store meta key under which the serving process keeps its judge set-up (JSON) from start-up on."""
+
+
+def record_judge_setup(store: Store, judge: dict[str, Any]) -> None:
+    """Keep the judge set-up in the run's store, so that the run's folder names its judge after the server is gone.
+    Called by the serving process at start-up (the read model itself never writes)."""
+    store.set_meta(JUDGE_META, json.dumps(judge, sort_keys=True))
+
+
+def recorded_judge_setup(store: Store) -> dict[str, Any] | None:
+    """The judge set-up the serving process recorded (None: a run recorded before it was kept)."""
+    raw = store.get_meta(JUDGE_META)
+    try:
+        data = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# ---- which weights a step's update ended up in ----------------------------------------------------------------
+def gate_decisions(versions: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every recorded decision about trained weights, ordered by the step it was taken at: a version (its steps
+    are in it), a gate rejection (its steps were thrown away and the last accepted weights restored) and a
+    rollback (steps not yet published were thrown away). ``steps`` is the list the record names, when it names
+    one (the trainer's gate events do)."""
+    named = {e["version"]: e["detail"].get("steps") for e in events
+             if e["kind"] == "gate_accepted" and isinstance(e["detail"], dict)}
+    out = []
+    for v in versions:
+        if v["status"] != "uncommitted":  # its step never committed: it holds no step
+            out.append({"kind": "version", "step": v["step"], "time": v["created_at"], "version": v["version"],
+                        "version_status": v["status"], "steps": named.get(v["version"])})
+    recorded = {v["version"] for v in versions}
+    for e in events:
+        detail = e["detail"] if isinstance(e["detail"], dict) else {}
+        if e["kind"] == "gate_accepted" and e["step"] is not None and e["version"] not in recorded:
+            out.append({"kind": "version", "step": e["step"], "time": e["created_at"], "version": e["version"],
+                        "version_status": "accepted", "steps": detail.get("steps")})
+        elif e["kind"] == "gate_rejected" and e["step"] is not None:
+            out.append({"kind": "rejected", "step": e["step"], "time": e["created_at"],
+                        "restored_version": detail.get("restored_version", e["version"]), "steps": detail.get("steps")})
+        elif e["kind"] == "rollback" and isinstance(detail.get("step"), int):
+            out.append({"kind": "rollback", "step": detail["step"], "time": e["created_at"], "to_version": e["version"],
+                        "steps": None})
+    return sorted(out, key=lambda d: (d["step"], d["time"]))
+
+
+def step_fates(steps: list[dict[str, Any]], versions: list[dict[str, Any]],
+               events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Step number -> where its update went: ``in_version`` (with ``version`` and ``version_status``),
+    ``rejected`` by the gate, ``discarded`` by a rollback, ``unchecked`` (the gate checks it later) or ``unknown``
+    (a run recorded before versions were). A step belongs to the decision that names it, else to the first
+    decision taken at or after it: the trainer checks, publishes or throws away all steps since the last one.
+    Steps whose weights were lost in a crash (requeued: their samples trained again later) have none."""
+    decisions = gate_decisions(versions, events)
+    trained = [s for s in steps if not s.get("requeued")]
+    numbers = {s["step"] for s in trained}
+    fates: dict[int, dict[str, Any]] = {}
+    for d in decisions:
+        for n in d["steps"] or ():
+            if n in numbers:
+                fates.setdefault(n, fate_of_decision(d))
+    for s in trained:
+        if s["step"] in fates:
+            continue
+        later = next((d for d in decisions if d["step"] >= s["step"]), None)
+        if later is not None:
+            fates[s["step"]] = fate_of_decision(later)
+        else:
+            fates[s["step"]] = {"disposition": "unchecked" if "gate_due_in" in s["metrics"] else "unknown"}
+    return fates
+
+
+def fate_of_decision(d: dict[str, Any]) -> dict[str, Any]:
+    if d["kind"] == "version":
+        return {"disposition": "in_version", "version": d["version"], "version_status": d["version_status"]}
+    if d["kind"] == "rejected":
+        return {"disposition": "rejected", "restored_version": d["restored_version"], "gate_step": d["step"]}
+    return {"disposition": "discarded", "rollback_to": d["to_version"]}
+
+
+def trained_fate(step: int, where: dict[str, Any] | None) -> dict[str, Any]:
+    """The fate of a sample consumed by ``step``, saying whether that step's update reached a version."""
+    where = where or {"disposition": "unknown"}
+    kind = where["disposition"]
+    if kind == "in_version":
+        status = where["version_status"]
+        if status == "accepted":
+            return {"fate": "trained", "step": step, "version": where["version"],
+                    "text": f"trained at step {step}, published in v{where['version']}"}
+        return {"fate": "withdrawn", "step": step, "version": where["version"],
+                "text": f"trained at step {step}, in v{where['version']} ({status.replace('_', ' ')})"}
+    if kind == "rejected":
+        return {"fate": "rejected", "step": step,
+                "text": f"trained at step {step}, rejected by the gate, not in any served version"}
+    if kind == "discarded":
+        return {"fate": "discarded", "step": step,
+                "text": f"trained at step {step}, discarded by a rollback to v{where['rollback_to']}, "
+                        "not in any served version"}
+    if kind == "unchecked":
+        return {"fate": "unchecked", "step": step,
+                "text": f"trained at step {step}, waiting for the gate's next check (not served yet)"}
+    return {"fate": "trained", "step": step, "text": f"trained at step {step}"}
+
+
+def fate_of(turn_state: str, reason: str, sample: SampleRecord | None,
+            fates: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """What became of a turn as a training sample, in one short phrase plus its parts. ``fates`` (from
+    ``step_fates``) says where each step's update went."""
     if sample is not None and sample.consumed_step is not None:
-        return {"fate": "trained", "step": sample.consumed_step, "text": f"trained at step {sample.consumed_step}"}
+        return trained_fate(sample.consumed_step, (fates or {}).get(sample.consumed_step))
     if turn_state == TurnState.DROPPED:
         return {"fate": "dropped", "reason": reason, "text": f"dropped: {reason or 'no reason recorded'}"}
     if sample is not None:
@@ -177,7 +285,7 @@ class RunView:
             "turns_by_state": turns,
             "turns_total": sum(turns.values()),
             "drop_reasons": store.drop_reasons(),
-            "judge": {**(self.judge or {}), **store.vote_stats()},
+            "judge": {**self._judge_setup(store), **store.vote_stats()},
             "gate": {"events_by_kind": dict(gate),
                      "recent": [self._event(e) for e in events[-8:]][::-1]},
             "rollbacks": sum(1 for e in events if e["kind"] == "rollback"),
@@ -186,6 +294,19 @@ class RunView:
                            "response_tokens_per_s": round(recent["response_tokens"] / 300.0, 3)},
             "serving": live.get("serving"),
         }
+
+    def _judge_setup(self, store: Store) -> dict[str, Any]:
+        """A live server's own judge set-up; for a run read from its folder, the one its server recorded at
+        start-up (else what the demo's summary says, handed in as ``judge``)."""
+        if self.live is not None:
+            return dict(self.judge or {})
+        recorded = recorded_judge_setup(store)
+        if recorded is not None:
+            return recorded
+        return dict(self.judge) if self.judge else {"recorded": False}
+
+    def _step_fates(self, store: Store) -> dict[int, dict[str, Any]]:
+        return step_fates(store.steps(), store.versions(), store.events())
 
     @staticmethod
     def _event(e: dict[str, Any]) -> dict[str, Any]:
@@ -199,6 +320,7 @@ class RunView:
         turns = store.turns(session_id=session_id)
         if not turns:
             return None
+        fates = self._step_fates(store)
         out = []
         for turn in turns:
             sample = store.get_sample(int(turn.id))
@@ -220,7 +342,7 @@ class RunView:
                     "chosen_hint": self._chosen_hint(sample), "has_targets": sample.targets is not None,
                     "info": {k: sample.info.get(k) for k in ("kind_reason", "candidates", "teacher_error")
                              if k in sample.info}},
-                "fate": fate_of(turn.state, turn.reason, sample),
+                "fate": fate_of(turn.state, turn.reason, sample, fates),
             })
         return {"session_id": session_id, "turns": out}
 
@@ -278,7 +400,7 @@ class RunView:
                 "reward": sample.reward, "kind": sample.kind,
                 "votes": [{"index": v.index, "score": v.score, "raw_text": v.raw_text, "error": v.error}
                           for v in votes if v.kind == "eval"]},
-            "fate": fate_of(turn.state, turn.reason, sample),
+            "fate": fate_of(turn.state, turn.reason, sample, self._step_fates(store)),
         }
 
     def _token_topk(self, t: dict[str, torch.Tensor], i: int, h: int, token_id: int,
@@ -361,21 +483,24 @@ class RunView:
         versions = store.versions()
         steps = store.steps()
         events = store.events()
+        fates = step_fates(steps, versions, events)
         out = []
-        previous_step = 0
         for v in versions:
-            trained_by = [s for s in steps if previous_step < s["step"] <= v["step"]]
-            if v["status"] != "rejected":
-                previous_step = max(previous_step, v["step"])
+            own = [s for s in steps if fates.get(s["step"], {}).get("version") == v["version"]]
             out.append({"version": v["version"], "step": v["step"], "created_at": v["created_at"],
                         "status": v["status"], "evidence": v["evidence"],
-                        "steps": [s["step"] for s in trained_by],
-                        "samples": sum(len(s["turn_ids"]) for s in trained_by),
+                        "steps": [s["step"] for s in own],
+                        "samples": sum(len(s["turn_ids"]) for s in own),
                         "events": [self._event(e) for e in events if e["version"] == v["version"]]})
+        outside = [{"step": s["step"], "samples": len(s["turn_ids"]), **trained_fate(s["step"], fates[s["step"]])}
+                   for s in steps if fates.get(s["step"], {}).get("disposition") in ("rejected", "discarded",
+                                                                                      "unchecked")]
         return {"versions": out,
+                "steps_in_no_version": outside,
                 "timeline": [self._event(e) for e in events],
                 "steps": [{"step": s["step"], "created_at": s["created_at"], "policy_version": s["policy_version"],
-                           "samples": len(s["turn_ids"])} for s in steps]}
+                           "samples": len(s["turn_ids"]), "in": fates.get(s["step"], {"disposition": "requeued"})}
+                          for s in steps]}
 
 
 def view_for_run_dir(run_dir: str | Path, **kwargs: Any) -> RunView:

@@ -91,10 +91,11 @@ def install(app: FastAPI, view: RunView, config: Any) -> None:
 
 
 def install_for_service(app: FastAPI, service: Any) -> RunView:
-    """The dashboard of a running ``clawloop serve``: its store read-only plus what only the process knows."""
+    """The dashboard of a running ``clawloop serve``: its store read-only plus what only the process knows. The
+    judge set-up is also written to the store's meta here, at start-up, so that the run's folder still names its
+    judge once the server is gone (``clawloop dashboard RUN_DIR``)."""
     from clawloop.api.token_texts import TokenTexts
-    from clawloop.dashboard.readmodel import latency_summary
-    from clawloop.judge.describe import describe as describe_judge
+    from clawloop.dashboard.readmodel import latency_summary, record_judge_setup
 
     config = service.config
     texts = TokenTexts(service.tokenizer)
@@ -105,7 +106,8 @@ def install_for_service(app: FastAPI, service: Any) -> RunView:
                             "chat_latency": latency_summary(service.metrics.latency, "/v1/chat/completions"),
                             "uptime_s": round(time.time() - service.started_at, 1)}}
 
-    judge = {**describe_judge(config), "judging": bool(config.train)}
+    judge = service.judge_setup()
+    record_judge_setup(service.store, judge)
     view = RunView(config.run_dir, store_path=service.store.path, token_text=lambda i: texts.get(i)[0],
                    hint_selection=config.hint_selection, adv_diff_clip=config.adv_diff_clip, judge=judge, live=live)
     install(app, view, config)

@@ -5,6 +5,11 @@ Session ``s1``: turn 1 judged -1 with two hint candidates, trained at step 1; tu
 Session ``s2``: turn 3 still awaiting its next message. Versions: v1 accepted at step 1, v2 accepted then rolled
 back to v1. ``eval_before.json`` is a demo evaluation.
 
+``add_rejected_step`` goes on from there the way the trainer records a rejection (clawloop/trainer/core.py):
+session ``s3`` (its first request opens with an agent's long system prompt) has turn 4, trained at step 2, which
+the gate rejects (a ``gate_rejected`` event naming step 2 and the restored version 1, then the step's commit),
+and turn 5, trained at step 3, which the gate accepts as v3.
+
 The teacher targets of turn 1 make the dashboard's numbers checkable by hand: candidate 1 shares every student
 top-k id (overlap 2 at each of the 3 tokens) and candidate 0 only the first token's, so ``sequence_optimal``
 picks candidate 1; with student log-probs (-1, -1, -2.5) at the sampled tokens and candidate 1's (-0.5, -3, -2),
@@ -24,10 +29,16 @@ RESPONSE_IDS = [10, 11, 12]
 HINTS = ["Be brief.", "Answer in one short sentence."]
 EXPECTED_ADVANTAGES = [0.5, -1.0, 0.5]
 EVAL_RAW = "The user says it is wrong.\n\\boxed{-1}"
+LONG_SYSTEM_PROMPT = ("You are a personal assistant running inside an agent. " * 160
+                      + "Tools, skills and the workspace are listed below.\nEND OF THE SYSTEM PROMPT")
+"""As long as an agent's system prompt (OpenClaw's is about 8,500 characters); its last words mark its end."""
 
 
-def turn(session: str, index: int, text: str) -> TurnRecord:
-    return TurnRecord(session_id=session, messages=[{"role": "user", "content": f"question {session}/{index}"}],
+def turn(session: str, index: int, text: str, system: str = "") -> TurnRecord:
+    messages = [{"role": "user", "content": f"question {session}/{index}"}]
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
+    return TurnRecord(session_id=session, messages=messages,
                       prompt_ids=[1, 2, 3], response_ids=list(RESPONSE_IDS), logprobs=[-1.0, -1.2, -2.4],
                       temperature=1.0, top_p=1.0, policy_version=0, response_text=text,
                       assistant_message={"role": "assistant", "content": text}, turn_index=index)
@@ -76,3 +87,45 @@ def write_known_run(run_dir: Path) -> dict[str, int]:
         store.close()
     (run_dir / "eval_before.json").write_text(json.dumps({"score": 0.25, "guard_pass_rate": 1.0, "n": 4}))
     return {"t1": t1, "t2": t2, "t3": t3}
+
+
+def judge_and_train(store: Store, turn_id: int, step: int, reward: float, before_commit,
+                    gate_due_in: int = 0) -> None:
+    """Judge ``turn_id`` into a sample, lease it and commit it as ``step``, recording the gate's decision first
+    (``before_commit()`` records it and returns the version the step row carries), as the trainer does.
+    ``gate_due_in`` > 0: the step's metrics say the gate checks it that many steps later (``gate_every`` > 1)."""
+    assert store.set_next_state(turn_id, [{"role": "user", "content": "Thanks!" if reward > 0 else "Wrong."}])
+    (claimed,) = store.claim_judgeable()
+    assert claimed.id == turn_id
+    store.add_votes([VoteRecord(turn_id=turn_id, kind="eval", index=0, score=int(reward), raw_text="\\boxed{1}")])
+    assert store.put_sample(SampleRecord(turn_id=turn_id, reward=reward, kind="rl"))
+    lease, leased = store.lease_samples(4)
+    assert [s.turn_id for s in leased] == [turn_id]
+    metrics = {"loss": 0.1 * step, "published": 0.0, **({"gate_due_in": float(gate_due_in)} if gate_due_in else {})}
+    store.commit_step(lease, step, before_commit(), metrics, [turn_id])
+
+
+def add_rejected_step(run_dir: Path) -> dict[str, int]:
+    """Extend a known run (see the module docstring) with a step the gate rejected and one it accepted."""
+    store = Store(run_dir / "store.sqlite")
+    try:
+        t4 = store.add_turn(turn("s3", 0, "Rejected answer.", system=LONG_SYSTEM_PROMPT))
+        t5 = store.add_turn(turn("s3", 1, "Accepted answer."))
+
+        def reject() -> int:
+            store.record_event("gate_rejected", {"steps": [2], "restored_version": 1, "accepted": False,
+                                                 "guard_pass": 0.94, "kl": 5e-5, "reasons": ["guard 0.94 < 0.95"]},
+                               step=2, version=1)
+            return 1
+
+        def accept() -> int:
+            evidence = {"accepted": True, "guard_pass": 1.0, "kl": 0.01}
+            store.record_version(3, 3, "accepted", evidence)
+            store.record_event("gate_accepted", {"steps": [3], **evidence}, step=3, version=3)
+            return 3
+
+        judge_and_train(store, t4, 2, -1.0, reject)
+        judge_and_train(store, t5, 3, 1.0, accept)
+    finally:
+        store.close()
+    return {"t4": t4, "t5": t5}

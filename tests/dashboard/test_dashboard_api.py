@@ -16,7 +16,9 @@ import httpx
 import pytest
 
 from clawloop.dashboard.readmodel import view_for_run_dir
-from known_run import EVAL_RAW, EXPECTED_ADVANTAGES, HINTS, write_known_run
+from clawloop.store import Store
+from known_run import (EVAL_RAW, EXPECTED_ADVANTAGES, HINTS, add_rejected_step, judge_and_train, turn,
+                       write_known_run)
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "dash-admin-4b1e"
@@ -33,6 +35,12 @@ def known(tmp_path):
     run_dir = tmp_path / "run"
     ids = write_known_run(run_dir)
     return run_dir, ids
+
+
+@pytest.fixture
+def with_rejection(known):
+    run_dir, ids = known
+    return run_dir, {**ids, **add_rejected_step(run_dir)}
 
 
 def test_views_show_the_known_run(make_server, known):
@@ -59,7 +67,8 @@ def test_views_show_the_known_run(make_server, known):
         assert first["votes"][0]["raw_text"] == EVAL_RAW
         assert first["sample"]["hints"] == HINTS
         assert first["sample"]["chosen_hint"] == {"index": 1, "hint": HINTS[1], "selection": "sequence_optimal"}
-        assert first["fate"] == {"fate": "trained", "step": 1, "text": "trained at step 1"}
+        assert first["fate"] == {"fate": "trained", "step": 1, "version": 1,
+                                 "text": "trained at step 1, published in v1"}
         assert second["fate"]["fate"] == "dropped" and second["fate"]["reason"] == "no_next_state"
         assert c.get("sessions/nobody").status_code == 404
 
@@ -85,6 +94,69 @@ def test_views_show_the_known_run(make_server, known):
         assert [(v["version"], v["status"]) for v in versions["versions"]] == [(1, "accepted"), (2, "rolled_back")]
         assert versions["versions"][0]["steps"] == [1] and versions["versions"][0]["samples"] == 1
         assert [e["kind"] for e in versions["timeline"]] == ["gate_accepted", "rollback"]
+
+
+def test_a_version_lists_only_the_steps_it_contains(make_server, with_rejection):
+    """Step 2 was rejected by the gate and its update thrown away: v3 holds step 3 only, and step 2 is listed as
+    in no version."""
+    run_dir, _ = with_rejection
+    srv = make_server(run_dir=run_dir)
+    with httpx.Client(base_url=srv.base_url + "/dashboard/api", timeout=60) as c:
+        versions = c.get("versions").json()
+    by_number = {v["version"]: v for v in versions["versions"]}
+    assert [(n, v["status"], v["steps"], v["samples"]) for n, v in by_number.items()] == [
+        (1, "accepted", [1], 1), (2, "rolled_back", [], 0), (3, "accepted", [3], 1)]
+    assert [(s["step"], s["fate"], s["text"]) for s in versions["steps_in_no_version"]] == [
+        (2, "rejected", "trained at step 2, rejected by the gate, not in any served version")]
+
+
+def test_turns_of_a_rejected_step_say_so(make_server, with_rejection):
+    run_dir, ids = with_rejection
+    srv = make_server(run_dir=run_dir)
+    with httpx.Client(base_url=srv.base_url + "/dashboard/api", timeout=60) as c:
+        rejected, accepted = c.get("sessions/s3").json()["turns"]
+        sample = c.get(f"samples/{ids['t4']}").json()
+    assert rejected["fate"] == {"fate": "rejected", "step": 2,
+                                "text": "trained at step 2, rejected by the gate, not in any served version"}
+    assert sample["fate"] == rejected["fate"]
+    assert accepted["fate"] == {"fate": "trained", "step": 3, "version": 3,
+                                "text": "trained at step 3, published in v3"}
+
+
+def test_steps_a_rollback_threw_away_or_the_gate_has_not_checked_say_so(with_rejection):
+    """Checked every 2 steps: step 4 waits for the check when a rollback to v1 throws it away (and v3 with it);
+    step 5 is still waiting."""
+    run_dir, _ = with_rejection
+    store = Store(run_dir / "store.sqlite")
+    try:
+        t6 = store.add_turn(turn("s4", 0, "Unchecked, then thrown away."))
+        t7 = store.add_turn(turn("s4", 1, "Still unchecked."))
+        judge_and_train(store, t6, 4, 1.0, lambda: 3, gate_due_in=1)
+        store.record_rollback(1, 3, {"optimizer": "restored", "step": 4})
+        judge_and_train(store, t7, 5, 1.0, lambda: 1, gate_due_in=1)
+    finally:
+        store.close()
+    view = view_for_run_dir(run_dir)
+    fates = [t["fate"]["text"] for t in view.session("s4")["turns"]]
+    assert fates == ["trained at step 4, discarded by a rollback to v1, not in any served version",
+                     "trained at step 5, waiting for the gate's next check (not served yet)"]
+    assert view.session("s3")["turns"][1]["fate"]["text"] == "trained at step 3, in v3 (rolled back)"
+    versions = view.versions()
+    assert [s["step"] for s in versions["steps_in_no_version"]] == [2, 4, 5]
+    assert {v["version"]: v["steps"] for v in versions["versions"]} == {1: [1], 2: [], 3: [3]}
+
+
+def test_a_finished_run_names_its_judge(make_server, known):
+    """The judge a server ran is still named once the server is gone (`clawloop dashboard RUN_DIR`)."""
+    run_dir, _ = known
+    srv = make_server(run_dir=run_dir, judge_backend="rules")
+    with httpx.Client(base_url=srv.base_url + "/dashboard/api", timeout=60) as c:
+        live = c.get("overview").json()["judge"]
+    srv.stop()
+    finished = view_for_run_dir(run_dir).overview()
+    assert not finished["live"] and live["backend"] == "rules"
+    assert {k: finished["judge"][k] for k in ("backend", "sees", "judging")} == \
+        {k: live[k] for k in ("backend", "sees", "judging")}
 
 
 def test_the_data_needs_the_admin_key_and_the_page_holds_none(make_server, known):

@@ -11,6 +11,7 @@ import pytest
 
 from browser_support import chromium_path
 from dashboard_support import QUESTIONS, converse, run_config, start_run, wait_for
+from known_run import LONG_SYSTEM_PROMPT, add_rejected_step, write_known_run
 
 pytestmark = pytest.mark.browser
 ADMIN_KEY = "browser-admin-77d3"
@@ -137,6 +138,56 @@ def test_pages_update_live_after_a_new_turn(page, run):
     page.wait_for_selector("#version-list [data-version]", timeout=10000)
     assert "trained by step" in page.inner_text("#version-list")
     no_errors(page)
+
+
+def rgb(colour: str) -> tuple[int, int, int]:
+    r, g, b = (int(x) for x in re.findall(r"\d+", colour)[:3])
+    return r, g, b
+
+
+def test_a_rejected_steps_turns_and_the_version_list(browser, make_server, tmp_path):
+    """Step 2 was rejected by the gate (tests/dashboard/known_run.py): its turn says so, not a green "trained";
+    v3 lists step 3 only; step 2 is listed in no version. The session's long system prompt is folded."""
+    run_dir = tmp_path / "run"
+    write_known_run(run_dir)
+    ids = add_rejected_step(run_dir)
+    srv = make_server(run_dir=run_dir)
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    pg.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+    try:
+        pg.goto(f"{srv.base_url}/dashboard/#conversations/s3")
+        rejected = pg.locator(f"article.turn[data-turn='{ids['t4']}']")
+        rejected.wait_for(timeout=15000)
+        fate = rejected.locator(".turn-head .chip[class*='fate-']")
+        assert fate.inner_text() == "trained at step 2, rejected by the gate, not in any served version"
+        r, g, _ = rgb(fate.evaluate("e => getComputedStyle(e).color"))
+        assert r > g  # red, not the green of a published step
+        published = pg.locator(f"article.turn[data-turn='{ids['t5']}'] .turn-head .chip[class*='fate-']")
+        assert published.inner_text() == "trained at step 3, published in v3"
+        r, g, _ = rgb(published.evaluate("e => getComputedStyle(e).color"))
+        assert g > r
+
+        # The system prompt (8,714 characters) shows one line until it is opened.
+        fold = rejected.locator(".msg.role-system details")
+        assert fold.count() == 1 and not fold.evaluate("d => d.open")
+        assert f"{len(LONG_SYSTEM_PROMPT):,} characters" in fold.locator("summary").inner_text()
+        assert "END OF THE SYSTEM PROMPT" not in rejected.inner_text()
+        assert rejected.bounding_box()["height"] < 900  # the turn fits on one screen
+        fold.locator("summary").click()
+        assert "END OF THE SYSTEM PROMPT" in rejected.inner_text()
+
+        pg.click("#tabs a[data-view='versions']")
+        pg.wait_for_selector("#version-list [data-version='3']", timeout=10000)
+        assert "trained by step 3 on 1 sample" in pg.inner_text("#version-list [data-version='3']")
+        assert "trained by step 1 on 1 sample" in pg.inner_text("#version-list [data-version='1']")
+        assert pg.locator("#no-version li").count() == 1
+        assert "step 2, rejected by the gate" in pg.inner_text("#no-version li[data-step='2']")
+        assert errors == [], errors
+    finally:
+        context.close()
 
 
 def test_every_page_of_an_empty_run_renders_without_errors(browser, make_server):

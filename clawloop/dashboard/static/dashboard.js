@@ -6,7 +6,12 @@
   const POLL_MS = 2000;
   const KEY_STORE = "clawloop-admin-key";
   const VIEWS = ["overview", "conversations", "sample", "training", "versions"];
-  const state = { view: "overview", arg: null, session: null, last: {}, charts: [], timer: null, busy: false };
+  // Messages longer than these are folded to their first line (an agent's system prompt runs to thousands of
+  // characters and would fill the screen on every session's first turn); a click unfolds them.
+  const FOLD_CHARS = { system: 300, other: 2000 };
+  const FOLD_PREVIEW = 160;
+  const state = { view: "overview", arg: null, session: null, last: {}, charts: [], timer: null, busy: false,
+    unfolded: new Set() };
 
   // ---- small DOM helpers ---------------------------------------------------------------------------------
   function el(tag, attrs, ...children) {
@@ -95,13 +100,13 @@
       card("optimizer steps", d.steps, d.last_step ? `last ${ago(d.last_step.created_at)}, loss ${fmt(d.last_step.loss)}` : "none yet", "ov-steps"),
       card("samples waiting", d.samples_waiting, "ready for the trainer", "ov-waiting"),
       card("turns stored", d.turns_total, `${d.throughput.turns} in the last 5 min`, "ov-turns-total"),
-      card("judge", judge.backend || "–", judge.invalid_rate === null || judge.invalid_rate === undefined ? "no votes yet" :
+      card("judge", judgeName(judge), judge.invalid_rate === null || judge.invalid_rate === undefined ? "no votes yet" :
         `${fmt(100 * judge.invalid_rate, 1)}% invalid of ${judge.votes} votes`, "ov-judge-card"),
       card("rollbacks", d.rollbacks, "returns to an earlier version", "ov-rollbacks"));
     fill("ov-turns", bars(d.turns_by_state, "turns-by-state"));
     fill("ov-drops", bars(d.drop_reasons, "drop-reasons"));
     const errs = Object.entries(judge.top_errors || {});
-    fill("ov-judge", kv([["backend", judge.backend || "–"], ["judging", judge.judging === undefined ? "–" : String(judge.judging)],
+    fill("ov-judge", kv([["backend", judgeName(judge)], ["judging", judge.judging === undefined ? "–" : String(judge.judging)],
       ["votes", judge.votes], ["invalid", judge.invalid], ["invalid rate", judge.invalid_rate]]),
       judge.sees ? el("p", { class: "muted small", text: `Sees: ${judge.sees}` }) : null,
       errs.length ? el("ul", { class: "small" }, errs.map(([e, n]) => el("li", { text: `${n}× ${e}` }))) : null);
@@ -116,6 +121,9 @@
     const g = d.gate || {};
     fill("ov-gate", bars(g.events_by_kind, "gate-kinds"),
       (g.recent || []).length ? eventTable(g.recent) : el("p", { class: "muted", text: "No gate decision yet." }));
+  }
+  function judgeName(judge) {
+    return judge.backend || (judge.recorded === false ? "not recorded" : "–");
   }
   function card(label, value, note, testid) {
     return el("div", { class: "card", "data-testid": testid }, el("div", { class: "card-label", text: label }),
@@ -140,9 +148,20 @@
       el("div", {}, Object.entries(s.states).map(([k, v]) => chip(`${k} ${v}`, k))))) :
       el("li", { class: "muted", text: "No conversation yet." }));
   }
-  function message(m) {
-    const content = typeof m.content === "string" ? m.content : JSON.stringify(m.content);
-    return el("div", { class: `msg role-${m.role}` }, el("span", { class: "role", text: m.role }), el("span", { text: content || "" }));
+  function message(m, key) {
+    const content = (typeof m.content === "string" ? m.content : JSON.stringify(m.content)) || "";
+    const limit = m.role === "system" ? FOLD_CHARS.system : FOLD_CHARS.other;
+    if (content.length <= limit) {
+      return el("div", { class: `msg role-${m.role}` }, el("span", { class: "role", text: m.role }), el("span", { text: content }));
+    }
+    // Folded by default; a poll that re-renders the turn keeps it open once opened (state.unfolded).
+    const preview = content.slice(0, FOLD_PREVIEW).split("\n")[0];
+    const fold = el("details", { class: "fold", open: state.unfolded.has(key) },
+      el("summary", {}, el("span", { text: `${preview}… ` }),
+        el("span", { class: "muted small", text: `(${content.length.toLocaleString("en")} characters, click to show all)` })),
+      el("div", { class: "fold-body", text: content }));
+    fold.addEventListener("toggle", () => { if (fold.open) state.unfolded.add(key); else state.unfolded.delete(key); });
+    return el("div", { class: `msg role-${m.role} folded` }, el("span", { class: "role", text: m.role }), fold);
   }
   function renderSession(d) {
     if (!d) { fill("session-detail", el("p", { class: "muted", text: "Unknown session." })); return; }
@@ -155,11 +174,11 @@
           el("span", { class: "muted", text: ` #${t.turn_index} · served by v${t.policy_version} · ${time(t.created_at)}` }),
           chip(t.state, t.state), chip(t.fate.text, `fate-${t.fate.fate}`),
           smp ? el("a", { href: `#sample/${t.turn_id}`, class: "link", text: "tokens →" }) : null),
-        el("div", { class: "label", text: "request (last messages)" }), (t.request_tail || []).map(message),
+        el("div", { class: "label", text: "request (last messages)" }), (t.request_tail || []).map((m, i) => message(m, `${t.turn_id}:request:${i}`)),
         el("div", { class: "label", text: `answer (${t.response_tokens} tokens, ${t.finish_reason})` }),
         el("div", { class: "msg role-assistant answer" }, el("span", { class: "role", text: "assistant" }), el("span", { text: t.answer })),
         el("div", { class: "label", text: "next state" }),
-        t.next_state ? t.next_state.map(message) : el("p", { class: "muted small", text: "none (yet)" }),
+        t.next_state ? t.next_state.map((m, i) => message(m, `${t.turn_id}:next:${i}`)) : el("p", { class: "muted small", text: "none (yet)" }),
         votes.length ? el("div", {}, el("div", { class: "label", text: "judge votes" }),
           el("table", { class: "table votes" }, el("tr", {}, ["kind", "#", "score", "hint", "raw text"].map((h) => el("th", { text: h }))),
             votes.map((v) => el("tr", { class: v.superseded ? "superseded" : "" }, el("td", { text: v.kind }), el("td", { text: v.index }),
@@ -283,6 +302,10 @@
         ("guard_pass" in ev || "kl" in ev) ? el("div", { class: "small", text: `gate: guard pass ${fmt(ev.guard_pass)}, KL ${fmt(ev.kl)}${ev.kl_to ? ` to ${ev.kl_to}` : ""}${(ev.reasons || []).length ? `, reasons: ${ev.reasons.join("; ")}` : ""}` }) : null,
         el("details", {}, el("summary", { text: "evidence" }), el("pre", { text: JSON.stringify(ev, null, 1) })));
     }) : el("p", { class: "muted", text: "No version published yet." }));
+    const outside = d.steps_in_no_version || [];
+    fill("no-version", outside.length ? el("ul", { class: "small" }, outside.map((s) => el("li", { "data-step": s.step },
+      chip(s.fate, `fate-${s.fate}`), el("span", { text: ` ${s.text} (${s.samples} sample${s.samples === 1 ? "" : "s"})` }))))
+      : el("p", { class: "muted small", text: "None: every trained step is in a version." }));
     fill("timeline", d.timeline.length ? eventTable(d.timeline.slice().reverse()) : el("p", { class: "muted", text: "No gate decision, rollback or requeue yet." }));
   }
 
