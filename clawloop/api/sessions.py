@@ -6,7 +6,8 @@ matched by conversation prefix: every session remembers the hash of its last mai
 followed by the answer it got; a request whose messages start with such a prefix continues that session (the
 longest matching prefix wins), anything else opens a new session with a generated id (``sess_<hex>``). Hashes
 are chained over a canonical form of each message (role, stripped text, tool calls as name + re-serialised
-arguments; call ids and other client decorations are ignored), so one pass over the messages gives the hash of
+arguments; call ids and other client decorations are ignored; an answer's text without client envelopes, see
+"Rewritten answers" below), so one pass over the messages gives the hash of
 every prefix. Each session is indexed under two keys: the exact one, and one that ignores system messages (so
 an agent whose system prompt changes between turns, e.g. with the date in it, still continues its session);
 the exact key wins at equal length. The index holds two keys per live session, so it is bounded by
@@ -65,6 +66,13 @@ stored turn keeps the messages exactly as the model saw them. A request whose ol
 into a summary (``client_traffic.is_compacted_history``) matches no prefix; it continues the session whose pending
 answer is its last assistant message (each session is also indexed by its pending answer alone).
 
+Rewritten answers. A client can send an answer back changed: a model that sees OpenClaw's timestamp envelope on
+every user message starts its own answers with one (``[Wed 2026-11-25 22:30:22] …``), and OpenClaw removes it
+from the history it sends next. Assistant messages are therefore compared by their text without client envelopes
+(``clawloop.judge.envelopes.strip_text``, the very normalisation the judge reads user text with), in the prefix
+keys, the answer search and the answer key alike; user, tool and system messages compare as sent. The stored turn
+keeps the answer exactly as the model wrote it.
+
 Restart. ``restore()`` rebuilds live sessions from the store's ``awaiting_next`` turns (latest per session;
 older ones of the same session are dropped as ``no_next_state``), including their prefix keys, so a restart
 loses no pairing. Beyond ``max_sessions`` the same rule as eviction picks what is dropped (the oldest turn of the
@@ -86,6 +94,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clawloop.api.client_traffic import conversation_messages, is_compacted_history
+from clawloop.judge.envelopes import strip_text
 from clawloop.store import Store, TurnRecord, TurnState
 
 log = logging.getLogger("clawloop.sessions")
@@ -102,7 +111,11 @@ JudgeableHook = Callable[[int], Any]
 
 def canonical_message(msg: dict[str, Any]) -> dict[str, Any]:
     """The parts of a message that decide whether two messages are 'the same' for session matching."""
-    out: dict[str, Any] = {"r": msg.get("role", ""), "c": (msg.get("content") or "").strip()}
+    role = msg.get("role", "")
+    text = msg.get("content") or ""
+    # A client may send an answer back rewritten: OpenClaw removes the timestamp envelope a model imitates at the
+    # start of its answer. Answers therefore compare without client envelopes, removed exactly as for the judge.
+    out: dict[str, Any] = {"r": role, "c": strip_text(text) if role == "assistant" else text.strip()}
     calls = []
     for call in msg.get("tool_calls") or []:
         fn = call.get("function", {})

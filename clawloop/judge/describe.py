@@ -33,7 +33,8 @@ def describe(config: Any) -> dict[str, str]:
             "sees": "explicit feedback in the message after an answer: thanks or approval (+1), a correction or "
                     "change request (-1, rewritten as an imperative hint), a tool error (-1) or success (+1)",
             "cannot_see": "implicit dissatisfaction (a user who silently rephrases or gives up), whether an answer "
-                          "was right or good when nobody says so, and feedback it has no keyword for",
+                          "was right or good when nobody says so (thanks after a wrong answer still count +1), and "
+                          "feedback it has no keyword for",
             "configure": HOW_TO_CONFIGURE,
         }
     if backend == "http":

@@ -8,6 +8,13 @@ A judge that sees them mistakes them for the user's feedback (a rule judge copie
 LLM judge reads the runtime line as part of the request), so ``judged_turn`` gives the judges a copy of the turn
 whose user messages hold only what the user wrote. Only user messages are touched: a tool's output is evidence
 as it is, and the stored turn (what the policy saw and is trained on) is never changed.
+
+The same ``strip_text`` is how session matching compares answers (``clawloop.api.sessions.canonical_message``).
+A model that sees an envelope on every user message starts imitating it (``[Wed 2026-11-25 22:30:22] …`` at the
+start of an answer), and OpenClaw removes it from the answer it shows and from the history it sends back, so the
+answer that comes back differs from the one stored. ``strip_text`` is idempotent (it removes every leading
+timestamp, and matches at least what OpenClaw's own leading-timestamp rule matches), so the stored answer and
+OpenClaw's echo of it strip to the same text.
 """
 
 from __future__ import annotations
@@ -17,10 +24,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-# "[Mon 2026-11-23 19:50 UTC] ", also with seconds, another zone name or a numeric offset.
-_TIMESTAMP_RE = re.compile(
-    r"^\s*\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)[a-z]*,? \d{4}-\d{2}-\d{2}[ T]\d{1,2}:\d{2}(?::\d{2})?"
-    r"(?: ?(?:[A-Z]{1,5}|[A-Za-z]+/[A-Za-z_]+|[+-]\d{2}:?\d{2}))?\]\s*")
+# "[Mon 2026-11-23 19:50 UTC] ", also with seconds, another zone ("GMT+1", "Europe/Paris") or an offset: a day name,
+# a date and a time, then anything up to the closing bracket, as OpenClaw's own rule reads it. Repeated, so that
+# text that starts with two of them strips as far as the text OpenClaw sends back after removing one.
+_TIMESTAMP_RE = re.compile(r"^\s*(?:\[[A-Za-z]{3}[a-z]*,? \d{4}-\d{2}-\d{2}[ T]\d{1,2}:\d{2}[^\]]*\]\s*)+")
 # "Runtime: agent=main | session=... | shell=bash" on a line of its own.
 _RUNTIME_RE = re.compile(r"(?m)^[ \t]*Runtime: [\w.-]+=[^\n]*\|[^\n]*$\n?")
 # "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> ... <<<END_OPENCLAW_INTERNAL_CONTEXT>>>" (to the end when unclosed).

@@ -9,14 +9,17 @@ therefore turns the sentences of a correction into instructions:
 1. sentences that state a *kind* of preference are written in one canonical imperative form: a fixed opening or
    closing ("start with "X"", "you forgot "X" at the start", "I like answers that open with "X"" → ``Begin every
    answer with "X".``), a language ("in French, please", "I only speak French" → ``Answer in French.``), a length
-   ("too long", "one short sentence is enough" → ``Answer in one short sentence.``), a format (bullet points, a
-   list) or an unanswered question ("that doesn't answer my question" → ``Answer the question: ...``);
-2. other sentences that are already imperative ("Fix it.", "Use sudo for that file.") are kept, and a few
+   ("too long", "one short sentence is enough" → ``Answer in one short sentence.``, "answer in one word" →
+   ``Answer in one word.``), a format (bullet points, a list) or an unanswered question ("that doesn't answer my
+   question" → ``Answer the question: ...``);
+2. other sentences that are already imperative ("Fix it.", "Use sudo for that file.") are kept, without a question
+   asked again after them ("Use Fahrenheit: what is 100 degrees Celsius?" → ``Use Fahrenheit.``), and a few
    statements of what the answer must be ("It must be 5-7-5.") are made imperative ("Make it 5-7-5.");
 3. complaints and narration ("That's too long.", "Again in English...") are dropped once an instruction exists.
 
 One instruction per kind is kept (the most specific: "one short sentence" beats "shorter"), in the user's order.
-When no sentence yields an instruction (e.g. "Wrong, it was Jane Austen."), the caller keeps the user's words.
+When no sentence yields an instruction (e.g. "Wrong, it was Jane Austen."), the caller keeps what the user states
+(``rules.stated_hint``: "It was Jane Austen.").
 """
 
 from __future__ import annotations
@@ -51,9 +54,16 @@ _SENTENCE_COUNT_RES = [
     re.compile(_COUNT + r"\s+(is|are|will be|would be)\s+(enough|plenty|fine|sufficient)"),
     re.compile(r"^\s*(just\s+|only\s+)?" + _COUNT + _LIMIT + r"(,?\s*(only|max(imum)?|please))?\s*[.!]*\s*$"),
 ]
+# A word count asked for ("in one word", "with a single word", "one-word answer", "Just one word."), not mentioned.
+_WORDS = r"(?P<n>one|a single|single|1|two|2|three|3|a few)"
+_WORD_COUNT_RES = [
+    re.compile(r"\b(?:in|with|using|use|give me|just|only)\s+(?:just\s+|only\s+)?" + _WORDS + r"\s+words?\b"),
+    re.compile(r"\b" + _WORDS + r"[- ]word\s+(?:answer|reply|response)s?\b"),
+    re.compile(r"^\s*(?:just\s+|only\s+)?" + _WORDS + r"\s+words?(?:,?\s*(?:only|please))?\s*[.!]*\s*$"),
+]
 _WORD_LIMIT_RE = re.compile(r"\b(at most|no more than|fewer than|less than|under|max(imum)?)\s+(\d+)\s+words\b")
 _SHORTER_RE = re.compile(r"\b(too (long|wordy|verbose|many words|much text)|shorter|be (brief|concise)|briefer"
-                         r"|more concise|keep it (short|brief)|that short)\b")
+                         r"|more concise|keep it (short|brief)|that short|fewer words)\b")
 _FORMAT_RE = re.compile(r"\b(as|in|with|use)\s+(a\s+)?(bullet(ed)?\s+points|bullets|a numbered list|numbered list"
                         r"|list|table|markdown|json|code block)\b")
 _UNANSWERED_RE = re.compile(r"\b(didn't|did not|doesn't|does not|don't|do not|never)\s+answer"
@@ -66,6 +76,10 @@ _YOU_NEED_RE = re.compile(r"^you\s+need\s+(?!to\b)(.+?)[.!]?$", re.IGNORECASE)
 _VAGUE_RE = re.compile(r"^(just\s+)?(do|fix|try|redo|change|answer)\s+(that|it|this|again|properly|better)"
                        r"(\s+(again|properly|now))?[.!]$", re.IGNORECASE)
 _REPEAT_RE = re.compile(r"\brepeating yourself\b")
+_QUESTION_WORDS = (r"(what|who|whom|whose|when|where|why|how|which|is|are|was|were|do|does|did|can|could|should"
+                   r"|will|would|has|have)")
+# ": what is 100 degrees Celsius?" ending an instruction (also made a statement by "could you ...?" → "... .").
+_REASKED_RE = re.compile(r":\s*(?:[^:]*\?|" + _QUESTION_WORDS + r"\b[^:]*)$", re.IGNORECASE)
 
 # Base-form verbs that open an instruction ("Fix it.", "Use bullets."); words that may precede them.
 _VERBS = frozenset("""
@@ -105,6 +119,11 @@ def _finish(text: str) -> str:
     if text[-1] not in ".!?:":
         text += "."
     return text
+
+
+def is_question(sentence: str) -> bool:
+    """Whether a sentence asks something (ends with a question mark, after closing quotes or brackets)."""
+    return sentence.strip().rstrip("\"')]*").endswith("?")
 
 
 def is_imperative(sentence: str) -> bool:
@@ -149,6 +168,11 @@ def rewrite(sentence: str, message_quotes: Sequence[str] = (), message_low: str 
         words = count.groupdict().get("words")
         limit = f" of at most {words} words" if words else ""
         return Instruction(f"Answer in {number} {short}{noun}{limit}.", "length", 3)
+    words = next((m for m in (r.search(low) for r in _WORD_COUNT_RES) if m), None)
+    if words:
+        number = {"a single": "one", "single": "one", "1": "one", "2": "two", "3": "three"}.get(words["n"],
+                                                                                              words["n"])
+        return Instruction(f"Answer in {number} {'word' if number == 'one' else 'words'}.", "length", 3)
     limit = _WORD_LIMIT_RE.search(low)
     if limit:
         return Instruction(f"Answer in at most {limit.group(3)} words.", "length", 2)
@@ -175,8 +199,10 @@ def rewrite(sentence: str, message_quotes: Sequence[str] = (), message_low: str 
     if need:
         return Instruction(_finish(f"Use {need.group(1)}"), "other")
     if is_imperative(sentence):
-        text = sentence.strip()
-        joined = text.endswith(":") and bool(next_sentence.strip())
+        # The question asked again after the instruction ("Use Fahrenheit: what is 100 degrees Celsius?") is the
+        # request the teacher already has: the instruction is what comes before it.
+        text = _REASKED_RE.sub("", sentence.strip())
+        joined = text.endswith(":") and bool(next_sentence.strip()) and not is_question(next_sentence)
         if joined:
             text = f"{text} {next_sentence.strip()}"
         text = _finish(re.sub(r"^(please|now|also|then)\s+", "", text, flags=re.IGNORECASE))

@@ -18,9 +18,12 @@ demo still needs votes and hints it can trust. ``RuleJudge`` has the interface o
   not negated: "not helpful" is a complaint) is *approval*.
 
 Verdict: any correction (or a tool error) → −1, since a change request is negative, never neutral; else any
-approval (or tool success) → +1; else 0. The hint is the correction sentence(s) rewritten as an instruction:
-politeness and filler removed ("please", "next time", "could you ... ?" → imperative), at most three sentences,
-kept only when strictly longer than ``hint_min_chars``. Sentences are split on ``.!?`` and line breaks, so a
+approval (or tool success) → +1; else 0. Approval counts whatever it follows: "Thanks, that's all." after a wrong
+answer is +1, because the rules read what the user says and never the answer. The hint is the correction
+sentence(s) rewritten as an instruction: politeness, filler and the verdict on the answer ("Wrong, ...") removed
+("could you ... ?" → imperative), a question asked again left out, at most three sentences, kept only when
+strictly longer than ``hint_min_chars``; a correction with no instruction gives what the user states
+(``stated_hint``), never the user's whole message. Sentences are split on ``.!?`` and line breaks, so a
 reply such as "Thanks, but answer in French." is one sentence and counts as a correction.
 
 The judgement is written as m evaluative and m hint ``VoteRecord``s (all identical, with a ``raw_text`` naming
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clawloop.judge.envelopes import judged_turn
-from clawloop.judge.hints import imperative_hint
+from clawloop.judge.hints import imperative_hint, is_question
 from clawloop.judge.parse import select_candidates
 from clawloop.judge.prompts import content_text
 from clawloop.judge.votes import Judgement, JudgeSettings
@@ -170,6 +173,9 @@ _FILLER_RES = [
     re.compile(r"^\s*(ok(ay)?|hmm+|well|oh|ah|so|sorry|seriously|come on|ugh|no|nope|nah)[,.!?]+\s*",
                re.IGNORECASE),
     re.compile(r"^\s*(thanks|thank you)( but| though)?[,.!]*\s*", re.IGNORECASE),
+    # The verdict on the answer ("Wrong, ...", "That's wrong.", "Wrong answer."): the vote says it already.
+    re.compile(r"^\s*((that's|that is|this is|it's|it is)\s+)?(wrong|incorrect|not right|not correct|inaccurate"
+               r"|not quite( right)?)(\s+answer)?[,.!;:]+\s*", re.IGNORECASE),
     re.compile(r"^\s*(but|and)\s+", re.IGNORECASE),
     re.compile(r"^\s*(i'd like you to|i would like you to|i want you to|i need you to)\s+", re.IGNORECASE),
 ]
@@ -222,6 +228,26 @@ def feedback_part(text: str) -> str:
     return before.strip()
 
 
+# A sentence about the answer itself ("That's Python.", "This doesn't sort by date."): the vote already says it.
+_ABOUT_ANSWER_RE = re.compile(r"^\s*(that|this)(?:'s|\s+(is|was|isn't|wasn't|does|doesn't|did|didn't|has|hasn't))\b",
+                              re.IGNORECASE)
+
+
+def _words_key(text: str) -> str:
+    return " ".join(re.findall(r"\w+", text.lower()))
+
+
+def stated_hint(sentences: Sequence[str], message: Sequence[str]) -> str:
+    """The hint of a correction that holds no instruction: what the user states ("Wrong, it was Jane Austen." →
+    "It was Jane Austen."), without the verdict on the answer, sentences about the answer itself and questions
+    (the question asked again is the request the teacher already has). '' when that would be the user's whole
+    message as written (``message``: all its sentences), which says nothing the vote does not."""
+    kept = [p for p in (as_instruction(s) for s in sentences if not _ABOUT_ANSWER_RE.match(s))
+            if p and not is_question(p)]
+    hint = " ".join(kept)
+    return "" if _words_key(hint) == _words_key(" ".join(message)) else hint
+
+
 def decide_user(texts: Sequence[str], max_sentences: int = 3, hint_min_chars: int = 10) -> RuleDecision:
     """The rule verdict on the user's message(s) of a next state.
 
@@ -238,13 +264,12 @@ def decide_user(texts: Sequence[str], max_sentences: int = 3, hint_min_chars: in
                 break
             if i not in chosen and not v.approval:
                 chosen.append(i)
-        parts = [p for p in (as_instruction(verdicts[i].text) for i in sorted(chosen)) if p]
         # The teacher follows an imperative far better than a narrated complaint (docs/judge.md), so the
-        # correction's instructions are the hint; the user's own words only when it holds none.
+        # correction's instructions are the hint; what the user states only when it holds none.
         cleaned = [p for p in (as_instruction(v.text) for v in verdicts if not v.approval) if p]
         hint = imperative_hint(cleaned, max_sentences=max_sentences)
         if len(hint.strip()) <= hint_min_chars:
-            hint = " ".join(parts)
+            hint = stated_hint([verdicts[i].text for i in sorted(chosen)], [v.text for v in verdicts])
         if len(hint.strip()) <= hint_min_chars:
             hint = ""
         why = "; ".join(dict.fromkeys(v.correction for v, c in zip(verdicts, is_correction) if c))

@@ -17,7 +17,9 @@ from clawloop.api.client_traffic import (COMPACTED_HISTORY_PREFIX, COMPACTION_SU
                                          MEMORY_FLUSH, SESSION_TITLE, conversation_messages, housekeeping_kind,
                                          is_compacted_history, is_ephemeral)
 from clawloop.api.schemas import parse_chat_request
-from clawloop.api.sessions import SessionManager
+from clawloop.api.sessions import SessionManager, answer_key, find_next_state, same_message
+from clawloop.engines.base import Generation, TokenEvent
+from clawloop.engines.detok import IncrementalDetokenizer
 from clawloop.store import Store, TurnRecord, TurnState
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "openclaw"
@@ -220,3 +222,108 @@ def test_compacted_history_continues_the_session_by_its_last_answer(tmp_path):
     other = Store(tmp_path / "other.sqlite")
     plain = [reqs[0], ([m for m in reqs[1][0] if not m["content"].startswith(COMPACTED_HISTORY_PREFIX)], reqs[1][1])]
     assert len({s for _, s, _ in replay(other, plain)}) == 2
+
+
+# ---- answers that OpenClaw echoes rewritten ------------------------------------------------------------------
+
+# What SmolLM2 wrote at the start of an answer in a real OpenClaw session (it imitates the envelope OpenClaw puts
+# on every user message). OpenClaw strips it from the answer it shows and from the history it sends back.
+MODEL_ENVELOPE = "[Wed 2026-11-25 22:30:22] "
+
+
+class ScriptedAnswersEngine:
+    """Engine double that answers each request with the next of ``texts`` (real token ids under the real tokenizer,
+    then EOS), streamed token by token. OpenClaw's recorded prompts (2,100-2,500 tokens) do not fit the tiny model's
+    2,048-token context, and only a scripted answer can begin with the envelope the real model wrote; everything
+    else in the path (HTTP, validation, rendering, session matching, pairing, the store) is the real thing."""
+
+    eos_token_ids = frozenset({2})
+    policy_version = 0
+    max_context = 8192
+
+    def __init__(self, tokenizer, texts: list[str]):
+        self.tokenizer = tokenizer
+        self.texts = list(texts)
+
+    def _next(self, prompt_ids) -> tuple[list[int], Generation]:
+        text = self.texts.pop(0)
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + [2]
+        return ids, Generation(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop", policy_version=0,
+                               prompt_tokens=len(prompt_ids), text=text)
+
+    async def generate(self, prompt_ids, params):
+        return self._next(prompt_ids)[1]
+
+    async def generate_stream(self, prompt_ids, params):
+        ids, generation = self._next(prompt_ids)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        for tid in ids[:-1]:
+            yield TokenEvent(token_id=tid, logprob=-0.5, text_delta=detok.add(tid))
+        yield TokenEvent(token_id=2, logprob=-0.5, text_delta=detok.flush())
+        yield generation
+
+    async def score(self, requests):
+        raise NotImplementedError
+
+    async def close(self):
+        pass
+
+
+def _post_streamed(http: httpx.Client, body: dict) -> dict:
+    """POST a recorded (streamed) OpenClaw body; the ``clawloop`` extension of the response."""
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    return next(c["clawloop"] for c in chunks if "clawloop" in c)
+
+
+def test_http_answer_whose_envelope_openclaw_strips_still_continues_the_session(make_server, tiny_tokenizer):
+    """Recorded runB conversation (requests 1-3) through the real server, with the first answer beginning with a
+    timestamp envelope as the model wrote it in a real session. OpenClaw sends that answer back without the
+    envelope, which is exactly the recorded request 2 (OpenClaw echoed the answer clawloop gave it)."""
+    reqs = load("runB")["requests"][:3]
+    answers = [r["answer"]["content"] for r in reqs]
+    history_answer = next(m for m in reqs[1]["body"]["messages"] if m["role"] == "assistant")
+    assert history_answer["content"] == answers[0]  # the echo OpenClaw recorded: the answer as it got it
+    engine = ScriptedAnswersEngine(tiny_tokenizer, [MODEL_ENVELOPE + answers[0]] + answers[1:])
+    server = make_server(engine=engine)
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        ext = [_post_streamed(http, r["body"]) for r in reqs]
+    assert [e["turn_type"] for e in ext] == ["main"] * 3
+    assert len({e["session_id"] for e in ext}) == 1
+    first, second = (server.store.get_turn(e["turn_id"]) for e in ext[:2])
+    assert ext[1]["paired_turn_id"] == first.id and ext[2]["paired_turn_id"] == second.id
+    # The first answer is paired with the user's next message, and is stored exactly as the model wrote it.
+    assert first.state == TurnState.JUDGEABLE
+    assert [m["content"] for m in first.next_state] == ["[Mon 2026-11-23 20:00 UTC] Too long, answer in one sentence."]
+    assert first.assistant_message["content"].startswith(MODEL_ENVELOPE.strip())
+    assert tiny_tokenizer.decode(first.response_ids[:-1]) == MODEL_ENVELOPE + answers[0]
+
+
+def test_answers_compare_as_openclaw_echoes_them_and_other_answers_stay_apart(tmp_path):
+    """The rewrites OpenClaw makes to an answer it sends back (a leading timestamp envelope, also two of them of which
+    it removes one; a runtime line; its internal-context block) keep the session and the pairing, by prefix, by the
+    answer search and by the compacted-history answer key. A different answer is still a different answer."""
+    reqs = load("runB")["requests"]
+    first, second = messages_of(reqs[0]["body"]), messages_of(reqs[1]["body"])
+    echoed = second[len(first)]
+    assert echoed["role"] == "assistant"
+    written = [MODEL_ENVELOPE + echoed["content"],
+               f"{MODEL_ENVELOPE}[Mon 2026-11-23 19:59 GMT+1] {echoed['content']}",
+               f"{echoed['content']}\nRuntime: agent=main | session=agent:main:explicit:ocl-b2 | shell=bash",
+               f"{INTERNAL_CONTEXT_BEGIN}\nnone\n<<<END_OPENCLAW_INTERNAL_CONTEXT>>>\n{echoed['content']}"]
+    for k, text in enumerate(written):
+        answer = {"role": "assistant", "content": text}
+        assert same_message(answer, echoed) and answer_key(answer) == answer_key(echoed), text
+        store = Store(tmp_path / f"store{k}.sqlite")
+        result = replay(store, [(first, answer), (second, reqs[1]["answer"])])
+        assert len({s for _, s, _ in result}) == 1, text
+        stored = store.get_turn(result[0][2])
+        assert stored.state == TurnState.JUDGEABLE and stored.assistant_message["content"] == text
+        # Older history rewritten too (pairing by searching for the answer), still the user's next message.
+        trimmed = [m for m in second if m["role"] != "system"]
+        assert find_next_state(first, answer, trimmed).next_state == [second[-1]]
+    other = {"role": "assistant", "content": MODEL_ENVELOPE + "Paris."}
+    assert not same_message(other, echoed)
+    apart = replay(Store(tmp_path / "other.sqlite"), [(first, other), (second, reqs[1]["answer"])])
+    assert len({s for _, s, _ in apart}) == 2

@@ -37,6 +37,21 @@ def test_strip_text_removes_openclaw_envelopes_and_keeps_the_words():
     assert strip_text("Runtime: how long does the build take?") == "Runtime: how long does the build take?"
 
 
+def test_strip_text_removes_every_leading_timestamp_openclaw_would():
+    """OpenClaw strips "[" + day + date + time + anything up to "]" from the start of a text (answers included);
+    stripping again what it sends back gives the same text, so a stored answer and its echo compare equal."""
+    answer = "[Wed 2026-11-25 22:30:22] 100 degrees Celsius is the boiling point of water."
+    assert strip_text(answer) == "100 degrees Celsius is the boiling point of water."
+    assert strip_text("[Wed 2026-02-18 22:04 GMT+1] Thanks!") == "Thanks!"
+    assert strip_text("[Mon 2026-11-23 19:59 Europe/Paris] Thanks!") == "Thanks!"
+    doubled = "[Wed 2026-11-25 22:30:22] [Wed 2026-11-25 22:30:22] Paris."
+    echoed = doubled[len("[Wed 2026-11-25 22:30:22] "):]  # OpenClaw removes one leading timestamp
+    assert strip_text(doubled) == strip_text(echoed) == "Paris."
+    for text in (FIRST, answer, doubled, INTERNAL, SUMMARIZE):
+        assert strip_text(strip_text(text)) == strip_text(text)
+    assert strip_text("[Wed] 2026-11-25 was a Wednesday.") == "[Wed] 2026-11-25 was a Wednesday."
+
+
 def test_strip_messages_drops_envelope_only_messages_and_leaves_tools_alone():
     tool = {"role": "tool", "content": "[Mon 2026-11-23 20:00 UTC] build failed"}
     parts = {"role": "user", "content": [{"type": "text", "text": "[Mon 2026-11-23 20:01 UTC] Thanks, that's all."}]}

@@ -66,22 +66,54 @@ def test_approval_is_plus_one_without_hint(reply):
     ("Please be brief: a single sentence of at most 25 words.", "Answer in one sentence of at most 25 words."),
     ("Way too long. Keep it under 50 words.", "Answer in at most 50 words."),
     ("One short sentence, please.", "Answer in one short sentence."),
-    # A sentence count that is only mentioned is not a length request.
-    ("Two sentences contradict each other. Fix it.", "Two sentences contradict each other. Fix it."),
+    ("Wrong, answer in one word: what is 100 degrees Celsius?", "Answer in one word."),
     ("In Spanish, please! No hablo inglés.", "Answer in Spanish."),
     ("Please use bullet points.", "Answer in bullet points."),
     ("You didn't answer what I asked: What is a volcano?", "Answer the question: What is a volcano?"),
     ("That's not a haiku. It must be 5-7-5. Fix it. And make it rhyme.", "Make it 5-7-5. Make it rhyme."),
     ("You need sudo for that file.", "Use sudo for that file."),
     ("You should cite your sources.", "Cite your sources."),
-    # No instruction to extract: the user's words (stripped of filler) are the hint.
+    # No instruction to extract: what the user states, without the complaint about the answer, is the hint.
     ("No, I said descending. Largest first.", "I said descending. Largest first."),
-    ("Wrong, it was Jane Austen.", "Wrong, it was Jane Austen."),
+    ("Wrong, it was Jane Austen.", "It was Jane Austen."),
+    ("That's Python. I asked for JavaScript.", "I asked for JavaScript."),
 ])
 def test_correction_is_minus_one_with_an_instruction_hint(reply, hint):
     d = decide(user(reply))
     assert d.score == -1, d
     assert d.hint == hint
+
+
+@pytest.mark.parametrize("reply, hint", [
+    # The message of a real OpenClaw session, and the ways people write the same correction.
+    ("Wrong, answer in one word: what is 100 degrees Celsius?", "Answer in one word."),
+    ("[Wed 2026-11-25 22:31 UTC] Wrong, answer in one word: what is 100 degrees Celsius?", "Answer in one word."),
+    ("No. Answer in one word: what is 100 degrees Celsius?", "Answer in one word."),
+    ("Wrong, answer in one word. What is 100 degrees Celsius?", "Answer in one word."),
+    ("That's wrong, answer in one word: What is the boiling point of water?", "Answer in one word."),
+    ("Wrong answer. In one word: what is 100 degrees Celsius in Fahrenheit?", "Answer in one word."),
+    ("Incorrect. Could you answer with a single word: how many legs does a spider have?", "Answer in one word."),
+    ("One-word answer, please. What is the capital of Peru?", "Answer in one word."),
+    ("Too wordy, answer in a few words: why is the sky blue?", "Answer in a few words."),
+    ("Wrong, use Fahrenheit: what is 100 degrees Celsius?", "Use Fahrenheit."),
+    ("Wrong! Reply in French: what is the capital of Spain?", "Answer in French."),
+])
+def test_a_correction_that_re_asks_the_question_gives_only_the_instruction(reply, hint):
+    """The hint is the instruction in the correction, never the user's whole message: the complaint and the question
+    asked again (which the teacher already has) are left out."""
+    d = RuleJudge(JudgeSettings(votes_m=1)).decide(turn(user(reply)))
+    assert d.score == -1, d
+    assert d.hint == hint
+
+
+@pytest.mark.parametrize("reply", [
+    "Wrong. What is 100 degrees Celsius in Fahrenheit?",   # a complaint and the question again: nothing to teach
+    "The date is wrong.",                                  # a complaint only
+    "Two sentences contradict each other. Fix it.",        # a sentence count that is only mentioned; "Fix it." is vague
+])
+def test_a_correction_with_nothing_but_complaint_or_question_gives_no_hint(reply):
+    d = decide(user(reply))
+    assert d.score == -1 and d.hint == "", d
 
 
 @pytest.mark.parametrize("reply", ["Try again.", "No. Ok."])
