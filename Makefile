@@ -1,10 +1,10 @@
-# Two entry points for a fresh machine: `make demo` and `make test`.
+# Entry points for a fresh machine: `make demo`, `make test` and `make openclaw`.
 # Each creates .venv when missing and installs what it needs.
 PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 STAMP   := .venv/.installed
 
-.PHONY: demo test test-vllm test-openclaw test-dashboard bench clean-venv
+.PHONY: demo openclaw test test-vllm test-openclaw test-dashboard bench clean-venv
 
 $(PY):
 	python3 -m venv .venv
@@ -38,6 +38,13 @@ test-dashboard: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m clawloop.cli demo
+
+# clawloop for OpenClaw in one command: the pinned Node + OpenClaw, then `clawloop openclaw` serves and trains,
+# writes OpenClaw's config and launcher into RUN_DIR/openclaw and prints what to run next. Settings as for serve:
+# CLAWLOOP_* variables, or ARGS="--port 30001 ...".
+openclaw: $(STAMP)
+	bash scripts/setup_openclaw.sh
+	.venv/bin/clawloop openclaw $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/losses.py

@@ -6,6 +6,8 @@
     clawloop eval [--methods rl,opd,hybrid] [--personas brief,inshort] [--seeds 0,1,2] [--out DIR] ...
     clawloop train ...
     clawloop judge check [--backend rules|engine | --judge-url URL --judge-model M --judge-api-key-env VAR]
+    clawloop openclaw [--openclaw-dir DIR] [--plugin DIR] ...   (every Config setting is a flag, as for serve)
+    clawloop openclaw-end SESSION [--run-dir DIR] [--openclaw-dir DIR]
     clawloop openclaw-config [--url http://127.0.0.1:30000] [--out ~/.openclaw/openclaw.json]
     clawloop rollback RUN_DIR --to N [--url http://127.0.0.1:30000] [--admin-key KEY]
     clawloop dashboard RUN_DIR [--host 127.0.0.1] [--port 30100] [--admin-key KEY]
@@ -181,6 +183,40 @@ def cmd_openclaw_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_openclaw(args: argparse.Namespace) -> int:
+    from clawloop.openclaw_config import OpenClawConfigError
+    from clawloop.openclaw_launch import OpenClawSetupError, bring_up
+    from clawloop.serve import RunFolderError
+
+    try:
+        bring_up(config_from_args(args), openclaw_dir=args.openclaw_dir, plugin=args.plugin,
+                 max_tokens=args.max_tokens, full=args.full, openclaw=args.openclaw_bin, resume=args.resume,
+                 fresh=args.fresh, log_level=args.log_level)
+    except KeyboardInterrupt:  # Ctrl-C after a clean shutdown: not an error
+        pass
+    except (OpenClawSetupError, OpenClawConfigError, RunFolderError) as exc:
+        print(f"clawloop openclaw: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_openclaw_end(args: argparse.Namespace) -> int:
+    from clawloop.openclaw_launch import OpenClawFolder, OpenClawSetupError, end_openclaw_session
+
+    config = config_from_args(args)
+    folder = OpenClawFolder.for_run(config.run_dir, args.openclaw_dir)
+    try:
+        ended = end_openclaw_session(config, folder, args.session)
+    except OpenClawSetupError as exc:
+        print(f"clawloop openclaw-end: {exc}", file=sys.stderr)
+        return 2
+    if ended:
+        print(f"ended {', '.join(ended)} (OpenClaw session {args.session}); its last answer gets no next state")
+    else:
+        print(f"OpenClaw session {args.session} had ended already")
+    return 0
+
+
 def cmd_rollback(args: argparse.Namespace) -> int:
     from clawloop.trainer.rollback import rollback_command
 
@@ -305,6 +341,42 @@ def build_parser() -> argparse.ArgumentParser:
                     "(integrations/openclaw/plugin): session ids and compaction marked by OpenClaw itself.")
     oc.add_argument("--out", default="", help="Write here (e.g. ~/.openclaw/openclaw.json) instead of printing.")
     oc.set_defaults(func=cmd_openclaw_config, log_level="warning")
+
+    up = sub.add_parser("openclaw", help="Bring clawloop up for OpenClaw: serve and train, write OpenClaw's config "
+                        "and a launcher, print what to run next.",
+                        description="Serve and train as `clawloop serve` does (every setting is a flag) and, once the "
+                        "server answers, write OpenClaw's config, the server's keys and a launcher (bin/openclaw) into "
+                        "OpenClaw's own folder (default RUN_DIR/openclaw; ~/.openclaw is never used unless named), "
+                        "then print the commands to talk to OpenClaw, to end a conversation and to open the dashboard. "
+                        "Keys are generated on the first start unless given, and kept in that folder.")
+    add_cli_arguments(up)
+    up.add_argument("--openclaw-dir", default="", metavar="DIR", help="OpenClaw's config and state folder "
+                    "(default RUN_DIR/openclaw). A config there that clawloop did not write is never replaced.")
+    up.add_argument("--plugin", default="", metavar="DIR", help="Also load clawloop's OpenClaw plugin from DIR "
+                    "(integrations/openclaw/plugin).")
+    up.add_argument("--openclaw-bin", default="", metavar="PATH", help="The OpenClaw the launcher runs (default: "
+                    "the pinned one of integrations/openclaw when installed, else openclaw on PATH).")
+    up.add_argument("--max-tokens", type=int, default=512, help="Most tokens per answer OpenClaw asks for (capped "
+                    "at a quarter of the context).")
+    up.add_argument("--full", action="store_true", help="Keep OpenClaw's own prompt defaults (workspace files, "
+                    "skills, all tools): only for models with a large context.")
+    up.add_argument("--resume", action="store_true", help="Continue the run's training (the default when the run "
+                    "folder holds any).")
+    up.add_argument("--fresh", action="store_true", help="Start the run's training over (as clawloop serve --fresh).")
+    up.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                    help="Log level of the server.")
+    up.set_defaults(func=cmd_openclaw)
+
+    end = sub.add_parser("openclaw-end", help="End the clawloop session of an OpenClaw conversation now.",
+                         description="OpenClaw's `agent --local` never ends a session, so a conversation's last "
+                         "answer waits for session_idle_timeout_s. This ends the clawloop session(s) OpenClaw's "
+                         "session SESSION became (found by the session id OpenClaw writes into a conversation's "
+                         "first message), with the key and address `clawloop openclaw` wrote.")
+    end.add_argument("session", metavar="SESSION", help="OpenClaw's session id (its --session-id).")
+    end.add_argument("--run-dir", default=None, help="The run folder (default runs/default or CLAWLOOP_RUN_DIR).")
+    end.add_argument("--openclaw-dir", default="", metavar="DIR", help="OpenClaw's folder as given to clawloop "
+                     "openclaw (default RUN_DIR/openclaw).")
+    end.set_defaults(func=cmd_openclaw_end, log_level="warning")
 
     train = sub.add_parser("train", help="Train offline on the ready samples of a stored run (resumes from its "
                            "latest checkpoint).")

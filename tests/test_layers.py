@@ -22,7 +22,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("trainer", ("clawloop.trainer",)),
     ("api", ("clawloop.api", "clawloop.dashboard")),
     ("serve, runtime", ("clawloop.serve", "clawloop.runtime")),
-    ("commands", ("clawloop.cli", "clawloop.sim", "clawloop.openclaw_config", "clawloop.judge.check")),
+    ("commands", ("clawloop.cli", "clawloop.sim", "clawloop.openclaw_config", "clawloop.openclaw_launch",
+                  "clawloop.judge.check")),
 ]
 
 
