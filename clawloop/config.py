@@ -220,7 +220,14 @@ class Config:
 
     # ---- trainer --------------------------------------------------------------------------------------
     train: bool = _f(True, "Train online while serving.")
-    rollout_batch_size: int = _f(16, "Samples per optimizer step.")
+    rollout_batch_size: int = _f(16, "Samples per optimizer step (the most; see batch_wait_s and idle_train_s).")
+    batch_wait_s: float = _f(120.0, "Longest a ready sample waits for a full batch: once the oldest has waited this "
+                             "long, the embedded trainer trains on the samples that are ready. One person at a few "
+                             "turns a minute fills a batch of 16 in 5+ minutes; 0 = wait for a full batch.")
+    idle_train_s: float = _f(60.0, "When no new turn has come for this long and none waits to be judged (the user "
+                             "has gone idle), the embedded trainer trains on the samples that are ready without "
+                             "waiting for a full batch; longer than the pause between two turns of one "
+                             "conversation. 0 = off.")
     lr: float | None = _f(None, "Learning rate (default 1e-5 full fine-tune, 1e-4 LoRA).")
     lora: bool = _f(False, "Train a LoRA adapter instead of all weights.")
     lora_rank: int = _f(16, "LoRA rank.")
@@ -256,8 +263,10 @@ class Config:
                     "never served and training returns to the last accepted weights (docs/publication-gate.md).")
     gate_every: int = _f(1, "Check (and publish) every N optimizer steps; the steps in between are not published.")
     gate_min_guard_pass: float = _f(0.95, "Smallest share of the probes the reference answers soundly that the "
-                                    "candidate must answer soundly too (degeneracy guard; 0.95 of the ~25 probes "
-                                    "that count allows one regression).")
+                                    "candidate must answer soundly too (degeneracy guard): of n such probes, "
+                                    "floor((1 - this) x n) may regress, always at least one (one more for a "
+                                    "candidate within KL 1e-3 of the reference); 1 = none. At 0.95 one of 17-39 "
+                                    "(docs/publication-gate.md).")
     gate_max_kl: float = _f(4.0, "Largest mean KL(candidate || reference), nats per token, over the candidate's "
                             "greedy probe answers.")
     gate_probe_tokens: int = _f(64, "Tokens each greedy probe answer may have (the loops of a slightly shifted "
@@ -341,6 +350,8 @@ class Config:
             raise ConfigError(f"judge_turn_deadline_s must be >= 0 (0 = automatic), got {self.judge_turn_deadline_s}")
         for name in ("judge_timeout_s", "session_idle_timeout_s", "lora_alpha", "tis_cap"):
             positive(name)
+        for name in ("batch_wait_s", "idle_train_s"):
+            positive(name, 0.0, strict=False)
         if self.lr is not None:
             positive("lr")
         if not 0.0 <= self.gate_min_guard_pass <= 1.0:

@@ -578,6 +578,12 @@ class Store:
         with self._lock:
             return self._db.execute("SELECT COUNT(*) FROM samples WHERE state=?", (TurnState.READY,)).fetchone()[0]
 
+    def oldest_ready_at(self) -> float | None:
+        """When the oldest ready sample was written (epoch seconds); None when none is ready."""
+        with self._lock:
+            row = self._db.execute("SELECT MIN(created_at) FROM samples WHERE state=?", (TurnState.READY,)).fetchone()
+        return None if row[0] is None else float(row[0])
+
     def lease_samples(self, n: int, lease_s: float = 3600.0, min_n: int | None = None) -> tuple[str, list[SampleRecord]]:
         """Lease up to ``n`` ready samples (oldest first) under a new lease id. With ``min_n``, lease nothing
         unless at least that many are ready. Expired leases are returned to ready first."""

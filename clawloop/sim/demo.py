@@ -48,6 +48,8 @@ DEMO_PRESET: dict[str, Any] = {
     "lr": 1e-3,
     "kl_coef": 0.05,
     "rollout_batch_size": 4,
+    "batch_wait_s": 0.0,
+    "idle_train_s": 0.0,
     "judge_backend": "rules",
     "prm_m": 1,
     "checkpoint_every": 1000,
@@ -66,6 +68,10 @@ PRESET_NOTES: dict[str, str] = {
                "0.1 gave 0.93 on seed 1 but 0.00 on seed 0; 0.3 held the policy back (0.14 at best, 0.00 at the "
                "end).",
     "rollout_batch_size": "4 samples per step: an optimizer step every four interactions.",
+    "batch_wait_s": "0: always a full batch of 4, as in every measured run. The simulated user answers at once and "
+                    "fills a batch within a minute; it pauses only to be evaluated, and a shorter step then "
+                    "would change the weights in the middle of an evaluation.",
+    "idle_train_s": "0, for the same reason: the evaluations are the simulated user's only idle windows.",
     "interactions": "72: learning is a tipping point (the unprompted answer stays long until the first short "
                     "ones are rewarded, then shortens within a few steps) and it came anywhere between 18 and 60 "
                     "interactions in the runs above; 72 fits the 20-minute budget of a 2-core CPU.",

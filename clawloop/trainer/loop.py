@@ -8,6 +8,10 @@
   pipeline calls when it writes a sample; otherwise it polls), leases exactly one batch, and trains it in a
   worker thread — the event loop, and with it serving, never blocks on training. Publication swaps the
   engine's weights between requests (requests in flight finish on the weights they started with);
+* samples do not wait forever for a full batch (``train_what_is_ready``): once the oldest ready sample has waited
+  ``batch_wait_s``, or no new turn has been stored for ``idle_train_s`` and none waits to be judged (the user
+  has gone idle), the loop leases what is ready (up to a batch) and trains it. One person a few turns a minute
+  fills a batch of 16 in five minutes or more, and two or three conversations never did (docs/trainer.md);
 * a step that fails releases its lease (its samples become ready again) and the loop backs off (doubling
   from ``error_backoff_s`` up to ``max_backoff_s``) before trying again; the error is logged and counted. The
   failed batch's samples are then retried one per step, so samples that train fine go through and one that
@@ -30,13 +34,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
 from clawloop.config import Config
 from clawloop.memory import trim_heap
-from clawloop.store import Store
+from clawloop.store import Store, TurnState
 from clawloop.trainer.core import Trainer, make_refresh
 from clawloop.trainer.leasing import BatchLeaser
 from clawloop.trainer.rollback import ROLLBACK_META
@@ -74,6 +79,8 @@ class OnlineTrainer:
         self._busy = False
         self.on_gate = on_gate
         self._model_lock: asyncio.Lock | None = None
+        self.short_batches = 0
+        """Batches leased with fewer samples than ``rollout_batch_size`` (``train_what_is_ready``)."""
 
     # ---- status (read by the API's status/metrics endpoints) ------------------------------------------
     @property
@@ -96,8 +103,8 @@ class OnlineTrainer:
     def status(self) -> dict[str, Any]:
         return {"step": self.step, "policy_version": self.policy_version, "training": self._busy,
                 "failures": self.failures, "last_error": self.last_error,
-                "samples_waiting": self.store.ready_count(), "last_metrics": self.last_metrics,
-                "gate": self.gate_status()}
+                "samples_waiting": self.store.ready_count(), "short_batches": self.short_batches,
+                "last_metrics": self.last_metrics, "gate": self.gate_status()}
 
     def gate_status(self) -> dict[str, Any]:
         core = self.core
@@ -183,7 +190,7 @@ class OnlineTrainer:
         consecutive = 0
         while not self._stopping:
             try:
-                lease_id, samples = await asyncio.to_thread(leaser.lease)
+                lease_id, samples = await asyncio.to_thread(self._lease, leaser)
             except Exception as exc:  # noqa: BLE001 - e.g. the database is locked for longer than its timeout
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.exception("trainer: reading the store failed; retrying")
@@ -211,6 +218,40 @@ class OnlineTrainer:
                 await self._sleep(min(self.max_backoff_s, self.error_backoff_s * 2 ** (consecutive - 1)))
             finally:
                 self._busy = False
+
+    def _lease(self, leaser: BatchLeaser) -> tuple[str, list[Any]]:
+        """A whole batch when one is ready; otherwise what is ready (up to a batch), once
+        ``train_what_is_ready`` gives a reason. Runs in a worker thread."""
+        lease_id, samples = leaser.lease()
+        if samples:
+            return lease_id, samples
+        why = self.train_what_is_ready(time.time())
+        if why is None:
+            return lease_id, samples
+        lease_id, samples = self.store.lease_samples(leaser.batch_size, leaser.lease_s, min_n=1)
+        if samples:
+            self.short_batches += 1
+            log.info("trainer: training %d ready samples without a full batch of %d: %s", len(samples),
+                     leaser.batch_size, why)
+        return lease_id, samples
+
+    def train_what_is_ready(self, now: float) -> str | None:
+        """Why the samples that are ready should train now without a full batch, or None to go on waiting:
+        the oldest has waited ``batch_wait_s``, or the user has gone idle (no turn stored for ``idle_train_s``
+        and none waiting to be judged, whose sample would join the batch). A setting of 0 turns its rule off."""
+        oldest = self.store.oldest_ready_at()
+        if oldest is None:
+            return None
+        wait_s, idle_s = float(self.config.batch_wait_s), float(self.config.idle_train_s)
+        if wait_s > 0 and now - oldest >= wait_s:
+            return f"the oldest waited {now - oldest:.0f}s (batch_wait_s {wait_s:g})"
+        if idle_s > 0 and self.store.turn_activity(now - idle_s)["turns"] == 0 and not self._judging():
+            return f"no new turn for {idle_s:g}s (idle_train_s)"
+        return None
+
+    def _judging(self) -> bool:
+        counts = self.store.count_turns()
+        return counts.get(TurnState.JUDGEABLE, 0) + counts.get(TurnState.JUDGING, 0) > 0
 
     async def _sleep(self, seconds: float) -> None:
         assert self._wake is not None

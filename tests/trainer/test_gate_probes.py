@@ -4,12 +4,19 @@ question rules wherever the question is known."""
 from __future__ import annotations
 
 import contextlib
+import gzip
+import json
+from pathlib import Path
 
 import torch
 
+from clawloop.api.client_traffic import housekeeping_kind
+from clawloop.api.schemas import parse_chat_request
 from clawloop.gate import gate as gate_module
-from clawloop.gate.gate import PublicationGate, answer_logprobs, greedy_answers, length_buckets, question_of
+from clawloop.gate.gate import (MAX_PROMPT_TOKENS, RECENT_TAIL_TOKENS, PublicationGate, answer_logprobs,
+                                closing_exchanges, greedy_answers, length_buckets, question_of)
 from clawloop.gate.probes import PROBES
+from clawloop.renderers.chat import ChatRenderer
 from clawloop.store import Store, TurnRecord
 
 
@@ -110,3 +117,74 @@ def test_a_question_asked_again_costs_the_reference_no_second_answer(tmp_path, t
     result = gate.check(base_model, lambda: contextlib.nullcontext(base_model))
     assert [p.source for p in result.probes] == ["shipped", "recent:2"]
     assert answered == [2, 2, 2]  # the candidate only: the reference's verdict on that prompt is known
+
+
+OPENCLAW_TRAFFIC = Path(__file__).resolve().parents[1] / "data" / "openclaw"
+
+
+def _served(tokenizer, name):
+    """The main requests of a recorded OpenClaw run, stored as the server stores them: normalised messages and the
+    serving renderer's prompt ids (with the tools OpenClaw sent)."""
+    with gzip.open(OPENCLAW_TRAFFIC / f"{name}.json.gz", "rt", encoding="utf-8") as fh:
+        requests = json.load(fh)["requests"]
+    renderer = ChatRenderer(tokenizer)
+    out = []
+    for r in requests:
+        req = parse_chat_request(r["body"])
+        if not housekeeping_kind(req.messages):
+            out.append((req.messages, renderer.render(req.messages, req.tools, req.tool_choice).ids))
+    return out
+
+
+def test_long_agent_prompts_are_probed_as_their_closing_exchanges(tmp_path, tiny_tokenizer, base_model):
+    store = Store(tmp_path / "store.sqlite")
+    served = _served(tiny_tokenizer, "runA")  # one three-turn OpenClaw conversation
+    for i, (messages, ids) in enumerate(served):
+        assert len(ids) > MAX_PROMPT_TOKENS  # OpenClaw's system prompt alone is longer than the cap
+        store.add_turn(_turn(messages, ids, i))
+    gate = PublicationGate(tiny_tokenizer, probe_tokens=4, probes=["Name a colour."],
+                           recent_prompts=lambda: store.recent_prompts(8))
+    recent = gate.probe_set()[1:]
+    assert [p.source for p in recent] == ["recent:3", "recent:2", "recent:1"]
+    # What the user wrote, without OpenClaw's timestamp and runtime envelopes; the question is known again.
+    assert [(p.prompt, p.question) for p in recent] == [
+        ("Thanks, that's all.", None), ("Too long, answer in one sentence.", None),
+        ("What is the capital of France?", "What is the capital of France?")]
+    for p in recent:
+        assert len(p.ids) <= RECENT_TAIL_TOKENS
+        text = tiny_tokenizer.decode(p.ids)
+        assert p.prompt in text and text.endswith("<|im_start|>assistant\n")
+        assert "running inside OpenClaw" not in text and "Runtime: agent=" not in text and "[Mon 2026" not in text
+    # The candidate answers them (and the reference once each), like any probe.
+    result = gate.check(base_model, lambda: contextlib.nullcontext(base_model))
+    assert [p.source for p in result.probes] == ["shipped", "recent:3", "recent:2", "recent:1"]
+    assert all(p.tokens > 0 for p in result.probes)
+    # The same question in another OpenClaw session: another served prompt (its runtime line names the session),
+    # the same bounded form, probed once, so one borderline answer cannot count as two regressions.
+    messages, ids = _served(tiny_tokenizer, "runB")[0]
+    assert ids != served[0][1] and question_of(messages) == "What is the capital of France?"
+    store.add_turn(_turn(messages, ids, 3))
+    assert [p.source for p in gate.probe_set()[1:]] == ["recent:4", "recent:3", "recent:2"]
+
+
+def test_a_bounded_prompt_keeps_whole_exchanges_that_fit_and_the_ends_of_a_long_message(tiny_tokenizer):
+    gate = PublicationGate(tiny_tokenizer, probes=[])
+    served = _served(tiny_tokenizer, "runB")
+    third = served[2]
+    # The answer before "Thanks, that's all." is short: that exchange fits and is kept, older ones are not.
+    kept = tiny_tokenizer.decode(gate.bounded_ids(third[0]))
+    assert kept.count("<|im_start|>user") == 2 and "Too long, answer in one sentence." in kept
+    assert "capital of France" not in kept and kept.endswith("Thanks, that's all.<|im_end|>\n<|im_start|>assistant\n")
+    # A text to summarise, longer than the budget: its instruction and its end are kept, the middle is cut.
+    summarise = served[4][0]
+    assert summarise[-1]["content"].startswith("[Mon 2026-11-23 20:08 UTC] Summarize the following text")
+    ids = gate.bounded_ids(summarise)
+    text = tiny_tokenizer.decode(ids)
+    assert len(ids) <= RECENT_TAIL_TOKENS and "Summarize the following text in one sentence" in text
+    assert "\n…\n" in text and "## Seeing it learn: `make demo` and `clawloop eval`<|im_end|>" in text
+    # A prompt that ends in a tool result has no closing user message: the long one is left out.
+    tool_turn = [{"role": "system", "content": "Use tools. " * 600}, {"role": "user", "content": "List files."},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "a.txt"}]
+    assert closing_exchanges(tool_turn) == [] and gate.bounded_ids(tool_turn) == []

@@ -8,13 +8,13 @@ import time
 import torch
 
 from clawloop.engines.hf import HFEngine
-from clawloop.store import Store, TurnState
+from clawloop.store import SampleRecord, Store, TurnRecord, TurnState
 from clawloop.trainer import checkpoint as ckpt
 from clawloop.trainer.loop import OnlineTrainer
 from clawloop.trainer.metrics import read_metrics
 from clawloop.trainer.offline import train_offline
 
-from trainer_helpers import HINTS, add_sample
+from trainer_helpers import HINTS, add_sample, logprob_table, render
 
 
 async def wait_for(predicate, timeout_s=120.0, what="condition"):
@@ -62,6 +62,95 @@ def test_trains_once_a_batch_is_ready_without_blocking_the_event_loop(make_confi
     for key in ("loss", "grpo_loss", "opd_loss", "grad_norm", "lr", "step", "policy_version", "samples", "tokens",
                 "step_time_s", "staleness_mean", "old_behaviour_logprob_gap", "sample_version_max"):
         assert key in line, key
+
+
+def test_samples_short_of_a_batch_train_once_the_oldest_has_waited(make_config, base_model, tiny_tokenizer,
+                                                                   tiny_model_path, tmp_path):
+    # Two conversations' worth of samples and a batch of 16: without a bound on the wait they would never train.
+    config = make_config(method="hybrid", rollout_batch_size=16, batch_wait_s=1.0, idle_train_s=0.0)
+    store = Store(tmp_path / "store.sqlite")
+    engine = HFEngine(tiny_model_path, device="cpu", num_threads=2, max_batch_size=4)
+
+    async def main():
+        trainer = OnlineTrainer(config, store, engine, poll_interval_s=0.05, console=None)
+        await trainer.start()
+        ids = [add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i else -1.0,
+                          hints=HINTS if i == 0 else ()) for i in range(2)]
+        trainer.wake()
+        await wait_for(lambda: trainer.step == 1, what="a step on the two ready samples")
+        assert trainer.status()["short_batches"] == 1
+        await trainer.stop()
+        return ids
+
+    try:
+        ids = asyncio.run(main())
+        assert engine.policy_version == 1  # the step's weights are served
+    finally:
+        engine.close_sync()
+    (step,) = store.steps()
+    assert sorted(step["turn_ids"]) == sorted(ids) and step["metrics"]["samples"] == 2.0
+    assert step["metrics"]["grad_norm"] > 0  # a real optimizer step
+    # Trained no sooner than the bound: the oldest sample had waited batch_wait_s for a full batch.
+    oldest = min(store.get_sample(i).created_at for i in ids)
+    assert step["created_at"] - oldest >= config.batch_wait_s
+    assert store.count_samples() == {TurnState.CONSUMED: 2}
+
+
+def _served_turn(model, tokenizer, session_id):
+    messages = [{"role": "user", "content": "What is a frog?"}]
+    prompt = render(tokenizer, messages)
+    response = list(tokenizer("A small amphibian.", add_special_tokens=False)["input_ids"]) + [2]
+    table = logprob_table(model, prompt, response, 1.0)
+    behaviour = table.gather(1, torch.tensor(response)[:, None])[:, 0].tolist()
+    return TurnRecord(session_id=session_id, messages=messages, prompt_ids=prompt, response_ids=response,
+                      logprobs=behaviour, temperature=1.0, top_p=1.0, policy_version=0)
+
+
+def test_samples_short_of_a_batch_train_when_the_user_goes_idle(make_config, base_model, tiny_tokenizer, tmp_path):
+    config = make_config(method="rl", rollout_batch_size=16, batch_wait_s=0.0, idle_train_s=1.0)
+    store = Store(tmp_path / "store.sqlite")
+    ready = add_sample(store, base_model, tiny_tokenizer, 0, reward=1.0)
+    # The user's last answer has its next message but is not judged yet: its sample belongs in the same step.
+    pending = store.add_turn(_served_turn(base_model, tiny_tokenizer, "s-last"))
+    assert store.set_next_state(pending, [{"role": "user", "content": "Thanks!"}])
+
+    async def main():
+        from clawloop.trainer.publish import LocalVersion
+
+        trainer = OnlineTrainer(config, store, LocalVersion(), poll_interval_s=0.05, console=None)
+        await trainer.start()
+        await asyncio.sleep(2.5)  # well past the idle window, but a turn is still to be judged
+        assert trainer.step == 0 and trainer.train_what_is_ready(time.time()) is None
+        (claimed,) = store.claim_judgeable(1)
+        assert store.put_sample(SampleRecord(turn_id=claimed.id, reward=-1.0, kind="rl"))
+        trainer.wake()
+        await wait_for(lambda: trainer.step == 1, what="a step once the user is idle and nothing is being judged")
+        await trainer.stop()
+        return trainer
+
+    trainer = asyncio.run(main())
+    (step,) = store.steps()
+    assert sorted(step["turn_ids"]) == sorted([ready, pending]) and trainer.short_batches == 1
+    last_turn = max(store.get_turn(t).created_at for t in (ready, pending))
+    assert step["created_at"] - last_turn >= config.idle_train_s  # no new turn for the idle window
+    assert store.count_samples() == {TurnState.CONSUMED: 2}
+
+
+def test_an_active_user_keeps_samples_waiting_for_a_batch_or_the_bound(make_config, base_model, tiny_tokenizer,
+                                                                         tmp_path):
+    config = make_config(method="rl", rollout_batch_size=16, batch_wait_s=0.0, idle_train_s=30.0)
+    store = Store(tmp_path / "store.sqlite")
+    add_sample(store, base_model, tiny_tokenizer, 0, reward=1.0)
+    trainer = OnlineTrainer(config, store, None, console=None)
+    now = time.time()
+    assert trainer.train_what_is_ready(now) is None  # a turn came just now; no bound on the wait
+    assert "idle_train_s" in trainer.train_what_is_ready(now + 31.0)
+    bounded = OnlineTrainer(make_config(method="rl", rollout_batch_size=16, batch_wait_s=10.0, idle_train_s=0.0),
+                            store, None, console=None)
+    assert bounded.train_what_is_ready(now) is None
+    assert "batch_wait_s" in bounded.train_what_is_ready(now + 11.0)
+    store.lease_samples(1)
+    assert bounded.train_what_is_ready(now + 11.0) is None  # nothing ready, nothing to train
 
 
 def test_a_failed_step_gives_its_samples_back(make_config, base_model, tiny_tokenizer, tmp_path, monkeypatch):
