@@ -2,7 +2,7 @@
 
 Variants (same inputs, same downstream objective; only how ℓ_θ at the K subset ids is obtained differs):
 
-* ``clawloop``   — ``clawloop.losses.topk_select_opd_loss``: one chunked log-softmax per position inside a custom
+* ``clawloop``   — ``clawloop.losses.logprobs_at``: one chunked log-softmax per position inside a custom
                    autograd Function, then gathers.
 * ``autograd``   — one plain ``torch.log_softmax`` over [T, V] with ordinary autograd, then one gather.
 * ``naive``      — the original's approach: for each of the K top-k columns, a clone of the logits does its own
@@ -93,12 +93,10 @@ def _loss(variant: str, logits, targets, args):
     from clawloop import losses
 
     settings = dict(adv_diff_clip=1.0, eps_clip=0.2, eps_clip_high=0.28)
-    if variant == "clawloop":
-        return losses.topk_select_opd_loss(logits, targets, hint_selection=args.hint_selection,
-                                           subset_mode=args.subset_mode, temperature=args.temperature,
-                                           **settings)[0]
     subset = losses.topk_subset(targets, hint_selection=args.hint_selection, subset_mode=args.subset_mode)
-    if variant == "autograd":
+    if variant == "clawloop":
+        cur_T_K = losses.logprobs_at(logits, subset.ids_T_K, args.temperature)
+    elif variant == "autograd":
         cur_T_K = torch.log_softmax(logits / args.temperature, -1).gather(1, subset.ids_T_K)
     else:
         columns = []
@@ -106,7 +104,7 @@ def _loss(variant: str, logits, targets, args):
             copy_T_V = logits.clone() / args.temperature
             columns.append(torch.log_softmax(copy_T_V, -1).gather(1, subset.ids_T_K[:, k:k + 1]))
         cur_T_K = torch.cat(columns, 1)
-    return losses.topk_select_opd_loss_from_logprobs(cur_T_K, subset, **settings)[0]
+    return losses.topk_select_loss(cur_T_K, subset, **settings)[0]
 
 
 def run_child(args) -> None:

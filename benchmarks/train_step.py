@@ -1,8 +1,9 @@
 """Training-step throughput and peak memory on the default model (SmolLM2-135M-Instruct), full vs LoRA.
 
 For each variant a fresh subprocess loads the model, writes ``samples × steps`` hybrid-method samples into a
-temporary store (real chat-template prompts, ``--tokens`` response tokens of real text, two hint candidates with
-top-k teacher tensors, one sample in two without a hint), and runs ``--steps`` trainer steps through
+temporary store (real chat-template prompts, ``--tokens`` response tokens of real text, two hint candidates, one
+sample in two without a hint; the teacher's scores are made up at the asked ids by ``benchmarks/synthetic.py``),
+and runs ``--steps`` trainer steps through
 ``clawloop.trainer.core.Trainer`` — the same code the server runs. It reports, per step, samples/s and where the
 time went:
 
@@ -48,6 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.synthetic import FILLER, RandomTeacher, add_sample, write_samples  # noqa: E402
+
 VARIANTS = {
     "full": {"lora": False},
     "lora": {"lora": True},
@@ -55,8 +58,6 @@ VARIANTS = {
     "full-sep": {"lora": False, "fuse_old": False},
 }
 PHASES = ("time_old_forward_s", "time_forward_s", "time_loss_s", "time_backward_s", "time_optimizer_s")
-FILLER = ("The quick brown fox jumps over the lazy dog while the committee reviews the quarterly report, "
-          "and every engineer on the team writes careful notes about caching, retries and timeouts. ")
 
 
 def _status_kib(field: str) -> int:
@@ -72,7 +73,7 @@ def child(variant: str, samples: int, tokens: int, steps: int, threads: int) -> 
     torch.set_num_threads(threads)
     from clawloop.config import Config
     from clawloop.engines.model_files import default_model_dir, load_tokenizer
-    from clawloop.store import SampleRecord, Store, TurnRecord
+    from clawloop.store import Store
     from clawloop.trainer.core import Trainer
     from clawloop.trainer.publish import LocalVersion
 
@@ -84,33 +85,9 @@ def child(variant: str, samples: int, tokens: int, steps: int, threads: int) -> 
                                        lora=opts["lora"], rollout_batch_size=samples,
                                        micro_batch_size=min(samples, 4), metrics_backends=["jsonl"]))
         store = Store(Path(tmp) / "store.sqlite")
-        text_ids = tokenizer(FILLER * (tokens // 20 + 2), add_special_tokens=False)["input_ids"]
-        gen = torch.Generator().manual_seed(0)
-        k, vocab = config.topk, len(tokenizer)
-        for i in range(samples * steps):
-            messages = [{"role": "user", "content": f"Question {i}: summarise the meeting notes."}]
-            prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
-            response = list(text_ids[i:i + tokens - 1]) + [2]
-            tid = store.add_turn(TurnRecord(session_id=f"s{i}", messages=messages, prompt_ids=prompt,
-                                            response_ids=response, logprobs=[-1.0] * tokens, temperature=0.6,
-                                            top_p=1.0, policy_version=0))
-            store.set_next_state(tid, [{"role": "user", "content": "please fix it"}])
-            store.claim_judgeable(1)
-            hints, targets = [], None
-            if i % 2 == 0:
-                hints = ["Keep it to three bullet points.", "Mention the decision and the owner of each action."]
-                C = len(hints)
-                ids = torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(C * tokens)])
-                targets = {
-                    "student_ids_T_K": torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(tokens)]),
-                    "teacher_ids_C_T_K": ids.reshape(C, tokens, k),
-                    "teacher_logprobs_C_T_K": -torch.rand(C, tokens, k, generator=gen).sort(-1).values * 4,
-                    "teacher_at_student_C_T_K": -torch.rand(C, tokens, k, generator=gen) * 8,
-                    "hint_lens_C": torch.tensor([len(h) for h in hints]),
-                }
-            store.put_sample(SampleRecord(turn_id=tid, reward=1.0 if i % 3 else -1.0,
-                                          kind="rl+opd" if hints else "rl", hints=hints, targets=targets))
-        trainer = Trainer(config, store, LocalVersion(), console=None, fuse_old=opts.get("fuse_old"))
+        write_samples(store, tokenizer, samples * steps, tokens)
+        trainer = Trainer(config, store, LocalVersion(), console=None, fuse_old=opts.get("fuse_old"),
+                          teacher=RandomTeacher(len(tokenizer), config.topk))
         rss_loaded_kib = _status_kib("VmRSS")
         params = sum(p.numel() for p in trainer.models.trainable_parameters())
         results = []
@@ -145,7 +122,7 @@ def child_long(variant: str, approach: str, sample_tokens: int, threads: int) ->
     torch.set_num_threads(threads)
     from clawloop.config import Config
     from clawloop.engines.model_files import default_model_dir, load_tokenizer
-    from clawloop.store import SampleRecord, Store, TurnRecord
+    from clawloop.store import Store
     from clawloop.trainer.core import Trainer
     from clawloop.trainer.publish import LocalVersion
 
@@ -164,24 +141,9 @@ def child_long(variant: str, approach: str, sample_tokens: int, threads: int) ->
         # The filler goes into the user message, before its "<|im_end|>" and the assistant header (6 tokens).
         prompt = head[:-6] + list(filler[:prompt_tokens - len(head)]) + head[-6:]
         response = list(filler[:T - 1]) + [2]
-        tid = store.add_turn(TurnRecord(session_id="s0", messages=messages, prompt_ids=prompt, response_ids=response,
-                                        logprobs=[-1.0] * T, temperature=0.6, top_p=1.0, policy_version=0))
-        store.set_next_state(tid, [{"role": "user", "content": "please fix it"}])
-        store.claim_judgeable(1)
-        gen = torch.Generator().manual_seed(0)
-        k, vocab = config.topk, len(tokenizer)
-        hints = ["Keep it to three bullet points.", "Mention the decision and the owner of each action."]
-        C = len(hints)
-        targets = {
-            "student_ids_T_K": torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(T)]),
-            "teacher_ids_C_T_K": torch.stack([torch.randperm(vocab, generator=gen)[:k]
-                                              for _ in range(C * T)]).reshape(C, T, k),
-            "teacher_logprobs_C_T_K": -torch.rand(C, T, k, generator=gen).sort(-1).values * 4,
-            "teacher_at_student_C_T_K": -torch.rand(C, T, k, generator=gen) * 8,
-            "hint_lens_C": torch.tensor([len(h) for h in hints]),
-        }
-        store.put_sample(SampleRecord(turn_id=tid, reward=1.0, kind="rl+opd", hints=hints, targets=targets))
-        trainer = Trainer(config, store, LocalVersion(), console=None)
+        add_sample(store, prompt, response, messages, 0, hinted=True, reward=1.0)
+        trainer = Trainer(config, store, LocalVersion(), console=None,
+                          teacher=RandomTeacher(len(tokenizer), config.topk))
         rss_loaded_kib = _status_kib("VmRSS")
         lease, leased = store.lease_samples(1)
         t0, c0 = time.perf_counter(), time.process_time()

@@ -28,7 +28,8 @@ from clawloop.store import STORE_FILENAME, find_store
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from clawloop.serve import RunFolderError
+    from clawloop.judge.endpoint_check import JudgeEndpointError
+    from clawloop.run_folder import RunFolderError
 
     config = config_from_args(args)
     if config.train:
@@ -44,7 +45,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run(config, log_level=args.log_level, **kwargs)
     except KeyboardInterrupt:  # Ctrl-C / SIGINT after a clean shutdown: not an error
         pass
-    except RunFolderError as exc:  # a known state of the run folder: its own paragraph, no traceback
+    except (RunFolderError, JudgeEndpointError) as exc:  # a known start-up problem: its own paragraph
         print(f"clawloop serve: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -119,8 +120,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from clawloop.runtime import check_resumable
-    from clawloop.serve import RunFolderError, open_run_store
+    from clawloop.run_folder import RunFolderError, check_resumable, open_run_store
     from clawloop.trainer.offline import train_offline
 
     run_dir = Path(args.run_dir)
@@ -134,7 +134,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     except RunFolderError as exc:
         print(f"clawloop train: {exc}", file=sys.stderr)
         return 2
-    summary = train_offline(config, run_dir, args.max_steps)
+    from clawloop.assemble import offline_teacher
+
+    with offline_teacher(config) as teacher:
+        summary = train_offline(config, run_dir, args.max_steps, teacher=teacher)
     print(json.dumps(summary, default=str))
     return 0
 
@@ -143,6 +146,7 @@ def cmd_judge_check(args: argparse.Namespace) -> int:
     import os
 
     from clawloop.judge.check import run_command
+    from clawloop.judge.endpoint_check import JudgeEndpointError
 
     if args.backend:
         args.judge_backend = args.backend
@@ -155,9 +159,13 @@ def cmd_judge_check(args: argparse.Namespace) -> int:
     if args.judge_url and not args.judge_backend:
         args.judge_backend = "http"
     config = config_from_args(args)
-    return run_command(config, cases_path=Path(args.cases) if args.cases else None, limit=args.limit,
-                       case_concurrency=args.case_concurrency, details=Path(args.details) if args.details else None,
-                       as_json=args.json)
+    try:
+        return run_command(config, cases_path=Path(args.cases) if args.cases else None, limit=args.limit,
+                           case_concurrency=args.case_concurrency,
+                           details=Path(args.details) if args.details else None, as_json=args.json)
+    except JudgeEndpointError as exc:
+        print(f"clawloop judge check: {exc}", file=sys.stderr)
+        return 2
 
 
 def cmd_openclaw_config(args: argparse.Namespace) -> int:
@@ -185,8 +193,9 @@ def cmd_openclaw_config(args: argparse.Namespace) -> int:
 
 def cmd_openclaw(args: argparse.Namespace) -> int:
     from clawloop.openclaw_config import OpenClawConfigError
+    from clawloop.judge.endpoint_check import JudgeEndpointError
     from clawloop.openclaw_launch import OpenClawSetupError, bring_up
-    from clawloop.serve import RunFolderError
+    from clawloop.run_folder import RunFolderError
 
     try:
         bring_up(config_from_args(args), openclaw_dir=args.openclaw_dir, plugin=args.plugin,
@@ -194,7 +203,7 @@ def cmd_openclaw(args: argparse.Namespace) -> int:
                  fresh=args.fresh, log_level=args.log_level)
     except KeyboardInterrupt:  # Ctrl-C after a clean shutdown: not an error
         pass
-    except (OpenClawSetupError, OpenClawConfigError, RunFolderError) as exc:
+    except (OpenClawSetupError, OpenClawConfigError, RunFolderError, JudgeEndpointError) as exc:
         print(f"clawloop openclaw: {exc}", file=sys.stderr)
         return 2
     return 0

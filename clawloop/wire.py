@@ -1,13 +1,18 @@
-"""The JSON form of a leased sample and its turn, as the trainer routes send it and a remote trainer reads it.
+"""The records that cross a process boundary, and their one codec.
 
-It sits beside the records it encodes (``clawloop.store``) so that both ends, the API's trainer routes and
-``clawloop.trainer.remote``, import it from below. Teacher targets travel as base64 safetensors, so their
-tensors arrive bit-for-bit as stored.
+* A leased sample and its turn, as the trainer routes send it and a remote trainer reads it.
+* ``TeacherScores``: the teacher's answer for one sample (the one name of that tensor bundle), as the in-process
+  teacher returns it, as a sample row records it, and as the admin teacher route sends it to a ``torchrun``
+  trainer; with ``TeacherRequest``, what a trainer asks for.
+
+It sits beside the records it encodes (``clawloop.store``) so that both ends (the API's routes, the trainer's
+clients) import it from below. Tensors travel as base64 safetensors, so they arrive bit-for-bit as computed.
 """
 
 from __future__ import annotations
 
 import base64
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -27,6 +32,108 @@ def decode_tensors(text: str | None) -> dict[str, torch.Tensor] | None:
     if text is None:
         return None
     return st_load(base64.b64decode(text))
+
+
+@dataclass
+class TeacherScores:
+    """The teacher's answer for one sample: per hint candidate c (in hint order; no hints = one candidate, the
+    un-hinted prompt) and response position t, from ``log_softmax(logits / τ)`` at the turn's train-side τ.
+
+    Ids are int64, log-probs float32. The first five fields are what the objective reads; the rest are
+    record-only (the dashboard's per-token view) and may be absent.
+    """
+
+    student_ids_T_K: torch.Tensor
+    """[T, K] the ids the teacher was asked at: the old policy's top-k at training time."""
+    teacher_ids_C_T_K: torch.Tensor
+    """[C, T, K'] each candidate teacher's own top-k ids."""
+    teacher_logprobs_C_T_K: torch.Tensor
+    """[C, T, K'] their log-probs."""
+    teacher_at_student_C_T_K: torch.Tensor
+    """[C, T, K] the teacher's log-probs at ``student_ids_T_K``."""
+    hint_lens_C: torch.Tensor
+    """[C] each candidate's hint length in characters (0 for the un-hinted candidate)."""
+    teacher_token_logprobs_C_T: torch.Tensor | None = None
+    """[C, T] the teacher's log-probs at the sampled ids (record-only)."""
+    student_logprobs_T_K: torch.Tensor | None = None
+    """[T, K] the old policy's log-probs at ``student_ids_T_K`` (record-only, filled by the trainer)."""
+    student_token_logprobs_T: torch.Tensor | None = None
+    """[T] the old policy's log-probs at the sampled ids (record-only, filled by the trainer)."""
+    teacher_version: int = 0
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensor fields that are set, by name (a sample row's ``targets`` column holds this form)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                out[f.name] = value.contiguous()
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor] | None, teacher_version: int = 0) -> "TeacherScores | None":
+        """The bundle from its tensor form; None when a field the objective reads is missing."""
+        if not tensors or any(k not in tensors for k in SCORE_KEYS):
+            return None
+        known = {f.name for f in fields(cls)} - {"teacher_version"}
+        hint_lens_C = tensors.get("hint_lens_C")
+        if hint_lens_C is None:  # rows written before the field existed
+            hint_lens_C = torch.zeros(tensors["teacher_ids_C_T_K"].shape[0], dtype=torch.int64)
+        kwargs = {k: v for k, v in tensors.items() if k in known}
+        kwargs["hint_lens_C"] = hint_lens_C
+        return cls(**kwargs, teacher_version=int(teacher_version))
+
+
+SCORE_KEYS = ("student_ids_T_K", "teacher_ids_C_T_K", "teacher_logprobs_C_T_K", "teacher_at_student_C_T_K")
+"""The ``TeacherScores`` fields the objective reads."""
+
+
+@dataclass
+class TeacherRequest:
+    """What a trainer asks the teacher for one sample: score the turn's stored response under each hint
+    candidate, with the teacher's own top-k and its log-probs at ``student_ids_T_K``."""
+
+    turn: TurnRecord
+    hints: list[str]
+    """Hint candidates; empty = the un-hinted prompt itself (the anchor)."""
+    student_ids_T_K: torch.Tensor
+    temperature: float
+
+
+def scores_to_json(scores: TeacherScores) -> dict[str, Any]:
+    return {"tensors": encode_tensors(scores.tensors()), "teacher_version": int(scores.teacher_version)}
+
+
+def scores_from_json(d: dict[str, Any]) -> TeacherScores:
+    scores = TeacherScores.from_tensors(decode_tensors(d["tensors"]), int(d.get("teacher_version", 0)))
+    if scores is None:
+        raise ValueError("teacher scores without the tensors the objective reads")
+    return scores
+
+
+def request_to_json(request: TeacherRequest) -> dict[str, Any]:
+    turn = request.turn
+    return {"turn_id": turn.id, "messages": turn.messages, "tools": turn.tools,
+            "prompt_ids": list(turn.prompt_ids), "response_ids": list(turn.response_ids),
+            "hints": list(request.hints), "temperature": float(request.temperature),
+            "student_ids": encode_tensors({"student_ids_T_K": request.student_ids_T_K.to(torch.int64)})}
+
+
+def request_from_json(d: dict[str, Any]) -> TeacherRequest:
+    """The request a trainer sent; raises KeyError/ValueError/TypeError on a malformed one."""
+    response_ids = [int(x) for x in d["response_ids"]]
+    turn = TurnRecord(session_id="", messages=list(d["messages"]), prompt_ids=[int(x) for x in d["prompt_ids"]],
+                      response_ids=response_ids, logprobs=[0.0] * len(response_ids), temperature=0.0, top_p=1.0,
+                      policy_version=0, tools=d.get("tools"),
+                      id=None if d.get("turn_id") is None else int(d["turn_id"]))
+    ids = decode_tensors(d["student_ids"])
+    if ids is None or "student_ids_T_K" not in ids:
+        raise ValueError("'student_ids' holds no student_ids_T_K")
+    hints = d.get("hints") or []
+    if not isinstance(hints, list) or not all(isinstance(h, str) for h in hints):
+        raise ValueError("'hints' must be a list of strings")
+    return TeacherRequest(turn=turn, hints=hints, student_ids_T_K=ids["student_ids_T_K"].to(torch.int64),
+                          temperature=float(d["temperature"]))
 
 
 def sample_to_json(sample: SampleRecord, turn: TurnRecord) -> dict[str, Any]:

@@ -6,9 +6,9 @@
 import asyncio
 import sys
 
+from clawloop.assemble import build_pipeline
 from clawloop.config import Config
 from clawloop.engines.hf import HFEngine
-from clawloop.pipeline import build_pipeline
 from clawloop.store import Store
 
 
@@ -17,8 +17,7 @@ async def main(store_path: str, judge_url: str) -> None:
                     judge_retries=1, num_threads=1, max_batch_size=4)
     store = Store(store_path)
     policy = HFEngine("tiny", device="cpu", num_threads=1, max_batch_size=4)
-    pipeline = build_pipeline(config, store, policy_engine=policy, tokenizer=policy.tokenizer, concurrency=2,
-                              poll_interval_s=0.2)
+    pipeline = build_pipeline(config, store, tokenizer=policy.tokenizer, concurrency=2, poll_interval_s=0.2)
     recovered = await pipeline.start()
     print(f"started {recovered}", flush=True)
     drained = await pipeline.drain(timeout_s=300)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from clawloop import losses as L
+from losses_support import compute_objective
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -130,7 +131,7 @@ def _grpo_batch_grad(advantages, logits_B_T_V, ids_B_T):
         old_T = torch.log_softmax(logits_B_T_V[b], -1).gather(1, ids_B_T[b].view(-1, 1)).squeeze(1)
         samples.append(L.ObjectiveSample(response_ids_T=ids_B_T[b], old_logprobs_T=old_T, reward=adv,
                                          logits_T_V=logits[b]))
-    loss, metrics = L.compute_objective(samples, L.ObjectiveSettings(method="rl", track_entropy=False))
+    loss, metrics = compute_objective(samples, L.ObjectiveSettings(method="rl", track_entropy=False))
     loss.backward()
     return logits.grad, metrics
 

@@ -130,3 +130,29 @@ def test_clawloop_serve_runs_as_a_process(tmp_path):
     store = Store(tmp_path / "run" / "store.sqlite")
     assert len(store.turns()) == 1  # still awaiting: shutdown keeps it for the next start
     assert store.turns()[0].state == "awaiting_next"
+
+
+def test_train_asks_the_base_teacher_for_hinted_samples(tiny_tokenizer, tmp_path, capsys):
+    """Offline training has no server, so `clawloop train` loads the frozen base model as the teacher: a sample
+    whose only signal is a hint (vote 0) trains its distillation branch instead of being dropped."""
+    from clawloop.store import SampleRecord
+
+    store = Store(tmp_path / "store.sqlite")
+    messages = [{"role": "user", "content": "Describe the sea."}]
+    prompt = list(tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+    response = tiny_tokenizer("The sea is wide and deep.", add_special_tokens=False)["input_ids"] + [2]
+    tid = store.add_turn(TurnRecord(session_id="s", messages=messages, prompt_ids=prompt, response_ids=response,
+                                    logprobs=[-1.0] * len(response), temperature=0.7, top_p=1.0, policy_version=0))
+    store.set_next_state(tid, [{"role": "user", "content": "Shorter, please."}])
+    store.claim_judgeable(1)
+    assert store.put_sample(SampleRecord(turn_id=tid, reward=0.0, kind="opd", hints=["Answer in five words."]))
+    store.close()
+    assert main(["train", str(tmp_path), "--model", "tiny", "--device", "cpu", "--num-threads", "2",
+                 "--method", "hybrid", "--rollout-batch-size", "1", "--no-gate"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 1 and summary["samples"] == 1
+    assert summary["last_metrics"]["teacher_asked"] == 1.0 and summary["last_metrics"].get("teacher_missing", 0) == 0
+    store = Store(tmp_path / "store.sqlite")
+    assert store.count_samples() == {"consumed": 1}
+    assert store.get_sample(tid).targets is not None  # the scores it trained on are kept with it
+    store.close()

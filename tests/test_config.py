@@ -149,3 +149,62 @@ def test_remote_trainer_with_admin_key_is_valid():
     config = Config.load(env={}, trainer="remote", admin_key="k")
     assert config.trainer == "remote"
     assert Config.load(env={}, trainer="remote", train=False).train is False  # nothing leases: no key needed
+
+
+# ---- sections ----------------------------------------------------------------------------------------------
+
+
+def test_sections_partition_the_settings_and_every_field_has_help():
+    from dataclasses import fields
+
+    from clawloop.config import SECTIONS
+
+    names = [f.name for _, section in SECTIONS for f in fields(section)]
+    assert sorted(names) == sorted(f.name for f in fields(Config)) and len(names) == len(set(names))
+    assert not {attribute for attribute, _ in SECTIONS} & set(names)  # no section hides a flat setting
+    assert [f.name for f in fields(Config)] == names  # flat order = reading order of the sections
+    assert all(f.metadata.get("help") for f in fields(Config))
+
+
+def test_each_component_can_take_its_section(tmp_path):
+    from clawloop.config import SECTIONS, GateSettings, TrainerSettings
+
+    path = tmp_path / "c.toml"
+    path.write_text('[training]\nlr = 3e-5\nlora = true\n[gating]\ngate_every = 2\n')
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    args = parser.parse_args(["--config", str(path), "--rollout-batch-size", "4", "--judge-url", "http://j/v1"])
+    config = config_from_args(args, env={"CLAWLOOP_GATE_MAX_KL": "2.5", "PRM_M": "5"})
+    assert config.training == TrainerSettings(lr=3e-5, lora=True, rollout_batch_size=4)
+    assert config.training.learning_rate == 3e-5 and config.lr == 3e-5  # the flat names stay
+    assert config.gating == GateSettings(gate_every=2, gate_max_kl=2.5)
+    assert (config.judging.judge_url, config.judging.prm_m) == ("http://j/v1", 5)
+    assert config.objective.weights == config.weights == (1.0, 1.0) and config.objective.needs_hints
+    for attribute, section in SECTIONS:
+        part = getattr(config, attribute)
+        assert type(part) is section and isinstance(config, section)
+    assert not hasattr(config.serving, "lr") and not hasattr(config.training, "host")
+    # A copy: changing a component's section leaves the config as it was.
+    part = config.training
+    part.lr = 1.0
+    assert config.lr == 3e-5
+
+
+def test_objective_settings_come_from_the_config_or_its_section():
+    from clawloop.losses import ObjectiveSettings
+
+    config = Config.load(env={}, method="rl", subset_mode="teacher", train_temperature=0.0, eps_clip=0.1)
+    whole, section = ObjectiveSettings.from_config(config), ObjectiveSettings.from_config(config.objective)
+    assert whole == section
+    assert (whole.weights, whole.subset_mode, whole.eps_clip) == ((1.0, 0.0), "teacher", 0.1)
+    assert whole.temperature == 0.0  # Config's own default: each turn's sampling temperature
+
+
+def test_help_groups_the_flags_by_section():
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    text = parser.format_help()
+    for title in ("engines settings", "serving settings", "judging settings", "objective settings",
+                  "training settings", "gating settings"):
+        assert title in text
+    assert text.index("training settings") < text.index("\n  --lr LR") < text.index("gating settings")

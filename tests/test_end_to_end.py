@@ -105,7 +105,7 @@ def test_a_stopped_server_lets_go_of_its_weights(tmp_path):
                     conversation(http, f"c{i}", QUESTIONS[i], corrected=True)
                 wait_for(lambda: trainer.step >= 1 and server.engine.policy_version >= 1, what="one published step")
             heavy = [server.engine.model, trainer.core.models.policy, trainer.core.models.causal_lm,
-                     trainer.core.optimizer, *(e.model for e in pipeline.owned_engines)]
+                     trainer.core.optimizer, *(e.model for e in server.parts.owned_engines)]
             if trainer.core.models.reference is not None:
                 heavy.append(trainer.core.models.reference)
             refs = [weakref.ref(obj) for obj in heavy]

@@ -12,18 +12,19 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "clawloop"
 # Lowest first. A module belongs to the layer of the longest prefix that names it; "clawloop" names only the
 # package's __init__, so a new top-level module has no layer until it is given one.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("clawloop", "clawloop.memory", "clawloop.atomic", "clawloop.retry", "clawloop.temperature")),
+    ("base", ("clawloop", "clawloop.memory", "clawloop.atomic", "clawloop.weight_folder", "clawloop.openclaw_format",
+              "clawloop.retry", "clawloop.temperature")),
     ("records", ("clawloop.store", "clawloop.wire")),
     ("engines, renderers", ("clawloop.engines", "clawloop.renderers")),
-    ("config", ("clawloop.config",)),
     ("losses", ("clawloop.losses",)),
+    ("config", ("clawloop.config",)),
     ("judge, teacher, gate", ("clawloop.judge", "clawloop.teacher", "clawloop.gate")),
     ("pipeline", ("clawloop.pipeline",)),
     ("trainer", ("clawloop.trainer",)),
-    ("api", ("clawloop.api", "clawloop.dashboard")),
-    ("serve, runtime", ("clawloop.serve", "clawloop.runtime")),
-    ("commands", ("clawloop.cli", "clawloop.sim", "clawloop.openclaw_config", "clawloop.openclaw_launch",
-                  "clawloop.judge.check")),
+    ("api", ("clawloop.api",)),
+    ("dashboard", ("clawloop.dashboard",)),
+    ("assembly, serve, runtime", ("clawloop.run_folder", "clawloop.assemble", "clawloop.serve", "clawloop.runtime")),
+    ("commands", ("clawloop.cli", "clawloop.sim", "clawloop.openclaw_config", "clawloop.openclaw_launch")),
 ]
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from clawloop import losses as L
+from losses_support import batch_mean, build_topk_targets, compute_objective, topk_select_opd_loss, topk_tail_kl_loss
 
 torch.set_num_threads(1)
 
@@ -116,7 +117,7 @@ def make_case(seed: int, T: int = 7, V: int = 13, C: int = 3, K: int = 4, dtype=
     teacher_full = torch.log_softmax(old_logits + teacher_noise * torch.randn(C, T, V, generator=g, dtype=F64) * 2,
                                      -1)
     logits = (old_logits + 0.5 * torch.randn(T, V, generator=g, dtype=F64)).to(dtype)
-    return logits, old_full, teacher_full, L.build_topk_targets(old_full, teacher_full, K)
+    return logits, old_full, teacher_full, build_topk_targets(old_full, teacher_full, K)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -192,7 +193,7 @@ def test_topk_select_matches_reference(hint_selection, subset_mode):
     for seed, clip, tau in ((0, 1.0, 1.0), (1, 0.0, 0.7), (2, 0.3, 1.3)):
         logits, old_full, teacher_full, targets = make_case(seed)
         mask = torch.tensor([1, 1, 0, 1, 1, 1, 0], dtype=F64)
-        loss_T, metrics = L.topk_select_opd_loss(
+        loss_T, metrics = topk_select_opd_loss(
             logits, targets, hint_selection=hint_selection, subset_mode=subset_mode, adv_diff_clip=clip,
             temperature=tau, mask_T=mask)
         want_T, want_metrics = ref_topk_select(logits, old_full, teacher_full, 4, hint_selection, subset_mode,
@@ -209,7 +210,7 @@ def test_topk_select_gradient_matches_finite_differences(hint_selection, subset_
     x = logits.clone().requires_grad_(True)
 
     def f(z):
-        return L.topk_select_opd_loss(z, targets, hint_selection=hint_selection, subset_mode=subset_mode,
+        return topk_select_opd_loss(z, targets, hint_selection=hint_selection, subset_mode=subset_mode,
                                       temperature=0.8, chunk_tokens=3)[0]
 
     assert torch.autograd.gradcheck(f, (x,))
@@ -248,8 +249,8 @@ def test_temperature_scaling_is_consistent():
     tau = 0.6
     a = logits.clone().requires_grad_(True)
     b = (logits / tau).clone().requires_grad_(True)
-    loss_a, _ = L.topk_select_opd_loss(a, targets, temperature=tau)
-    loss_b, _ = L.topk_select_opd_loss(b, targets, temperature=1.0)
+    loss_a, _ = topk_select_opd_loss(a, targets, temperature=tau)
+    loss_b, _ = topk_select_opd_loss(b, targets, temperature=1.0)
     assert torch.allclose(loss_a, loss_b, atol=1e-12)
     loss_a.sum().backward()
     loss_b.sum().backward()
@@ -278,9 +279,9 @@ def test_a_candidate_identical_to_the_student_gives_zero_advantage(subset_mode):
     logits, old_full, teacher_full, _ = make_case(7)
     teacher_full = teacher_full.clone()
     teacher_full[1] = old_full  # candidate 1 is the student itself; candidate 0 differs
-    targets = L.build_topk_targets(old_full, teacher_full, 4)
+    targets = build_topk_targets(old_full, teacher_full, 4)
     x = logits.clone().requires_grad_(True)
-    loss_T, metrics = L.topk_select_opd_loss(x, targets, hint_selection="sequence_optimal",
+    loss_T, metrics = topk_select_opd_loss(x, targets, hint_selection="sequence_optimal",
                                              subset_mode=subset_mode)
     # Full overlap makes sequence_optimal choose it, and its advantage is zero everywhere.
     assert metrics["h_star_mean"] == 1.0 and metrics["overlap_at_h_star"] == 4.0
@@ -298,7 +299,7 @@ def test_empty_overlap_subsets_give_finite_zeros():
     lp = torch.log_softmax(torch.randn(T, V, dtype=F64), -1)
     targets = L.TopKTargets(student_ids, lp.gather(1, student_ids), lp.gather(1, teacher_ids[0])[None],
                             teacher_ids, lp.gather(1, teacher_ids[0])[None] + 0.3, lp.gather(1, student_ids)[None])
-    loss_T, metrics = L.topk_select_opd_loss(logits, targets, subset_mode="overlap")
+    loss_T, metrics = topk_select_opd_loss(logits, targets, subset_mode="overlap")
     assert loss_T.tolist() == [0.0, 0.0, 0.0]
     assert all(math.isfinite(v) for v in metrics.values())
     assert metrics["subset_size"] == 0.0 and metrics["empty_subset_frac"] == 1.0
@@ -308,8 +309,8 @@ def test_empty_overlap_subsets_give_finite_zeros():
 
 def test_adv_diff_clip_bounds_the_advantage_and_zero_disables_it():
     logits, old_full, teacher_full, targets = make_case(8, teacher_noise=3.0)
-    _, clipped = L.topk_select_opd_loss(logits, targets, adv_diff_clip=0.1)
-    _, unclipped = L.topk_select_opd_loss(logits, targets, adv_diff_clip=0.0)
+    _, clipped = topk_select_opd_loss(logits, targets, adv_diff_clip=0.1)
+    _, unclipped = topk_select_opd_loss(logits, targets, adv_diff_clip=0.0)
     assert clipped["abs_diff"] <= 0.1 + 1e-12
     assert unclipped["abs_diff"] > 0.1
 
@@ -351,7 +352,7 @@ def test_topk_tail_kl_matches_reference():
     tau = 0.9
     q_ids = teacher_full[0].topk(3, -1).indices
     q = teacher_full[0].gather(1, q_ids)
-    kl_T, metrics = L.topk_tail_kl_loss(logits, q_ids, q, tau)
+    kl_T, metrics = topk_tail_kl_loss(logits, q_ids, q, tau)
     for t in range(5):
         cur = ref_log_softmax(logits[t].tolist(), tau)
         p = [cur[v] for v in q_ids[t].tolist()]
@@ -369,7 +370,7 @@ def test_topk_tail_kl_is_finite_when_the_top_k_hold_all_the_mass():
     ids = torch.arange(4).expand(3, 4)
     teacher = torch.log_softmax(torch.randn(3, 4, dtype=F64), -1)
     teacher[0, 3] = -math.inf
-    kl_T, _ = L.topk_tail_kl_loss(logits, ids, teacher)
+    kl_T, _ = topk_tail_kl_loss(logits, ids, teacher)
     assert torch.isfinite(kl_T).all()
     kl_T.sum().backward()
     assert torch.isfinite(logits.grad).all()
@@ -396,7 +397,7 @@ def test_aggregation_is_masked_token_mean_then_batch_mean():
     assert per_sample.tolist() == [1.5, 6.0, 0.0]  # masked NaN ignored; empty sample gives 0
     # The fully masked sample still counts in the batch denominator.
     assert per_sample.mean().item() == pytest.approx(7.5 / 3)
-    assert L.batch_mean(list(per_sample)).item() == pytest.approx(7.5 / 3)
+    assert batch_mean(list(per_sample)).item() == pytest.approx(7.5 / 3)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -449,9 +450,9 @@ def make_sample(seed: int, *, hinted: bool = True, T: int = 6, V: int = 12, rewa
 
 def test_w_opd_zero_gives_the_grpo_loss_exactly():
     samples = [make_sample(s, hinted=s != 1, reward=(-1.0) ** s) for s in range(3)]
-    hybrid, _ = L.compute_objective(samples, L.ObjectiveSettings(method="hybrid", w_rl=1.0, w_opd=0.0))
-    rl, metrics = L.compute_objective(samples, L.ObjectiveSettings(method="rl"))
-    manual = L.batch_mean([
+    hybrid, _ = compute_objective(samples, L.ObjectiveSettings(method="hybrid", w_rl=1.0, w_opd=0.0))
+    rl, metrics = compute_objective(samples, L.ObjectiveSettings(method="rl"))
+    manual = batch_mean([
         L.masked_token_mean(L.grpo_token_loss(L.logprobs_at(s.logits_T_V, s.response_ids_T), s.old_logprobs_T,
                                               s.reward)[0], s.mask_T)
         for s in samples])
@@ -465,7 +466,7 @@ def test_sample_objective_reproduces_its_parts_and_reports_every_metric():
                                    subset_mode="overlap", temperature=0.8)
     out = L.sample_objective(sample, settings)
     m = out.metrics
-    opd_T, opd_metrics = L.topk_select_opd_loss(sample.logits_T_V, sample.targets, hint_selection="token_optimal",
+    opd_T, opd_metrics = topk_select_opd_loss(sample.logits_T_V, sample.targets, hint_selection="token_optimal",
                                                 subset_mode="overlap", temperature=0.8, mask_T=sample.mask_T)
     lp, entropy = L.logprobs_and_entropy(sample.logits_T_V, sample.response_ids_T, 0.8)
     grpo = L.masked_token_mean(L.grpo_token_loss(lp, sample.old_logprobs_T, 1.0)[0], sample.mask_T)
@@ -499,7 +500,7 @@ def test_sample_objective_gradient_matches_finite_differences():
 def test_per_sample_accumulation_equals_the_batch_objective():
     settings = L.ObjectiveSettings()
     batch = [make_sample(s, hinted=s % 2 == 0) for s in range(3)]
-    loss, metrics = L.compute_objective(batch, settings)
+    loss, metrics = compute_objective(batch, settings)
     loss.backward()
     full_grads = [s.logits_T_V.grad.clone() for s in batch]
     acc = L.MetricsAccumulator()
@@ -524,8 +525,8 @@ def test_fully_masked_sample_contributes_zero_but_counts_in_the_batch():
     assert out.loss.item() == 0.0 and all(math.isfinite(v) for v in out.metrics.values())
     out.loss.backward()
     assert torch.count_nonzero(dead.logits_T_V.grad) == 0
-    both, _ = L.compute_objective([live, dead], settings)
-    alone, _ = L.compute_objective([live], settings)
+    both, _ = compute_objective([live, dead], settings)
+    alone, _ = compute_objective([live], settings)
     assert both.item() == pytest.approx(alone.item() / 2)
 
 
@@ -555,7 +556,7 @@ def test_combine_and_topk_kl_methods():
 
     kl = L.sample_objective(sample, L.ObjectiveSettings(method="topk_kl", hint_selection="shortest"))
     t = sample.targets
-    want_kl, _ = L.topk_tail_kl_loss(sample.logits_T_V, t.teacher_ids_C_T_K[0], t.teacher_logprobs_C_T_K[0])
+    want_kl, _ = topk_tail_kl_loss(sample.logits_T_V, t.teacher_ids_C_T_K[0], t.teacher_logprobs_C_T_K[0])
     assert kl.loss.item() == pytest.approx(want_kl.mean().item(), abs=1e-12)
     assert kl.metrics["topk_kl_applied"] == 1.0 and "grpo_loss" not in kl.metrics
 
@@ -582,3 +583,22 @@ def test_settings_validate_and_follow_the_config():
             L.ObjectiveSettings(**bad).validate()
     settings = L.ObjectiveSettings.from_config(config.Config(method="rl", subset_mode="teacher"))
     assert settings.weights == (1.0, 0.0) and settings.subset_mode == "teacher"
+
+
+def test_losses_import_nothing_else_of_clawloop():
+    # The math owns its presets; the config takes them from here, never the other way round.
+    import ast
+    from pathlib import Path
+
+    from clawloop import config
+
+    for path in Path(L.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("clawloop"):
+                assert node.module.startswith("clawloop.losses"), f"{path.name} imports {node.module}"
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith("clawloop") and not a.name.startswith("clawloop.losses")
+                               for a in node.names), path.name
+    assert config.check_objective is L.check_objective and config.METHOD_WEIGHTS is L.METHOD_WEIGHTS
+    with pytest.raises(config.ConfigError, match="w_opd=1.0 contradicts method='rl'"):
+        config.Config.load(env={}, method="rl", w_opd=1.0)

@@ -1,15 +1,15 @@
-"""The judge -> teacher -> sample pipeline on a real store, a real local judge server and the tiny model."""
+"""The judge -> sample pipeline on a real store, a real local judge server and the tiny model."""
 
 import asyncio
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from clawloop.config import Config
 from clawloop.engines.base import SamplingParams
@@ -17,9 +17,7 @@ from clawloop.judge.client import HTTPJudgeClient
 from clawloop.judge.scripted import ScriptedJudgeServer
 from clawloop.judge.votes import Judge, JudgeSettings
 from clawloop.pipeline import Pipeline, sample_kind
-from clawloop.renderers import chat_render_fn
 from clawloop.store import Store, TurnState, VoteRecord
-from clawloop.teacher import Teacher
 
 from pipeline_support import CaseJudge, add_judgeable_turn
 
@@ -47,9 +45,26 @@ def make_pipeline(store, server, engine, tokenizer, **overrides):
     client = HTTPJudgeClient(server.url, "m", timeout_s=config.judge_timeout_s, retries=config.judge_retries,
                              backoff_s=0.01, concurrency=8)
     judge = Judge(client, JudgeSettings.from_config(config))
-    teacher = Teacher(engine, chat_render_fn(tokenizer), config) if config.needs_hints else None
     pipe_kw.setdefault("concurrency", 3)
-    return Pipeline(store, config, judge=judge, teacher=teacher, poll_interval_s=0.1, **pipe_kw)
+    return Pipeline(store, config, judge=judge, poll_interval_s=0.1, **pipe_kw)
+
+
+class CountingScores:
+    """Counts ``score`` calls on an engine (the pipeline must make none: the trainer asks the teacher)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls, self.inner = engine, 0, engine.score
+
+    async def score(self, requests):
+        self.calls += 1
+        return await self.inner(requests)
+
+    def __enter__(self):
+        self.engine.score = self.score
+        return self
+
+    def __exit__(self, *exc):
+        del self.engine.score
 
 
 def run_until_drained(pipeline, timeout_s=60.0):
@@ -65,8 +80,8 @@ def run_until_drained(pipeline, timeout_s=60.0):
 
 def outcomes(store):
     out = {}
-    for turn in store.turns():
-        out[turn.id] = (turn.state, turn.reason)
+    for turn in store.turns():  # a sample's kind, or why the turn was dropped
+        out[turn.id] = (turn.state, turn.sample_kind or turn.reason)
     return out
 
 
@@ -76,7 +91,9 @@ def test_assembly_rules(tmp_path, judge_server, tiny_engine, tiny_tokenizer):
            for case in ("good", "hint_only", "rl_only", "nothing")}
     empty = add_judgeable_turn(store, tiny_tokenizer, "good", next_state=[])
     pipeline = make_pipeline(store, judge_server, tiny_engine, tiny_tokenizer)
-    assert run_until_drained(pipeline)
+    with CountingScores(tiny_engine) as counter:
+        assert run_until_drained(pipeline)
+    assert counter.calls == 0  # votes and hints only: no student top-k, no teacher at judging time
 
     got = outcomes(store)
     assert got[ids["good"]] == (TurnState.READY, "rl+opd")
@@ -88,36 +105,33 @@ def test_assembly_rules(tmp_path, judge_server, tiny_engine, tiny_tokenizer):
     samples = {s.turn_id: s for s in store.samples()}
     good = samples[ids["good"]]
     assert good.reward == 1.0 and good.hints == ["Give the temperature in Fahrenheit."]
-    turn = store.get_turn(ids["good"])
-    T = len(turn.response_ids)
-    assert good.targets["teacher_ids_C_T_K"].shape == (1, T, 4)
-    assert good.targets["student_ids_T_K"].shape == (T, 4)
-    assert good.targets["hint_lens_C"].tolist() == [len("Give the temperature in Fahrenheit.")]
-    assert good.info["eval_scores"] == [1, 1, 1] and good.info["teacher"]["render_matches"] is True
-    assert samples[ids["hint_only"]].reward == 0.0 and samples[ids["hint_only"]].targets is not None
-    assert samples[ids["rl_only"]].reward == -1.0 and samples[ids["rl_only"]].targets is None  # skip: no teacher
+    assert good.info["eval_scores"] == [1, 1, 1] and "teacher" not in good.info
+    assert samples[ids["hint_only"]].reward == 0.0 and samples[ids["hint_only"]].hints
+    assert samples[ids["rl_only"]].reward == -1.0 and samples[ids["rl_only"]].hints == []
+    assert all(s.targets is None and s.teacher_version == 0 for s in samples.values())  # the trainer asks later
 
     votes = store.votes(ids["good"])
     assert sorted((v.kind, v.index) for v in votes) == [("eval", i) for i in range(3)] + [("hint", i) for i in range(3)]
     assert all(v.attempt == 0 and v.raw_text and v.latency_s > 0 for v in votes)
 
 
-def test_anchor_gives_rl_samples_an_unhinted_candidate(tmp_path, judge_server, tiny_engine, tiny_tokenizer):
+def test_anchor_samples_are_written_as_judged(tmp_path, judge_server, tiny_engine, tiny_tokenizer):
+    """With ``opd_on_unhinted = anchor`` an RL-only sample is still just votes: its anchor candidate is scored by
+    the trainer (tests/trainer/test_teacher_client.py)."""
     store = Store(tmp_path / "run.db")
     tid = add_judgeable_turn(store, tiny_tokenizer, "rl_only")
     pipeline = make_pipeline(store, judge_server, tiny_engine, tiny_tokenizer, opd_on_unhinted="anchor")
-    assert run_until_drained(pipeline)
+    with CountingScores(tiny_engine) as counter:
+        assert run_until_drained(pipeline)
     (sample,) = store.samples()
-    assert sample.turn_id == tid and sample.kind == "rl" and sample.hints == []
-    assert sample.targets["hint_lens_C"].tolist() == [0]
-    assert sample.targets["teacher_at_student_C_T_K"].shape[0] == 1 and sample.info["teacher"]["anchor"]
+    assert sample.turn_id == tid and sample.kind == "rl" and sample.hints == [] and sample.targets is None
+    assert counter.calls == 0
 
 
 def test_method_presets_skip_unneeded_work(tmp_path, judge_server, tiny_engine, tiny_tokenizer):
     store = Store(tmp_path / "rl.db")
     good = add_judgeable_turn(store, tiny_tokenizer, "good")
     pipeline = make_pipeline(store, judge_server, tiny_engine, tiny_tokenizer, method="rl")
-    assert pipeline.teacher is None
     assert run_until_drained(pipeline)
     (sample,) = store.samples()
     assert sample.kind == "rl" and sample.targets is None and sample.hints == []
@@ -224,21 +238,51 @@ def test_a_turn_that_keeps_failing_is_dropped(tmp_path, judge_server, tiny_engin
     assert outcomes(store)[tid] == (TurnState.DROPPED, "too_many_attempts")
 
 
-def test_teacher_failure_keeps_the_evaluative_signal(tmp_path, judge_server, tiny_engine, tiny_tokenizer):
-    store = Store(tmp_path / "run.db")
-    good = add_judgeable_turn(store, tiny_tokenizer, "good")
-    hint_only = add_judgeable_turn(store, tiny_tokenizer, "hint_only")
-    pipeline = make_pipeline(store, judge_server, tiny_engine, tiny_tokenizer)
+class ThreadRecordingStore(Store):
+    """A real store that records which thread each of the pipeline's calls ran on."""
 
-    async def broken(turn, hints):
-        raise RuntimeError("teacher out of memory")
+    CALLS = ("recover", "claim_judgeable", "add_votes", "put_sample", "drop_turn", "votes", "count_turns",
+             "transition")
 
-    pipeline.teacher.targets = broken
-    assert run_until_drained(pipeline)
-    assert outcomes(store)[good] == (TurnState.READY, "rl")
-    assert outcomes(store)[hint_only] == (TurnState.DROPPED, "teacher_error")
-    (sample,) = store.samples()
-    assert "out of memory" in sample.info["teacher_error"] and sample.targets is None
+    def __init__(self, path):
+        super().__init__(path)
+        self.threads: list[tuple[str, int]] = []
+        for name in self.CALLS:
+            setattr(self, name, self._recording(name, getattr(super(), name)))
+
+    def _recording(self, name, method):
+        def call(*args, **kwargs):
+            self.threads.append((name, threading.get_ident()))
+            return method(*args, **kwargs)
+        return call
+
+
+def test_store_calls_never_block_the_event_loop(tmp_path, judge_server, tiny_engine, tiny_tokenizer):
+    """Every store call of the pipeline runs in a worker thread, so serving on the loop never waits for the
+    store's lock (which a trainer transaction may hold)."""
+    store = ThreadRecordingStore(tmp_path / "run.db")
+    cases = ["good", "nothing", "hang"]
+    for case in cases:
+        add_judgeable_turn(store, tiny_tokenizer, case)
+    empty = add_judgeable_turn(store, tiny_tokenizer, "good", next_state=[])
+    pipeline = make_pipeline(store, judge_server, tiny_engine, tiny_tokenizer, judge_timeout_s=30,
+                             turn_deadline_s=1.0)
+    store.threads.clear()
+
+    async def go():
+        loop_thread = threading.get_ident()
+        await pipeline.start()
+        pipeline.notify()
+        assert await pipeline.drain(timeout_s=60)
+        await pipeline.stop()
+        return loop_thread
+
+    loop_thread = asyncio.run(go())
+    called = {name for name, _ in store.threads}
+    assert {"recover", "claim_judgeable", "add_votes", "put_sample", "drop_turn", "votes", "count_turns"} <= called
+    on_loop = [name for name, thread in store.threads if thread == loop_thread]
+    assert on_loop == [], on_loop
+    assert outcomes(store)[empty] == (TurnState.DROPPED, "no_next_state")
 
 
 def test_stop_hands_in_flight_turns_back(tmp_path, judge_server, tiny_engine, tiny_tokenizer):
@@ -309,10 +353,10 @@ def test_kill_9_while_judging_then_restart(tmp_path, tiny_tokenizer):
             assert (turn.state, turn.reason) == (TurnState.DROPPED, "no_signal")
             assert tid not in by_turn
         else:
-            assert turn.state == TurnState.READY and by_turn[tid].kind == turn.reason
+            assert turn.state == TurnState.READY and by_turn[tid].kind == turn.sample_kind and turn.reason == ""
     for tid, earlier_votes in interrupted.items():
         if earlier_votes:  # judged again after the restart, under a new attempt number
             assert max(v.attempt for v in store.votes(tid)) == 1
             if tid in by_turn:
                 assert by_turn[tid].info["attempt"] == 1
-    assert all(torch.isfinite(s.targets["teacher_logprobs_C_T_K"]).all() for s in samples if s.targets)
+    assert all(s.targets is None for s in samples)

@@ -1,12 +1,13 @@
 """The durable store: state transitions, exactly-once samples, leases, resume accounting, append-only export."""
 
 import json
+import sqlite3
 import threading
 import time
 
 import torch
 
-from clawloop.store import SampleRecord, Store, TurnRecord, TurnState, VoteRecord
+from clawloop.store import LeaseLost, SampleRecord, Store, TurnRecord, TurnState, VoteRecord
 
 
 def make_turn(session="s", index=0, n=3):
@@ -100,7 +101,7 @@ def test_lease_commit_expire_and_requeue(tmp_path):
     try:
         store.commit_step(lease2, 2, 2, {}, [s.turn_id for s in batch2])
         raise AssertionError("a lost lease must not commit")
-    except RuntimeError:
+    except LeaseLost:
         pass
     store.commit_step(lease3, 2, 2, {}, [s.turn_id for s in batch3])
     assert store.count_samples() == {"consumed": 6}
@@ -165,3 +166,73 @@ def test_recover_works_once_per_opened_store(tmp_path):
     assert store.extend_lease(lease_id, 60.0) == 1
     store.close()
     assert Store(path).recover() == {"judging_to_judgeable": 1, "leased_to_ready": 1}  # a new process: recovered
+
+
+def test_a_locked_database_is_not_a_lost_lease(tmp_path):
+    # Only a lost lease raises LeaseLost: a write that fails for another reason (here another process holds the
+    # write lock) raises its own error, changes nothing, and succeeds once the lock is gone, under the same lease.
+    path = tmp_path / "run.db"
+    store = Store(path, busy_timeout_s=0.05)
+    ids = [store.add_turn(make_turn(index=i)) for i in range(2)]
+    for tid in ids:
+        judged_sample(store, tid)
+    lease, batch = store.lease_samples(2)
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    try:
+        store.commit_step(lease, 1, 1, {}, ids)
+        raise AssertionError("a locked database must not commit")
+    except LeaseLost:
+        raise AssertionError("a locked database is not a lost lease")
+    except sqlite3.OperationalError as e:
+        assert "locked" in str(e)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert store.count_samples() == {"leased": 2} and store.steps() == []
+    store.commit_step(lease, 1, 1, {}, ids)
+    assert store.count_samples() == {"consumed": 2}
+
+
+def test_a_turn_is_in_its_samples_state_through_every_move(tmp_path):
+    store = Store(tmp_path / "run.db")
+    a, b = store.add_turn(make_turn(index=0)), store.add_turn(make_turn(index=1))
+    judged_sample(store, a)
+    judged_sample(store, b)
+
+    def both(tid):
+        return store.get_turn(tid).state, store.get_sample(tid).state
+
+    assert both(a) == (TurnState.READY, TurnState.READY)
+    lease, _ = store.lease_samples(2)
+    assert both(a) == both(b) == (TurnState.LEASED, TurnState.LEASED)
+    assert store.drop_leased_sample(b, "stale", lease_id=lease)
+    assert both(b) == (TurnState.DROPPED, TurnState.DROPPED) and store.get_turn(b).reason == "stale"
+    store.commit_step(lease, 1, 1, {}, [a])
+    assert both(a) == (TurnState.CONSUMED, TurnState.CONSUMED)
+    assert store.requeue_after_step(0) == 1
+    assert both(a) == (TurnState.READY, TurnState.READY) and store.get_sample(a).consumed_step is None
+
+
+def test_the_sample_kind_has_its_own_place_and_old_stores_move_it_there(tmp_path):
+    path = tmp_path / "run.db"
+    store = Store(path)
+    kept, dropped = store.add_turn(make_turn(index=0)), store.add_turn(make_turn(index=1))
+    judged_sample(store, kept)
+    judged_sample(store, dropped)
+    lease, _ = store.lease_samples(2)
+    store.drop_leased_sample(dropped, "too_long", lease_id=lease)
+    turn = store.get_turn(kept)
+    assert (turn.sample_kind, turn.reason) == ("rl", "")
+    store.close()
+    # A store written before: the kind was copied into turns.reason when the sample was written.
+    raw = sqlite3.connect(path, isolation_level=None)
+    raw.execute("UPDATE turns SET reason='rl' WHERE id=?", (kept,))
+    raw.execute("DELETE FROM meta WHERE key != 'schema_version'")
+    raw.close()
+    old = Store(path, readonly=True)  # a reader changes nothing, and still reads the kind from the sample
+    assert old.get_turn(kept).sample_kind == "rl" and old.get_turn(kept).reason == "rl"
+    old.close()
+    store = Store(path)
+    assert [(t.sample_kind, t.reason) for t in store.turns()] == [("rl", ""), ("rl", "too_long")]
+    assert store.drop_reasons() == {"too_long": 1}

@@ -1,4 +1,4 @@
-"""Hint injection and the teacher's top-k targets, checked against an independent forward pass."""
+"""Hint injection and the teacher's scores at given ids, checked against an independent forward pass."""
 
 import asyncio
 from types import SimpleNamespace
@@ -12,6 +12,7 @@ from clawloop.engines.base import SamplingParams
 from clawloop.renderers import chat_render_fn
 from clawloop.store import TurnRecord
 from clawloop.teacher import Teacher, inject_hint, train_temperature
+from clawloop.wire import TeacherRequest, TeacherScores
 
 TOOL_LOOP = [
     {"role": "system", "content": "You are terse."},
@@ -80,42 +81,60 @@ def teacher(tiny_engine, tiny_tokenizer):
     return Teacher(tiny_engine, chat_render_fn(tiny_tokenizer), config)
 
 
-def test_targets_match_a_direct_forward_pass(teacher, tiny_engine, tiny_tokenizer):
+def ask(teacher, turn, hints, ids_T_K, temperature=0.7):
+    (scores,) = asyncio.run(teacher.score([TeacherRequest(turn, list(hints), ids_T_K, temperature)]))
+    return scores
+
+
+class CountingEngine:
+    """The real engine, counting ``score`` calls and the requests in each."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    async def score(self, requests):
+        self.calls.append(list(requests))
+        return await self.engine.score(requests)
+
+
+def test_scores_match_a_direct_forward_pass(teacher, tiny_engine, tiny_tokenizer):
     turn = make_turn(tiny_tokenizer, tiny_engine, TOOL_LOOP, TOOLS)
     hints = ["Sort by size.", "Show sizes in bytes, largest first."]
-    out = asyncio.run(teacher.targets(turn, hints))
     T, K, C = len(turn.response_ids), 4, 2
-    t = out.tensors
-    assert t["student_ids_T_K"].shape == (T, K) and t["student_ids_T_K"].dtype == torch.int64
-    for name in ("teacher_ids_C_T_K", "teacher_logprobs_C_T_K", "teacher_at_student_C_T_K"):
-        assert t[name].shape == (C, T, K), name
-    assert t["teacher_ids_C_T_K"].dtype == torch.int64 and t["teacher_logprobs_C_T_K"].dtype == torch.float32
-    assert t["hint_lens_C"].tolist() == [len(h) for h in hints]
-    assert out.info["render_matches"] is True and out.info["temperature"] == 0.7
-
     model = tiny_engine.model
     student_ref = reference_logprobs(model, turn.prompt_ids, turn.response_ids, 0.7)
-    assert torch.equal(t["student_ids_T_K"], student_ref.topk(K, dim=-1).indices)
+    student_ids_T_K = student_ref.topk(K, dim=-1).indices
+    assert teacher.render_matches(turn)
+    out = ask(teacher, turn, hints, student_ids_T_K)
+    assert isinstance(out, TeacherScores)
+    assert torch.equal(out.student_ids_T_K, student_ids_T_K) and out.student_ids_T_K.dtype == torch.int64
+    for name in ("teacher_ids_C_T_K", "teacher_logprobs_C_T_K", "teacher_at_student_C_T_K"):
+        assert getattr(out, name).shape == (C, T, K), name
+    assert out.teacher_ids_C_T_K.dtype == torch.int64 and out.teacher_logprobs_C_T_K.dtype == torch.float32
+    assert out.hint_lens_C.tolist() == [len(h) for h in hints]
+    assert out.teacher_token_logprobs_C_T.shape == (C, T) and out.student_logprobs_T_K is None
     for c, hint in enumerate(hints):
         prompt = ChatRenderer(tiny_tokenizer).render(inject_hint(TOOL_LOOP, hint), TOOLS).ids
         assert teacher.prompt_ids(turn, hint) == prompt
         ref = reference_logprobs(model, prompt, turn.response_ids, 0.7)
         top = ref.topk(K, dim=-1)
-        assert torch.equal(t["teacher_ids_C_T_K"][c], top.indices)
-        torch.testing.assert_close(t["teacher_logprobs_C_T_K"][c], top.values, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(t["teacher_at_student_C_T_K"][c], ref.gather(-1, t["student_ids_T_K"]),
+        assert torch.equal(out.teacher_ids_C_T_K[c], top.indices)
+        torch.testing.assert_close(out.teacher_logprobs_C_T_K[c], top.values, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.teacher_at_student_C_T_K[c], ref.gather(-1, student_ids_T_K),
+                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.teacher_token_logprobs_C_T[c],
+                                   ref.gather(-1, torch.tensor(turn.response_ids)[:, None])[:, 0],
                                    atol=1e-4, rtol=1e-4)
 
 
-def test_hint_changes_teacher_logprobs_and_ids_stay_consistent(teacher, tiny_engine, tiny_tokenizer):
+def test_hint_changes_teacher_logprobs(teacher, tiny_engine, tiny_tokenizer):
     messages = [{"role": "user", "content": "Name a fruit."}]
     turn = make_turn(tiny_tokenizer, tiny_engine, messages)
-    anchor = asyncio.run(teacher.targets(turn, []))
-    hinted = asyncio.run(teacher.targets(turn, ["Answer with the single word: banana"]))
-    assert anchor.info["anchor"] and anchor.tensors["hint_lens_C"].tolist() == [0]
-    # same student set whatever the hint: it comes from the un-hinted prompt
-    assert torch.equal(anchor.tensors["student_ids_T_K"], hinted.tensors["student_ids_T_K"])
-    diff = (anchor.tensors["teacher_at_student_C_T_K"] - hinted.tensors["teacher_at_student_C_T_K"]).abs()
+    ids_T_K = reference_logprobs(tiny_engine.model, turn.prompt_ids, turn.response_ids, 0.7).topk(4, -1).indices
+    anchor = ask(teacher, turn, [], ids_T_K)
+    hinted = ask(teacher, turn, ["Answer with the single word: banana"], ids_T_K)
+    assert anchor.hint_lens_C.tolist() == [0]
+    diff = (anchor.teacher_at_student_C_T_K - hinted.teacher_at_student_C_T_K).abs()
     assert diff.max() > 1e-3  # the teacher reads the hint
     # the hint is in the teacher prompt, in the last user message, before the generation prompt
     text = tiny_tokenizer.decode(teacher.prompt_ids(turn, "Answer with the single word: banana"))
@@ -123,25 +142,38 @@ def test_hint_changes_teacher_logprobs_and_ids_stay_consistent(teacher, tiny_eng
                          "Answer with the single word: banana<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_teacher_at_ids_agrees_with_stored_targets(teacher, tiny_engine, tiny_tokenizer):
-    turn = make_turn(tiny_tokenizer, tiny_engine, [{"role": "user", "content": "Count to three."}])
-    hints = ["Use digits.", "Write the numbers as words."]
-    out = asyncio.run(teacher.targets(turn, hints))
-    again = asyncio.run(teacher.teacher_at_ids(turn, hints, out.tensors["student_ids_T_K"]))
-    torch.testing.assert_close(again, out.tensors["teacher_at_student_C_T_K"], atol=1e-5, rtol=1e-5)
-    # at other ids (as the trainer asks when the old policy's top-k moved), it is a different gather
-    other = torch.flip(out.tensors["teacher_ids_C_T_K"][1], dims=[-1])
-    at_other = asyncio.run(teacher.teacher_at_ids(turn, hints, other))
-    assert at_other.shape == (2, len(turn.response_ids), 4)
-    torch.testing.assert_close(at_other[1], torch.flip(out.tensors["teacher_logprobs_C_T_K"][1], dims=[-1]),
-                               atol=1e-5, rtol=1e-5)
+def test_one_engine_call_covers_every_candidate_of_every_request(tiny_engine, tiny_tokenizer):
+    counting = CountingEngine(tiny_engine)
+    teacher = Teacher(counting, chat_render_fn(tiny_tokenizer), Config(model="tiny", topk=4))
+    first = make_turn(tiny_tokenizer, tiny_engine, [{"role": "user", "content": "Count to three."}])
+    second = make_turn(tiny_tokenizer, tiny_engine, [{"role": "user", "content": "Name a colour."}])
+    ids = [reference_logprobs(tiny_engine.model, t.prompt_ids, t.response_ids, 0.7).topk(4, -1).indices
+           for t in (first, second)]
+    # at ids other than the top-k (a flipped order, a shifted set) the answer is exactly that gather
+    ids[1] = torch.flip(ids[1], dims=[-1])
+    requests = [TeacherRequest(first, ["Use digits.", "Write the numbers as words."], ids[0], 0.7),
+                TeacherRequest(second, [], ids[1], 0.7)]
+    together = asyncio.run(teacher.score(requests))
+    assert len(counting.calls) == 1 and len(counting.calls[0]) == 3
+    assert [r.at_ids_T_K.tolist() for r in counting.calls[0]] == [ids[0].tolist()] * 2 + [ids[1].tolist()]
+    alone = [asyncio.run(teacher.score([r]))[0] for r in requests]
+    for a, b in zip(together, alone):
+        for name, value in a.tensors().items():
+            torch.testing.assert_close(value, b.tensors()[name], atol=1e-5, rtol=1e-5)
+    assert together[1].teacher_at_student_C_T_K.shape == (1, len(second.response_ids), 4)
 
 
 def test_render_mismatch_is_reported(teacher, tiny_engine, tiny_tokenizer):
     turn = make_turn(tiny_tokenizer, tiny_engine, [{"role": "user", "content": "Hi"}])
+    assert teacher.render_matches(turn)
     turn.prompt_ids = turn.prompt_ids[:-1] + [turn.prompt_ids[-1], 198]  # not what rendering gives today
-    out = asyncio.run(teacher.targets(turn, ["Say hello back."]))
-    assert out.info["render_matches"] is False
+    assert teacher.render_matches(turn) is False
+
+
+def test_ids_that_do_not_fit_the_response_are_refused(teacher, tiny_engine, tiny_tokenizer):
+    turn = make_turn(tiny_tokenizer, tiny_engine, [{"role": "user", "content": "Hi"}])
+    with pytest.raises(ValueError, match="do not fit"):
+        ask(teacher, turn, [], torch.zeros(len(turn.response_ids) + 1, 4, dtype=torch.int64))
 
 
 # ---- the real model ---------------------------------------------------------------------------------------
@@ -162,9 +194,10 @@ def test_real_model_hint_raises_logprob_of_the_hinted_word():
         turn = TurnRecord(session_id="s", messages=messages, prompt_ids=prompt_ids, response_ids=response_ids,
                           logprobs=[0.0] * len(response_ids), temperature=1.0, top_p=1.0, policy_version=0, id=1)
         hint = "Answer with the single word: banana"
-        at = torch.tensor([[i] * 4 for i in response_ids])  # gather at the response's own tokens
-        plain = asyncio.run(teacher.teacher_at_ids(turn, [], at))[0, :, 0]
-        hinted = asyncio.run(teacher.teacher_at_ids(turn, [hint], at))[0, :, 0]
+        at = torch.tensor([[i] for i in response_ids])  # gather at the response's own tokens
+        plain = asyncio.run(teacher.score([TeacherRequest(turn, [], at, 1.0)]))[0].teacher_at_student_C_T_K[0, :, 0]
+        hinted = asyncio.run(teacher.score([TeacherRequest(turn, [hint], at, 1.0)]))[0] \
+            .teacher_at_student_C_T_K[0, :, 0]
         n_word = len(response_ids) - 1
         print("log p(banana) un-hinted", plain[:n_word].sum().item(), "hinted", hinted[:n_word].sum().item())
         assert hinted[:n_word].sum() > plain[:n_word].sum() + 1.0, (plain, hinted)

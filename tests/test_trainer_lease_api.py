@@ -226,3 +226,22 @@ def test_remote_trainer_mode_trains_real_conversations_in_another_process(tiny_m
             out = http.post("/v1/chat/completions", json={"model": "clawloop", "max_tokens": 4,
                                                           "messages": [{"role": "user", "content": "Hi"}]}).json()
         assert out["clawloop"]["policy_version"] == 1
+
+
+def test_the_teacher_scores_a_step_trained_on_are_kept_with_its_samples(server):
+    """A remote trainer's commit carries the teacher scores each sample trained on; the store keeps them as the
+    sample's targets (the dashboard's per-token view, and reuse at the same ids), bit for bit. Malformed scores are
+    the client's error and commit nothing."""
+    trainer = RemoteStore(server.base_url, ADMIN_KEY)
+    lease_id, samples = trainer.lease_samples(2, min_n=2)
+    first = samples[0].turn_id
+    scores = {"student_ids_T_K": torch.arange(12, dtype=torch.int64).reshape(3, 4),
+              "teacher_at_student_C_T_K": -torch.rand(1, 3, 4)}
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as client:
+        bad = client.post("/v1/trainer/commit", json={"lease_id": lease_id, "step": 1, "policy_version": 0,
+                                                       "turn_ids": [first], "scores": {str(first): "not base64"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "scores"
+    assert server.store.count_samples().get("consumed", 0) == 0
+    trainer.commit_step(lease_id, 1, 0, {"loss": 0.5}, [s.turn_id for s in samples], {first: scores})
+    kept = server.store.get_sample(first).targets
+    assert set(kept) == set(scores) and all(torch.equal(kept[k], v) for k, v in scores.items())

@@ -73,7 +73,7 @@ def mount_admin_routes(app: FastAPI, store: Store, config: Any, trainer: Callabl
         online = trainer()
         return {
             "object": "clawloop.versions",
-            "serving": getattr(getattr(online, "engine", None), "policy_version", None),
+            "serving": online.core.policy_version if online is not None and online.core is not None else None,
             "gate": online.gate_status() if online is not None else {},
             "versions": [{k: v for k, v in r.items() if k != "evidence"} | _verdict(r["evidence"]) for r in rows],
             "events": [{k: v for k, v in e.items() if k != "detail"} | _verdict(e["detail"])

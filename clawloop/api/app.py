@@ -43,7 +43,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clawloop.api import safejson
 from clawloop.api.auth import KeyRing, TurnIdMask, is_admin, require_user
-from clawloop.api.client_traffic import housekeeping_kind
 from clawloop.api.errors import APIError, bad_request, error_body, install_error_handlers
 from clawloop.api.guard import BrowserGuard, CatchAll, storage_failure, storage_unavailable_body
 from clawloop.api.metrics import ServingMetrics, labelled
@@ -60,6 +59,7 @@ from clawloop.api.token_texts import TokenTexts
 from clawloop.config import Config
 from clawloop.engines.base import Engine, EngineError, Generation, PromptTooLongError, SamplingParams, TokenEvent
 from clawloop.judge.describe import describe as describe_judge
+from clawloop.openclaw_format import housekeeping_kind
 from clawloop.renderers import (ChatRenderer, ParsedAnswer, RenderedPrompt, TemplateRefusedError, ToolCallStreamFilter,
                                 assistant_message, parse_answer)
 from clawloop.store import Store, TurnRecord
@@ -549,7 +549,8 @@ class RequestMetricsMiddleware:
 
 
 def create_app(service: ChatService, lifespan: Any = None) -> FastAPI:
-    """The FastAPI app; ``lifespan`` (an async context manager factory) runs around serving."""
+    """The FastAPI app; ``lifespan`` (an async context manager factory) runs around serving. Routes mounted on it
+    later (the trainer routes, the dashboard: ``clawloop.assemble``) pass through the same middlewares."""
     app = FastAPI(title="clawloop", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     install_error_handlers(app)
     config = service.config
@@ -605,9 +606,6 @@ def create_app(service: ChatService, lifespan: Any = None) -> FastAPI:
     app.add_api_route("/v1/status", status, methods=["GET"])
     app.add_api_route("/healthz", healthz, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
-    from clawloop.dashboard.routes import install_for_service  # the read-only /dashboard (docs/dashboard.md)
-
-    install_for_service(app, service)
     app.add_middleware(CatchAll)
     app.add_middleware(RequestMetricsMiddleware, metrics=service.metrics)
     app.add_middleware(BrowserGuard, config=config)  # outermost: refused requests reach no route

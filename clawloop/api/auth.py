@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from starlette.requests import Request
 
 from clawloop.api.errors import APIError
+from clawloop.config import ServingSettings
 
 
 def bearer_token(request: Request) -> str | None:
@@ -87,9 +88,10 @@ class KeyRing:
     per_user: bool
 
     @classmethod
-    def from_config(cls, config: Any) -> "KeyRing":
-        extra = [k for k in (getattr(config, "api_keys", None) or []) if k]
-        keys_file = getattr(config, "api_keys_file", "") or ""
+    def from_config(cls, config: ServingSettings) -> "KeyRing":
+        """From the serving settings (a ``Config`` is one): ``api_key``, ``api_keys`` and ``api_keys_file``."""
+        extra = [k for k in config.api_keys if k]
+        keys_file = config.api_keys_file
         if keys_file:
             extra += read_keys_file(keys_file)
         keys = ([config.api_key] if config.api_key else []) + extra
@@ -179,7 +181,7 @@ def same_origin(request: Request) -> bool:
     return parts.scheme in ("http", "https") and parts.netloc.lower() == request.headers.get("host", "").lower()
 
 
-def require_admin(request: Request, config: Any) -> None:
+def require_admin(request: Request, config: ServingSettings) -> None:
     """The one authorisation rule of every admin route; call it first thing in the route.
 
     1. ``admin_key`` set: the request must carry it (401 otherwise). Nothing else opens admin routes.
@@ -196,7 +198,7 @@ def require_admin(request: Request, config: Any) -> None:
     ring: KeyRing = request.app.state.keyring if hasattr(request.app.state, "keyring") \
         else KeyRing.from_config(config)
     if ring.keys:
-        if not getattr(config, "admin_uses_api_key", False):
+        if not config.admin_uses_api_key:
             raise APIError(403, "Admin routes need admin_key while user keys are set (or admin_uses_api_key).",
                            "permission_error", None, "admin_key_required")
         ring.owner(request)
@@ -210,7 +212,7 @@ def require_admin(request: Request, config: Any) -> None:
                        "cross_origin")
 
 
-def is_admin(request: Request, config: Any) -> bool:
+def is_admin(request: Request, config: ServingSettings) -> bool:
     """Whether ``request`` passes ``require_admin``, for a route that answers others too (with less)."""
     try:
         require_admin(request, config)

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from clawloop.api.auth import is_loopback_host
 from clawloop.api.errors import error_body
+from clawloop.config import ServingSettings
 
 log = logging.getLogger("clawloop.api")
 
@@ -80,12 +81,11 @@ def storage_failure(exc: BaseException) -> bool:
 class BrowserGuard:
     """Refuse foreign Host/Origin and non-JSON bodies (see the module docstring)."""
 
-    def __init__(self, app: ASGIApp, config: Any):
+    def __init__(self, app: ASGIApp, config: ServingSettings):
         self.app = app
         self.bound_to_loopback = is_loopback_host(str(config.host))
-        self.allowed_hosts = {h.strip().lower() for h in (getattr(config, "allowed_hosts", None) or []) if h.strip()}
-        self.allowed_origins = {o.strip().lower().rstrip("/")
-                                for o in (getattr(config, "allowed_origins", None) or []) if o.strip()}
+        self.allowed_hosts = {h.strip().lower() for h in config.allowed_hosts if h.strip()}
+        self.allowed_origins = {o.strip().lower().rstrip("/") for o in config.allowed_origins if o.strip()}
 
     def host_ok(self, host: str | None) -> bool:
         if host is None or "*" in self.allowed_hosts or is_loopback_host(host):

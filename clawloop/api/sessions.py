@@ -60,16 +60,16 @@ Faults. The store is written before memory changes: a pairing, a drop or an end 
 full) leaves the session exactly as it was, and the request fails with the error.
 
 Ephemeral messages. Matching and pairing see a request's messages without the ones
-``client_traffic.conversation_messages`` removes (a client's per-request context block that its next request
+``openclaw_format.conversation_messages`` removes (a client's per-request context block that its next request
 drops from the history), so such a block neither breaks the prefix match nor becomes part of a next state. The
 stored turn keeps the messages exactly as the model saw them. A request whose older history the client compacted
-into a summary (``client_traffic.is_compacted_history``) matches no prefix; it continues the session whose pending
+into a summary (``openclaw_format.is_compacted_history``) matches no prefix; it continues the session whose pending
 answer is its last assistant message (each session is also indexed by its pending answer alone).
 
 Rewritten answers. A client can send an answer back changed: a model that sees OpenClaw's timestamp envelope on
 every user message starts its own answers with one (``[Wed 2026-11-25 22:30:22] …``), and OpenClaw removes it
 from the history it sends next. Assistant messages are therefore compared by their text without client envelopes
-(``clawloop.judge.envelopes.strip_text``, the very normalisation the judge reads user text with), in the prefix
+(``clawloop.openclaw_format.strip_text``, the very normalisation the judge reads user text with), in the prefix
 keys, the answer search and the answer key alike; user, tool and system messages compare as sent. The stored turn
 keeps the answer exactly as the model wrote it.
 
@@ -93,8 +93,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from clawloop.api.client_traffic import conversation_messages, is_compacted_history
-from clawloop.judge.envelopes import strip_text
+from clawloop.openclaw_format import conversation_messages, is_compacted_history, strip_text
 from clawloop.store import Store, TurnRecord, TurnState
 
 log = logging.getLogger("clawloop.sessions")

@@ -7,8 +7,15 @@ Routes (all ``POST`` with a JSON body, except ``GET /v1/trainer/state``):
   turn (prompt/response ids exactly as generated, behaviour log-probs, temperature, policy version, messages)
   and its judge/teacher outcome (reward, kind, hints, targets as base64 safetensors).
 * ``/v1/trainer/heartbeat {lease_id, lease_s}`` extends the lease; 409 when it was lost.
-* ``/v1/trainer/commit {lease_id, step, policy_version, metrics, turn_ids}`` → ``store.commit_step``; 409 when
-  the lease was lost (its samples expired and went to another trainer), so a step is acknowledged at most once.
+* ``/v1/trainer/commit {lease_id, step, policy_version, metrics, turn_ids}`` → ``store.commit_step``; 409 only
+  when the lease was lost (its samples expired and went to another trainer), so a step is acknowledged at most
+  once. Any other failure of the store (disk full, database locked) is a 503 (``store_unavailable``, OpenAI's
+  error shape, ``Retry-After``) that the trainer tries again: its update is already in its weights, so it must
+  not give the batch back. Every route answers a store failure so.
+* ``/v1/trainer/next_version {at_least}``, ``/v1/trainer/versions {version, step, status, evidence}``,
+  ``/v1/trainer/events {kind, detail, step, version}``, ``/v1/trainer/rollbacks {to_version, from_version,
+  detail}`` and ``GET /v1/trainer/recent_prompts?n=`` give a remote trainer the store's version numbering,
+  version history, gate events and the gate's recent prompts, as the embedded trainer has them.
 * ``/v1/trainer/release {lease_id}`` gives the batch back; ``/v1/trainer/drop {lease_id, turn_id, reason}``
   records a leased sample the trainer refuses (too long, stale, ...), never silently.
 * ``/v1/trainer/weights {path, version, kind}`` publishes weights written to shared disk: ``kind = "full"``, a
@@ -32,7 +39,8 @@ import asyncio
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from fastapi import FastAPI
@@ -42,12 +50,15 @@ from starlette.requests import Request
 from clawloop.api import safejson
 from clawloop.api.auth import require_admin
 from clawloop.api.errors import APIError
-from clawloop.store import Store
-from clawloop.wire import sample_to_json
+from clawloop.store import LeaseLost, Store
+from clawloop.wire import decode_tensors, sample_to_json
 
 log = logging.getLogger("clawloop.api")
 
+T = TypeVar("T")
+
 MAX_LEASE_S = 24 * 3600.0
+MAX_RECENT_PROMPTS = 1000
 MAX_INT = 2**31 - 1
 """Largest count, step, turn id or policy version a route accepts."""
 
@@ -65,6 +76,27 @@ def _number(body: dict[str, Any], key: str, default: float | None = None, *, min
         raise APIError(400, f"'{key}' must be a number in [{minimum:g}, {maximum:g}].", "invalid_request_error", key,
                        "invalid_value")
     return float(value)
+
+
+def _object(body: dict[str, Any], key: str) -> dict[str, Any]:
+    value = body.get(key) or {}
+    if not isinstance(value, dict):
+        raise APIError(400, f"'{key}' must be an object.", "invalid_request_error", key, "invalid_value")
+    return value
+
+
+async def _store_call(fn: Callable[..., T], *args: Any) -> T:
+    """Run a store call off the event loop. ``LeaseLost`` is the caller's to answer (409); any other failure of
+    the store (disk full, database locked, a number recorded twice) is a 503 the remote trainer tries again:
+    its update is in its weights, so it must not give the batch back for it."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except (LeaseLost, APIError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        log.error("trainer route: the store failed (%s: %s); answered 503", type(exc).__name__, exc)
+        raise APIError(503, f"The store could not record this ({type(exc).__name__}); try again.", "server_error",
+                       None, "store_unavailable", headers={"Retry-After": "1"}) from None
 
 
 def _integer(body: dict[str, Any], key: str, default: int | None = None, *, minimum: int = 0) -> int:
@@ -132,14 +164,14 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
                     "samples": [sample_to_json(s, store.get_turn(s.turn_id)) for s in samples],
                     "waiting": store.ready_count()}
 
-        return await asyncio.to_thread(work)
+        return await _store_call(work)
 
     async def heartbeat(request: Request) -> Any:
         authorise(request)
         body = await _body(request)
         lease_id = _string(body, "lease_id")
         lease_s = min(_number(body, "lease_s", 600.0, minimum=0.001), MAX_LEASE_S)
-        held = await asyncio.to_thread(store.extend_lease, lease_id, lease_s)
+        held = await _store_call(store.extend_lease, lease_id, lease_s)
         if held == 0:
             raise APIError(409, f"Lease {lease_id} holds no samples (expired, committed or released).",
                            "invalid_request_error", "lease_id", "lease_lost")
@@ -157,20 +189,26 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
                 or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT for t in turn_ids):
             raise APIError(400, "'metrics' must be an object and 'turn_ids' a non-empty list of integers.",
                            "invalid_request_error", None, None)
+        scores = body.get("scores") or {}
+        if not isinstance(scores, dict) or not all(isinstance(v, str) for v in scores.values()):
+            raise APIError(400, "'scores' must be an object of base64 safetensors by turn id.",
+                           "invalid_request_error", "scores", None)
         try:
-            await asyncio.to_thread(store.commit_step, lease_id, step, version, metrics, turn_ids)
-        except RuntimeError as exc:  # a sample is no longer held by this lease
+            decoded = {int(tid): decode_tensors(text) for tid, text in scores.items()}
+        except Exception:  # noqa: BLE001 - any undecodable entry is the client's error
+            raise APIError(400, "'scores' holds an entry that is not a turn id with base64 safetensors.",
+                           "invalid_request_error", "scores", None) from None
+        try:
+            await _store_call(store.commit_step, lease_id, step, version, metrics, turn_ids, decoded)
+        except LeaseLost as exc:  # a sample is no longer held by this lease
             raise APIError(409, str(exc), "invalid_request_error", "lease_id", "lease_lost") from None
-        except Exception as exc:  # e.g. the step number already exists
-            raise APIError(409, f"commit refused: {exc}", "invalid_request_error", "step", "commit_conflict") \
-                from None
         return {"lease_id": lease_id, "step": step, "committed": len(turn_ids)}
 
     async def release(request: Request) -> Any:
         authorise(request)
         body = await _body(request)
         lease_id = _string(body, "lease_id")
-        return {"lease_id": lease_id, "released": await asyncio.to_thread(store.release_lease, lease_id)}
+        return {"lease_id": lease_id, "released": await _store_call(store.release_lease, lease_id)}
 
     async def drop(request: Request) -> Any:
         authorise(request)
@@ -178,7 +216,7 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
         turn_id = _integer(body, "turn_id", minimum=0)
         reason = _string(body, "reason")[:200]
         lease_id = None if body.get("lease_id") is None else _string(body, "lease_id")
-        if not await asyncio.to_thread(store.drop_leased_sample, turn_id, reason, lease_id):
+        if not await _store_call(store.drop_leased_sample, turn_id, reason, lease_id):
             raise APIError(409, f"Sample {turn_id} is not leased{' by this lease' if lease_id else ''}; nothing "
                            "was dropped.", "invalid_request_error", "turn_id", "sample_not_leased")
         return {"turn_id": turn_id, "dropped": True}
@@ -219,6 +257,52 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
                                "invalid_request_error", "path", "invalid_weights") from None
         return {"policy_version": new_version}
 
+    async def next_version(request: Request) -> Any:
+        authorise(request)
+        body = await _body(request)
+        at_least = _integer(body, "at_least", 0, minimum=0)
+        return {"version": await _store_call(store.next_version, at_least)}
+
+    async def record_version(request: Request) -> Any:
+        authorise(request)
+        body = await _body(request)
+        version = _integer(body, "version", minimum=0)
+        step = _integer(body, "step", minimum=0)
+        status = _string(body, "status")[:40]
+        evidence = _object(body, "evidence")
+        await _store_call(store.record_version, version, step, status, evidence)
+        return {"version": version, "recorded": True}
+
+    async def record_event(request: Request) -> Any:
+        authorise(request)
+        body = await _body(request)
+        kind = _string(body, "kind")[:80]
+        detail = _object(body, "detail")
+        step = None if body.get("step") is None else _integer(body, "step", minimum=0)
+        version = None if body.get("version") is None else _integer(body, "version", minimum=0)
+        await _store_call(store.record_event, kind, detail, step, version)
+        return {"kind": kind, "recorded": True}
+
+    async def record_rollback(request: Request) -> Any:
+        authorise(request)
+        body = await _body(request)
+        to_version = _integer(body, "to_version", minimum=0)
+        from_version = _integer(body, "from_version", minimum=0)
+        detail = _object(body, "detail")
+        return {"rolled_back": await _store_call(store.record_rollback, to_version, from_version, detail)}
+
+    async def recent_prompts(request: Request) -> Any:
+        authorise(request)
+        try:
+            n = int(request.query_params.get("n", "0"))
+        except ValueError:
+            n = -1
+        if not 0 <= n <= MAX_RECENT_PROMPTS:
+            raise APIError(400, f"'n' must be an integer in [0, {MAX_RECENT_PROMPTS}].", "invalid_request_error",
+                           "n", "invalid_value")
+        found = await _store_call(store.recent_prompts, n)
+        return {"prompts": [{"turn_id": t, "prompt_ids": ids, "messages": messages} for t, ids, messages in found]}
+
     async def state(request: Request) -> Any:
         authorise(request)
 
@@ -227,7 +311,7 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
             return {"step": last[0] if last else 0, "policy_version": int(engine.policy_version),
                     "waiting": store.ready_count()}
 
-        return await asyncio.to_thread(work)
+        return await _store_call(work)
 
     app.add_api_route("/v1/trainer/lease", lease, methods=["POST"])
     app.add_api_route("/v1/trainer/heartbeat", heartbeat, methods=["POST"])
@@ -236,3 +320,8 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
     app.add_api_route("/v1/trainer/drop", drop, methods=["POST"])
     app.add_api_route("/v1/trainer/weights", weights, methods=["POST"])
     app.add_api_route("/v1/trainer/state", state, methods=["GET"])
+    app.add_api_route("/v1/trainer/next_version", next_version, methods=["POST"])
+    app.add_api_route("/v1/trainer/versions", record_version, methods=["POST"])
+    app.add_api_route("/v1/trainer/events", record_event, methods=["POST"])
+    app.add_api_route("/v1/trainer/rollbacks", record_rollback, methods=["POST"])
+    app.add_api_route("/v1/trainer/recent_prompts", recent_prompts, methods=["GET"])

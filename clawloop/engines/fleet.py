@@ -16,12 +16,13 @@ Roles (docs/method.md, section 5), each its own server:
 Starting: every managed server is launched first and then waited for, so their (minutes-long) start-ups
 overlap. Logs go to ``RUN_DIR/logs/vllm-<role>.log``, the process id to ``vllm-<role>.pid`` beside it: a server
 left running by a run that was killed with -9 (nothing could stop it) is stopped when the folder's next run
-starts, instead of holding its memory and port forever. Supervision: ``FleetSupervisor`` (a server component)
-checks the servers every ``interval_s``, restarts a dead managed one (``VLLMServer.ensure_running``, at most
-``max_restarts`` times) and, for the policy server, loads the current weights again (``publisher.restore()``),
-since a restarted vLLM comes back with the base model only; an attached policy server that stops answering and
-comes back (restarted by whoever runs it) gets its weights restored the same way. Stopping stops the managed servers and leaves
-attached ones alone.
+starts, instead of holding its memory and port forever. Supervision: ``FleetSupervisor`` (a server component the
+composition root, ``clawloop.assemble``, runs whenever a fleet does, training on or off) checks the servers every
+``interval_s``, restarts a dead managed one (``VLLMServer.ensure_running``, at most ``max_restarts`` times) and,
+for the policy server, loads the current weights again (``publisher.restore()``), since a restarted vLLM comes
+back with the base model only; an attached policy server that stops answering and comes back (restarted by
+whoever runs it) gets its weights restored the same way. Stopping stops the managed servers and leaves attached
+ones alone.
 """
 
 from __future__ import annotations
@@ -51,9 +52,14 @@ def needs_teacher_server(config: Any) -> bool:
     return distils_from_base or judge_on_base
 
 
+def role_section(config: Any, role: str) -> dict[str, Any]:
+    """The config's ``vllm_<role>`` section: the settings of the server clawloop starts for ``role``."""
+    return {"policy": config.vllm_policy, "teacher": config.vllm_teacher, "judge": config.vllm_judge}[role]
+
+
 def server_settings(config: Any, role: str, model_dir: Path) -> VLLMServerSettings:
     """The settings of the ``role`` server clawloop starts: the config's section over role defaults."""
-    section = dict(getattr(config, f"vllm_{role}"))
+    section = dict(role_section(config, role))
     defaults: dict[str, Any] = {
         "model": str(model_dir),
         "served_model_name": DEFAULT_SERVED_NAME,
@@ -203,7 +209,7 @@ def _server(config: Any, role: str, url: str, model: str) -> VLLMServer:
         return VLLMServer.attach(url, served_model_name=model or DEFAULT_SERVED_NAME)
     from clawloop.engines.model_files import resolve_model
 
-    model_dir = Path(getattr(config, f"vllm_{role}").get("model") or resolve_model(config.model))
+    model_dir = Path(role_section(config, role).get("model") or resolve_model(config.model))
     return VLLMServer(server_settings(config, role, model_dir))
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from clawloop.atomic import write_folder_atomically
+from clawloop.weight_folder import copy_weight_folder, write_weight_folder
 from clawloop.engines.base import EngineError
 from clawloop.engines.vllm import VLLMEngine
 
@@ -56,14 +56,6 @@ class LoRAWeights:
 
     config: Mapping[str, Any]
     state_dict: Mapping[str, torch.Tensor]
-
-
-def _save_tensors(state_dict: Mapping[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    # Clone: safetensors refuses tensors that share storage, and the caller's tensors must not be held.
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
-    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 class _Publisher:
@@ -145,15 +137,13 @@ class LoRAPublisher(_Publisher):
             source = Path(adapter)
             if not (source / "adapter_config.json").is_file():
                 raise EngineError(f"{source} is not a PEFT adapter folder (no adapter_config.json)")
-            return write_folder_atomically(folder, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True),
-                                           mode=0o755)
+            return copy_weight_folder(source, folder, mode=0o755)
         if isinstance(adapter, LoRAWeights):
-            def write(tmp: Path) -> None:
-                (tmp / "adapter_config.json").write_text(json.dumps(dict(adapter.config), indent=2) + "\n")
-                _save_tensors(adapter.state_dict, tmp / "adapter_model.safetensors")
-            return write_folder_atomically(folder, write, mode=0o755)
+            return write_weight_folder(folder, adapter.state_dict, tensors_file="adapter_model.safetensors",
+                                       metadata={"format": "pt"}, record=adapter.config,
+                                       record_file="adapter_config.json", mode=0o755)
         if hasattr(adapter, "save_pretrained") and hasattr(adapter, "peft_config"):
-            return write_folder_atomically(folder, lambda tmp: adapter.save_pretrained(str(tmp)), mode=0o755)
+            return write_weight_folder(folder, write=lambda tmp: adapter.save_pretrained(str(tmp)), mode=0o755)
         raise EngineError(
             f"cannot publish a {type(adapter).__name__} as a LoRA adapter: give a PEFT folder, a PEFT model or "
             "LoRAWeights"
@@ -304,13 +294,9 @@ class CheckpointPublisher(_Publisher):
                 f"state dict does not match the served checkpoint: unexpected {unexpected[:5]}, missing {missing[:5]}"
             )
 
-        def write(tmp: Path) -> None:
-            _save_tensors(state, tmp / "model.safetensors")
-            for name in _COPY_FROM_BASE:
-                if (self.base_model_dir / name).is_file():
-                    shutil.copy2(self.base_model_dir / name, tmp / name)
-
-        return write_folder_atomically(folder, write, mode=0o755)
+        copies = [self.base_model_dir / name for name in _COPY_FROM_BASE if (self.base_model_dir / name).is_file()]
+        return write_weight_folder(folder, state, tensors_file="model.safetensors", metadata={"format": "pt"},
+                                   copies=copies, mode=0o755)
 
     def _prune(self) -> None:
         """Keep the newest ``keep`` written folders (the one being served is always among them)."""

@@ -10,6 +10,7 @@ Each judge runs exactly as the pipeline runs it (same prompts, m votes of each k
 ``metrics`` gives the agreement of the majority vote with the label overall and per class, hint agreement (a
 candidate was accepted iff a hint was expected) with its precision and recall, the invalid-vote rate per kind, and
 vote latency (p50/p95). ``benchmarks/judge_accuracy.py`` compares several judges side by side with the same code.
+An HTTP judge gets start-up's endpoint check first (``endpoint_check``): a wrong key or path stops the command.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TextIO
 
+from clawloop.judge.describe import judge_backend
+from clawloop.judge.endpoint_check import check_judge_endpoint
+from clawloop.judge.factory import build_judge, configured_turn_deadline_s, load_base_engine
+from clawloop.renderers import chat_render_fn
 from clawloop.store import TurnRecord
 
 CASES_RESOURCE = "data/judge_cases.jsonl"
@@ -198,9 +203,6 @@ async def check_config(config: Any, cases: list[dict[str, Any]], *, case_concurr
                        progress: TextIO | None = None) -> tuple[str, list[dict[str, Any]], float]:
     """Build the judge ``config`` selects (as ``clawloop serve`` would), score it on ``cases`` and release it.
     Returns (judge name, per-case results, wall time)."""
-    from clawloop.pipeline import build_judge, configured_turn_deadline_s, judge_backend, load_base_engine
-    from clawloop.renderers import chat_render_fn
-
     backend = judge_backend(config)
     engine = None
     if backend == "engine":
@@ -224,6 +226,8 @@ def run_command(config: Any, *, cases_path: Path | None = None, limit: int = 0, 
                 details: Path | None = None, as_json: bool = False, out: TextIO | None = None) -> int:
     """``clawloop judge check``: print the table (or JSON) for the judge ``config`` selects."""
     out = out or sys.stdout
+    if judge_backend(config) == "http":  # a wrong key or path: one clear error, not every case failing
+        check_judge_endpoint(config)
     cases = balanced_order(load_cases(cases_path))
     if limit:
         cases = cases[:limit]

@@ -9,7 +9,7 @@ Two implementations of one small protocol (``JudgeClient.complete``):
   exponential backoff and jitter, other 4xx fail at once, and a semaphore bounds the calls in flight. Votes are
   held to a valid form by structured output where the endpoint takes it (``clawloop.judge.structured``): with
   ``structured = "auto"`` a JSON schema is sent until the endpoint rejects it once, then never again.
-* ``EngineJudgeClient`` calls an in-process ``Engine`` directly (the embedded default: the frozen base model).
+* ``EngineJudgeClient`` calls an in-process ``Engine`` directly (``judge_backend = engine``: the frozen base model).
   It renders the messages with the tokenizer's chat template and generates; concurrent calls batch inside the
   engine.
 
@@ -226,7 +226,7 @@ def chat_template_ids(tokenizer: Any) -> Callable[[Sequence[dict[str, Any]]], li
 
 
 class EngineJudgeClient:
-    """The judge as an in-process engine (the embedded default). Concurrent calls batch inside the engine."""
+    """The judge as an in-process engine (``judge_backend = engine``). Concurrent calls batch inside the engine."""
 
     def __init__(self, engine: Engine, render: Callable[[Sequence[dict[str, Any]]], list[int]], *,
                  timeout_s: float = 120.0, concurrency: int = 16):

@@ -8,23 +8,23 @@ votes are unparseable (docs/judge.md; measure any judge with ``clawloop judge ch
 
 from __future__ import annotations
 
-from typing import Any
+from clawloop.config import Config
 
 HOW_TO_CONFIGURE = ("For an LLM judge set judge_url (an OpenAI-compatible …/v1 endpoint, hosted or local) with "
                     "judge_model and judge_api_key, and score it first with `clawloop judge check --judge-url URL "
                     "--judge-model M`.")
 
 
-def judge_backend(config: Any) -> str:
+def judge_backend(config: Config) -> str:
     """Who judges: ``rules``, ``http`` (``judge_url``) or ``engine`` (the frozen base model); ``auto`` picks http
     when ``judge_url`` is set, else rules."""
-    backend = getattr(config, "judge_backend", "auto") or "auto"
+    backend = config.judge_backend or "auto"
     if backend == "auto":
-        return "http" if getattr(config, "judge_url", "") else "rules"
+        return "http" if config.judge_url else "rules"
     return backend
 
 
-def describe(config: Any) -> dict[str, str]:
+def describe(config: Config) -> dict[str, str]:
     """``backend``, what it ``sees``, what it ``cannot_see``, and ``configure`` (how to get a better one)."""
     backend = judge_backend(config)
     if backend == "rules":
@@ -38,7 +38,7 @@ def describe(config: Any) -> dict[str, str]:
             "configure": HOW_TO_CONFIGURE,
         }
     if backend == "http":
-        model = getattr(config, "judge_model", "") or "the endpoint's first model"
+        model = config.judge_model or "the endpoint's first model"
         return {
             "backend": "http",
             "sees": f"the request, the answer and the next state, read by {model} at {config.judge_url}",
@@ -54,7 +54,7 @@ def describe(config: Any) -> dict[str, str]:
     }
 
 
-def startup_message(config: Any) -> str:
+def startup_message(config: Config) -> str:
     """One paragraph for the log when the judge starts."""
     d = describe(config)
     names = {"rules": "the rule judge (no model; zero cost)", "http": f"an LLM judge over HTTP ({config.judge_url})",

@@ -1,45 +1,25 @@
 """What a client wraps around the user's words, removed before any judge reads them or a hint is written.
 
-Agent front-ends decorate user messages with text the user never typed. OpenClaw, for one, starts every user
-message with a timestamp (``[Mon 2026-11-23 19:50 UTC] Too long, answer in one sentence.``), appends a runtime
-line to the first one (``Runtime: agent=main | session=... | host=...``), and may send a whole user message of
-internal context between ``<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>`` and ``<<<END_OPENCLAW_INTERNAL_CONTEXT>>>``.
-A judge that sees them mistakes them for the user's feedback (a rule judge copies the timestamp into the hint; an
-LLM judge reads the runtime line as part of the request), so ``judged_turn`` gives the judges a copy of the turn
-whose user messages hold only what the user wrote. Only user messages are touched: a tool's output is evidence
-as it is, and the stored turn (what the policy saw and is trained on) is never changed.
+Agent front-ends decorate user messages with text the user never typed: OpenClaw a timestamp, a runtime line and
+internal-context blocks (their shapes are ``clawloop.openclaw_format``'s, which ``strip_text`` is). A judge that
+sees them mistakes them for the user's feedback (a rule judge copies the timestamp into the hint; an LLM judge
+reads the runtime line as part of the request), so ``judged_turn`` gives the judges a copy of the turn whose user
+messages hold only what the user wrote. Only user messages are touched: a tool's output is evidence as it is, and
+the stored turn (what the policy saw and is trained on) is never changed.
 
-The same ``strip_text`` is how session matching compares answers (``clawloop.api.sessions.canonical_message``).
-A model that sees an envelope on every user message starts imitating it (``[Wed 2026-11-25 22:30:22] …`` at the
-start of an answer), and OpenClaw removes it from the answer it shows and from the history it sends back, so the
-answer that comes back differs from the one stored. ``strip_text`` is idempotent (it removes every leading
-timestamp, and matches at least what OpenClaw's own leading-timestamp rule matches), so the stored answer and
-OpenClaw's echo of it strip to the same text.
+The same ``strip_text`` is how session matching compares answers (``clawloop.api.sessions.canonical_message``), so
+the judge and the sessions read a message the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 from typing import Any
 
-# "[Mon 2026-11-23 19:50 UTC] ", also with seconds, another zone ("GMT+1", "Europe/Paris") or an offset: a day name,
-# a date and a time, then anything up to the closing bracket, as OpenClaw's own rule reads it. Repeated, so that
-# text that starts with two of them strips as far as the text OpenClaw sends back after removing one.
-_TIMESTAMP_RE = re.compile(r"^\s*(?:\[[A-Za-z]{3}[a-z]*,? \d{4}-\d{2}-\d{2}[ T]\d{1,2}:\d{2}[^\]]*\]\s*)+")
-# "Runtime: agent=main | session=... | shell=bash" on a line of its own.
-_RUNTIME_RE = re.compile(r"(?m)^[ \t]*Runtime: [\w.-]+=[^\n]*\|[^\n]*$\n?")
-# "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> ... <<<END_OPENCLAW_INTERNAL_CONTEXT>>>" (to the end when unclosed).
-_INTERNAL_RE = re.compile(r"<<<BEGIN_([A-Z_]*INTERNAL_CONTEXT)>>>.*?(?:<<<END_\1>>>|\Z)", re.DOTALL)
+from clawloop.openclaw_format import strip_text
 
-
-def strip_text(text: str) -> str:
-    """``text`` without client envelopes; surrounding blank space trimmed."""
-    text = _INTERNAL_RE.sub("", text)
-    text = _RUNTIME_RE.sub("", text)
-    text = _TIMESTAMP_RE.sub("", text)
-    return text.strip()
+__all__ = ["judged_turn", "strip_message", "strip_messages", "strip_text"]
 
 
 def strip_message(message: dict[str, Any]) -> dict[str, Any] | None:

@@ -1,9 +1,9 @@
 """A zero-cost judge that reads explicit feedback in the next state by rules (``judge_backend = rules``).
 
-The embedded default judge is the frozen 135M policy model itself, which is too weak to judge reliably; a CPU
-demo still needs votes and hints it can trust. ``RuleJudge`` has the interface of ``votes.Judge``
-(``async judge(turn, ...) -> Judgement`` and a ``client`` with ``async close()``) and decides from the text of
-``turn.next_state`` alone, sentence by sentence:
+It is the default judge (``judge_backend = auto`` with no ``judge_url``): the embedded judge, the frozen 135M
+base model, is too weak to judge reliably, and a CPU demo still needs votes and hints it can trust.
+``RuleJudge`` has the interface of ``votes.Judge`` (``async judge(turn, ...) -> Judgement`` and a ``client`` with
+``async close()``) and decides from the text of ``turn.next_state`` alone, sentence by sentence:
 
 * a **tool** message that reports an error caused by the action (exception names, ``error:``, ``not found``,
   ``failed``, ``permission denied``, a non-zero exit code ...) → −1, and the first error line becomes the hint;

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from clawloop.config import Config
 from clawloop.judge.client import Completion, JudgeClient
 from clawloop.judge.envelopes import judged_turn
 from clawloop.judge.parse import majority, parse_eval, parse_hint, select_candidates
@@ -60,7 +61,7 @@ class JudgeSettings:
     """A timed-out vote is tried again only when at least this much of the turn's deadline remains."""
 
     @classmethod
-    def from_config(cls, config: Any) -> "JudgeSettings":
+    def from_config(cls, config: Config) -> "JudgeSettings":
         return cls(votes_m=config.prm_m, temperature=config.judge_temperature, max_tokens=config.judge_max_tokens,
                    judge_context=config.judge_context, hint_min_chars=config.hint_min_chars,
                    max_candidates=config.max_candidates, timeout_retries=config.judge_retries)

@@ -100,7 +100,7 @@ EMBEDDED_JUDGE_NOTE = (
 
 def judge_choice(config: Config) -> tuple[str, str]:
     """(backend actually used, why) for the run's output."""
-    from clawloop.pipeline import judge_backend
+    from clawloop.judge.describe import judge_backend
 
     backend = judge_backend(config)
     if backend == "rules":

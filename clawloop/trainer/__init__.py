@@ -9,12 +9,15 @@ Modules, in the order a batch meets them:
 * ``step``       — one optimizer step: per-sample objective from ``clawloop.losses``, gradient accumulation,
   AdamW, clipping, metrics;
 * ``model``      — loading the policy (full or LoRA) and the reference; logits at response positions only;
-* ``publish``    — merged weights to the serving engine (policy version + 1);
+* ``publish``    — merged weights to the serving engine; the weight sinks (``EngineSink``, ``FolderSink``);
 * ``checkpoint`` — atomic checkpoints and the ``latest`` pointer;
 * ``metrics``    — metrics.jsonl, TensorBoard / W&B when enabled, the console line;
-* ``core``       — ``Trainer``: one leased batch to one committed step, resume;
+* ``contracts``  — the typed contracts the loop runs over: sample source, weight sink, parallel, gate view;
+* ``parallel``   — one process's ``Parallel`` and ``GateView``; ``fsdp_parallel`` / ``rank0_gate``: ``torchrun``'s;
+* ``core``       — ``Trainer``: the one loop body (one leased batch to one committed step), resume, rollback;
 * ``loop``       — ``OnlineTrainer``: the asyncio component that trains while serving;
-* ``offline``    — ``train_offline``: ``clawloop train RUN_DIR``.
+* ``offline``    — ``train_offline``: ``clawloop train RUN_DIR``;
+* ``distributed`` — the ``torchrun`` launcher of the same loop.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ cannot be trained are returned with a reason so the caller records it in the sto
   context or beyond ``max_train_tokens`` (the per-sample training memory budget, docs/training-memory.md);
 * ``bad_logprobs`` — the behaviour log-probs do not line up with the response ids;
 * ``bad_ids`` — token ids outside the model's vocabulary;
-* ``bad_targets`` — teacher tensors whose shapes do not fit the turn, ids outside the vocabulary, or a top-k row
-  naming the same id twice;
+* ``bad_targets`` — teacher scores recorded with the sample (``clawloop.wire.TeacherScores``) whose shapes do not
+  fit the turn, ids outside the vocabulary, or a top-k row naming the same id twice;
 * ``stale`` — older than ``max_staleness`` versions with ``staleness_mode = drop``.
 
 Micro-batches are right-padded: positions after a sequence's end are masked out of attention and never read,
@@ -31,9 +31,9 @@ from clawloop.config import Config
 from clawloop.store import SampleRecord, Store, TurnRecord
 from clawloop.teacher import train_temperature
 from clawloop.trainer import staleness as stale
+from clawloop.wire import SCORE_KEYS, TeacherScores
 
 TEACHER_KEYS = ("teacher_ids_C_T_K", "teacher_logprobs_C_T_K", "teacher_at_student_C_T_K")
-TARGET_KEYS = TEACHER_KEYS + ("student_ids_T_K",)
 
 
 @dataclass
@@ -52,6 +52,11 @@ class TrainItem:
     staleness: int
     importance_correct: bool = False
     # Filled by the old-policy forward:
+    student_ids_T_K: torch.Tensor | None = None
+    """The old policy's top-k ids (samples with an OPD branch), the ids the teacher is asked at."""
+    scores: TeacherScores | None = None
+    """The teacher's scores at ``student_ids_T_K`` for this step (asked, or recorded with the sample at the very
+    same ids), or None (no OPD branch this step)."""
     old_logprobs_T: torch.Tensor | None = None
     targets: Any = None
     """``clawloop.losses.TopKTargets`` with the student side filled in, or None (no OPD term)."""
@@ -71,11 +76,9 @@ class TrainItem:
         return int(self.response_ids_T.numel())
 
     @property
-    def teacher_tensors(self) -> dict[str, torch.Tensor] | None:
-        t = self.sample.targets
-        if not t or any(k not in t for k in TARGET_KEYS):
-            return None
-        return t
+    def recorded_scores(self) -> TeacherScores | None:
+        """Teacher scores recorded with the sample (by an earlier step, or an older pipeline), or None."""
+        return TeacherScores.from_tensors(self.sample.targets, self.sample.teacher_version)
 
 
 Drops = list[tuple[int, str]]
@@ -138,7 +141,7 @@ def _check(sample: SampleRecord, turn: TurnRecord, config: Config, max_context: 
         if min(ids) < 0 or max(ids) >= vocab_size:
             return "bad_ids"
     t = sample.targets
-    if t and all(k in t for k in TARGET_KEYS):
+    if t and all(k in t for k in SCORE_KEYS):
         student = t["student_ids_T_K"]
         if student.dim() != 2 or student.shape[0] != n:
             return "bad_targets"

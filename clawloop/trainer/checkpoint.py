@@ -7,26 +7,24 @@ Layout under ``run_dir/checkpoints``::
     step_12/state.json            step, policy version, optimizer updates, mode, when
     latest                        text file naming the newest complete checkpoint ("step_12")
 
-Atomicity: a checkpoint is written into a hidden temporary folder, flushed to disk, then renamed into place;
-``latest`` is replaced by rename only after that. A crash at any moment leaves ``latest`` naming a complete
-checkpoint (or no ``latest`` at all), never a half-written one.
+Atomicity: a checkpoint is written by ``clawloop.weight_folder`` (a hidden temporary folder, flushed to disk,
+then renamed into place); ``latest`` is replaced by rename only after that. A crash at any moment leaves
+``latest`` naming a complete checkpoint (or no ``latest`` at all), never a half-written one.
 
 The store is the other half of the state: resuming calls ``store.requeue_after_step(step)`` so samples consumed
 by steps after the checkpoint (whose weights died with the process) become ready again and train exactly once.
 Only the newest ``keep_last`` checkpoints are kept: each one holds a full optimizer state.
 
 Damage: a file cut short afterwards (a full disk, a copy that did not finish) is found before anything is loaded
-(``checkpoint_problem`` opens each file with its own reader without reading the tensors). ``load_latest`` then
-falls back from the checkpoint ``latest`` names to the newest older one that is intact, and logs which one it
-skipped and why; when none is intact it raises ``DamagedCheckpoints`` (resuming from the starting weights
-instead would be a silent fresh start).
+(``checkpoint_problem``, i.e. ``clawloop.weight_folder.folder_problem``, opens each file with its own reader
+without reading the tensors). ``load_latest`` then falls back from the checkpoint ``latest`` names to the newest
+older one that is intact, and logs which one it skipped and why; when none is intact it raises
+``DamagedCheckpoints`` (resuming from the starting weights instead would be a silent fresh start).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import pickle
 import shutil
 import time
 from dataclasses import dataclass
@@ -34,17 +32,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
 
-from clawloop.atomic import write_folder_atomically, write_text_atomically
+from clawloop.atomic import write_text_atomically
+from clawloop.weight_folder import READ_ERRORS, FolderLayout, folder_problem, read_weight_folder, save_in_layout
 
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
 
-READ_ERRORS = (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, SafetensorError)
-"""What reading a damaged weights or optimizer file raises (each reader has its own)."""
+LAYOUT = FolderLayout(tensors="weights.safetensors", record="state.json", required=("step", "policy_version"),
+                      optimizer="optimizer.pt")
+"""A checkpoint folder's files (written and checked by ``clawloop.weight_folder``)."""
 
 
 @dataclass
@@ -67,16 +65,8 @@ def save_checkpoint(run_dir: str | Path, step: int, policy_version: int, weights
     """Write checkpoint ``step_<step>`` atomically and point ``latest`` at it. Returns its folder."""
     root = checkpoints_dir(run_dir)
     name = f"step_{int(step)}"
-
-    def write(tmp: Path) -> None:
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "weights.safetensors"))
-        if optimizer_state is not None:
-            torch.save(optimizer_state, tmp / "optimizer.pt")
-        state = {"step": int(step), "policy_version": int(policy_version), "created_at": time.time(),
-                 **(extra or {})}
-        (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
-
-    final = write_folder_atomically(root / name, write)
+    state = {"step": int(step), "policy_version": int(policy_version), "created_at": time.time(), **(extra or {})}
+    final = save_in_layout(root / name, LAYOUT, weights, optimizer_state, state)
     # A failed write (disk full) leaves no stray file; ``latest`` still names the previous checkpoint.
     write_text_atomically(root / LATEST, name + "\n")
     _prune(root, keep_last, protect=name)
@@ -130,58 +120,9 @@ def latest_checkpoint_path(run_dir: str | Path) -> Path | None:
 
 
 # ---- damage ------------------------------------------------------------------------------------------------
-def safetensors_problem(path: Path) -> str | None:
-    """Why ``path`` is not a whole safetensors file (None when it is). Only the header is read: the file is
-    mapped, and the header must account for every byte of it, so a file cut short is found at once."""
-    if not path.is_file():
-        return f"{path.name} is missing"
-    try:
-        with safe_open(str(path), framework="pt") as opened:
-            opened.keys()
-    except READ_ERRORS as exc:
-        return _unreadable(path, exc)
-    return None
-
-
-def torch_file_problem(path: Path, *, optional: bool = False) -> str | None:
-    """Why ``path`` is not a whole ``torch.save`` file (None when it is, or when it is ``optional`` and absent).
-    Loaded memory-mapped: the archive's directory and the pickle are read, the tensors' bytes are not."""
-    if not path.is_file():
-        return None if optional else f"{path.name} is missing"
-    try:
-        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except READ_ERRORS as exc:
-        return _unreadable(path, exc)
-    return None
-
-
-def json_problem(path: Path, required: tuple[str, ...]) -> str | None:
-    """Why ``path`` is not a JSON object holding the integer fields ``required`` (None when it is)."""
-    if not path.is_file():
-        return f"{path.name} is missing"
-    try:
-        values = json.loads(path.read_text())
-        for key in required:
-            int(values[key])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.debug("%s does not read: %s: %s", path, type(exc).__name__, exc)
-        return f"{path.name} is not a readable record (damaged JSON or missing fields)"
-    return None
-
-
-def _unreadable(path: Path, exc: BaseException) -> str:
-    """The problem as said to a person; the reader's own words go to the debug log."""
-    log.debug("%s does not read: %s: %s", path, type(exc).__name__, exc)
-    return f"{path.name} is cut short or corrupt"
-
-
 def checkpoint_problem(path: Path) -> str | None:
     """Why checkpoint folder ``path`` cannot be resumed from: the file and what is wrong with it (None: intact)."""
-    if not path.is_dir():
-        return "the folder is missing"
-    return (json_problem(path / "state.json", ("step", "policy_version"))
-            or safetensors_problem(path / "weights.safetensors")
-            or torch_file_problem(path / "optimizer.pt", optional=True))
+    return folder_problem(path, LAYOUT)
 
 
 @dataclass(frozen=True)
@@ -240,13 +181,9 @@ def newest_intact_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[Ski
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint:
-    path = Path(path)
-    state = json.loads((path / "state.json").read_text())
-    weights = load_file(str(path / "weights.safetensors"), device=str(map_location))
-    opt_path = path / "optimizer.pt"
-    optimizer = torch.load(opt_path, map_location=map_location, weights_only=True) if opt_path.exists() else None
-    return Checkpoint(path=path, step=int(state["step"]), policy_version=int(state["policy_version"]),
-                      weights=weights, optimizer=optimizer, state=state)
+    read = read_weight_folder(Path(path), LAYOUT, map_location)
+    return Checkpoint(path=read.path, step=int(read.record["step"]), policy_version=int(read.record["policy_version"]),
+                      weights=read.weights, optimizer=read.optimizer, state=read.record)
 
 
 def load_latest(run_dir: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint | None:

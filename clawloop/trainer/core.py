@@ -36,82 +36,88 @@ Ordering and crash safety:
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import logging
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import torch
 
 from clawloop.config import Config
-from clawloop.gate.gate import PublicationGate
-from clawloop.store import SampleRecord, Store
+from clawloop.gate.gate import GateResult, PublicationGate
+from clawloop.retry import Backoff, retry_sync
+from clawloop.store import LeaseLost, SampleRecord
 from clawloop.trainer import checkpoint as ckpt
 from clawloop.trainer import versions as history
 from clawloop.trainer.batch import prepare_items
+from clawloop.trainer.contracts import GateView, Parallel, PublishingEngine, SampleSource, TurnSource, WeightSink
 from clawloop.trainer.metrics import MetricsWriter, step_record
-from clawloop.trainer.model import TrainModels, gate_reference, load_train_models, load_trainable_state_dict, \
-    output_vocab_size, trainable_state_dict
-from clawloop.trainer.old_policy import RefreshFn
-from clawloop.trainer.publish import LocalVersion, publish_weights
+from clawloop.trainer.model import TrainModels, load_train_models, load_trainable_state_dict, output_vocab_size, \
+    trainable_state_dict
+from clawloop.trainer.parallel import LocalGateView, LocalParallel
+from clawloop.trainer.publish import EngineSink, LocalVersion, unshared_tensors
 from clawloop.trainer.resume import plan_resume
+from clawloop.trainer.teacher_client import TeacherClient
 from clawloop.trainer.step import EXCLUDED, UPDATE_SKIPPED, VoidedUpdates, excluded_samples, make_optimizer, \
     train_step, update_applied
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
-def make_refresh(teacher: Any, loop: asyncio.AbstractEventLoop | None = None) -> RefreshFn | None:
-    """A blocking ``(turn, hints, at_ids_T_K, temperature) -> [C, T, K]`` for the training thread.
-
-    ``teacher`` may be a ``clawloop.teacher.Teacher`` (its async ``teacher_at_ids`` runs on ``loop``, the
-    event loop that owns the engines) or already such a callable (tests)."""
-    if teacher is None:
-        return None
-    method = getattr(teacher, "teacher_at_ids", None)
-    if method is None:
-        if callable(teacher):
-            return teacher
-        raise TypeError(f"{type(teacher).__name__} is neither a Teacher nor a callable")
-
-    def refresh(turn: Any, hints: list[str], at_ids_T_K: torch.Tensor, temperature: float) -> torch.Tensor:
-        result = method(turn, hints, at_ids_T_K, temperature=temperature)
-        if not asyncio.iscoroutine(result):
-            return result
-        if loop is not None and loop.is_running():
-            return asyncio.run_coroutine_threadsafe(result, loop).result()
-        return asyncio.run(result)
-
-    return refresh
+STORE_BACKOFF = Backoff(retries=5, base_s=0.5)
+"""One round of tries of a store write after the update (waits 0.5 s doubling to 8 s); rounds go on until it
+goes through (``Trainer._persist``)."""
 
 
 @dataclass
 class AcceptedState:
-    """The last accepted version's trainable weights and optimizer state (CPU copies), restored on a rejection."""
+    """The last accepted version's trainable weights and optimizer state (CPU copies, on the main process), restored
+    on a rejection."""
 
     version: int
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor] | None
     optimizer: dict[str, Any] | None
 
 
+class CommitNotRecorded(RuntimeError):
+    """A stop was asked for while the store kept refusing a step's records (not its lease): the update is in the
+    weights, so the batch is not given back; its lease expires, and no checkpoint holding that update is written
+    (``uncommitted``), so after a restart its samples train once into the checkpointed weights."""
+
+
 class Trainer:
-    def __init__(self, config: Config, store: Store, engine: Any = None, *, run_dir: str | Path | None = None,
-                 refresh: RefreshFn | None = None, models: TrainModels | None = None,
-                 console: TextIO | None = sys.stderr, keep_checkpoints: int = 2, fuse_old: bool | None = None,
-                 on_gate: Callable[[dict[str, Any]], None] | None = None):
+    def __init__(self, config: Config, store: SampleSource | None, engine: PublishingEngine | None = None, *,
+                 run_dir: str | Path | None = None, teacher: TeacherClient | None = None,
+                 models: TrainModels | None = None, console: TextIO | None = sys.stderr, keep_checkpoints: int = 2,
+                 fuse_old: bool | None = None, on_gate: Callable[[dict[str, Any]], None] | None = None,
+                 sink: WeightSink | None = None, parallel: Parallel | None = None,
+                 gate_view: GateView | None = None, store_backoff: Backoff = STORE_BACKOFF):
+        """``store`` is read and written on the main process only (None elsewhere under ``torchrun``). ``sink``
+        defaults to publishing to ``engine`` (``LocalVersion``: nowhere); ``parallel`` to one process;
+        ``gate_view`` to the training model itself. ``teacher`` scores the OPD branches in the step's old-policy pass
+        (``trainer.teacher_client``; None: only scores recorded at the very ids are used)."""
         self.config = config
         self.store = store
-        self.engine = engine if engine is not None else LocalVersion()
+        self.parallel: Parallel = parallel if parallel is not None else LocalParallel()
+        self.engine = engine if engine is not None or sink is not None else LocalVersion()
+        """The engine weights are published to in this process (None when ``sink`` goes elsewhere)."""
+        self.sink: WeightSink = sink if sink is not None else EngineSink(self.engine)
         self.run_dir = Path(run_dir if run_dir is not None else config.run_dir)
-        self.refresh = refresh
+        self.teacher = teacher
         self.models = models if models is not None else load_train_models(config)
         self.optimizer = make_optimizer(self.models, config)
-        self.step = self._last_recorded_step()  # step numbers go on across restarts, with or without resume
-        self.policy_version = int(self.engine.policy_version)
+        self.store_backoff = store_backoff
+        self.store_retries = 0
+        """Store writes after an optimizer step that failed and were tried again (disk full, database locked)."""
+        self.uncommitted = False
+        """A step's update is in the weights but its commit never went through (``CommitNotRecorded``)."""
+        self.step = self.parallel.share(self._last_recorded_step)  # step numbers go on across restarts
+        self.policy_version = int(self.parallel.share(lambda: self.sink.policy_version))
         self.last_checkpoint_step = self.step
         self.needs_publish = False
         self.checkpoint_error: str | None = None
@@ -121,13 +127,15 @@ class Trainer:
         self.keep_checkpoints = keep_checkpoints
         self.fuse_old = fuse_old
         """None = read ℓ_old from the loss's own forward when one update per batch (see ``step``)."""
-        self.metrics = MetricsWriter(self.run_dir, config.metrics_backends, console=console)
+        self.metrics = MetricsWriter(self.run_dir, config.metrics_backends, console=console) \
+            if self.parallel.main else None
         self.last_metrics: dict[str, Any] = {}
         self.max_context = self._max_context()
         self.vocab_size = output_vocab_size(self.models)
         self.on_gate = on_gate
         """Called with every gate decision (see ``_gate_event``), e.g. to print it."""
-        self.gate = self._make_gate() if config.gate else None
+        self.gate = self._make_gate() if config.gate and self.parallel.main else None
+        self.gate_view: GateView = gate_view if gate_view is not None else LocalGateView(self.models)
         self.steps_since_check = 0
         self.unchecked_steps: list[int] = []
         self.gate_checks = 0
@@ -136,58 +144,131 @@ class Trainer:
         self.voided = VoidedUpdates()
         """Samples of updates skipped as non-finite (see ``_void_update``)."""
         self.accepted = self._snapshot(self.policy_version)
-        if self.policy_version == 0 and not history.has_version(self.run_dir, 0):
+        if self.policy_version == 0:
+            self.parallel.share(self._keep_starting_weights)
+
+    def _keep_starting_weights(self) -> None:
+        if not history.has_version(self.run_dir, 0):
             self._save_version(0, self.step, {"starting_weights": True})
 
     def _max_context(self) -> int | None:
-        ctx = getattr(self.engine, "max_context", None)
+        ctx = self.sink.max_context
         if isinstance(ctx, int):
             return ctx
+        # The Hugging Face model config (not clawloop's): an architecture may lack the field.
         return getattr(self.models.causal_lm.config, "max_position_embeddings", None)
 
     def _make_gate(self) -> PublicationGate:
         from clawloop.engines.model_files import load_tokenizer
 
         c = self.config
+        store = self._source()
         return PublicationGate(load_tokenizer(self.models.model_dir), min_guard_pass=c.gate_min_guard_pass,
                                max_kl=c.gate_max_kl, probe_tokens=c.gate_probe_tokens,
-                               recent_prompts=lambda: self.store.recent_prompts(c.gate_recent_prompts))
+                               recent_prompts=lambda: store.recent_prompts(c.gate_recent_prompts))
+
+    def _source(self) -> SampleSource:
+        """The store, on the main process (every call to it runs there)."""
+        if self.store is None:
+            raise RuntimeError("this process has no sample source (only the main process talks to it)")
+        return self.store
 
     # ---- accepted state and version history ---------------------------------------------------------
-    def _snapshot(self, version: int) -> AcceptedState:
-        return AcceptedState(version=version, weights=trainable_state_dict(self.models),
-                             optimizer=copy.deepcopy(self.optimizer.state_dict()))
+    def _snapshot(self, version: int, weights: dict[str, torch.Tensor] | None = None, *,
+                  gathered: bool = False) -> AcceptedState:
+        """The current weights and optimizer state as the accepted ones (``gathered``: ``weights`` are the
+        trainable state gathered already, on every process alike)."""
+        if not gathered:
+            weights = self.parallel.trainable_weights(self.models)
+        return AcceptedState(version=version, weights=weights,
+                             optimizer=self.parallel.optimizer_state(self.models, self.optimizer))
 
     def _restore(self, state: AcceptedState) -> None:
-        load_trainable_state_dict(self.models, state.weights)
-        if state.optimizer is not None:
-            self.optimizer.load_state_dict(copy.deepcopy(state.optimizer))
-        else:
+        if not self.parallel.load(self.models, self.optimizer, state.weights, state.optimizer,
+                                  self.config.learning_rate):
             self.optimizer = make_optimizer(self.models, self.config)
 
     def _save_version(self, version: int, step: int, evidence: dict[str, Any]) -> None:
-        history.save_version(self.run_dir, version, step, self.accepted.weights if version == self.accepted.version
-                             else trainable_state_dict(self.models), self.optimizer.state_dict(),
+        """Main process: keep the accepted state (``self.accepted``, just taken) as version ``version``."""
+        history.save_version(self.run_dir, version, step, self.accepted.weights, self.accepted.optimizer,
                              lora=self.models.lora, evidence=evidence,
                              keep=history.versions_to_keep(self.config, self.models.lora), serving=self.policy_version)
 
     def _gate_event(self, kind: str, step: int, version: int | None, detail: dict[str, Any]) -> None:
-        self.store.record_event(kind, detail, step=step, version=version)
-        if self.on_gate is not None:
+        self._persist(lambda store: store.record_event(kind, detail, step=step, version=version),
+                      f"the {kind} event of step {step}")
+        if self.on_gate is not None and self.parallel.main:
             try:
                 self.on_gate({"kind": kind, "step": step, "version": version, **detail})
             except Exception:  # noqa: BLE001 - a printing hook must not fail a step
                 log.exception("trainer: the gate hook failed")
 
+    # ---- store writes after the optimizer step -----------------------------------------------------------
+    def _persist(self, write: Callable[[SampleSource], T], what: str,
+                 should_stop: Callable[[], bool] | None = None) -> T:
+        """A store write after the optimizer step, on the main process, tried until it goes through: the update is
+        in the weights, so giving the batch back would train its samples twice. ``LeaseLost`` is raised as it is
+        (the samples are gone; nothing can be recorded for them). A stop asked for meanwhile raises
+        ``CommitNotRecorded``."""
+        def attempt(_: int) -> T:
+            return write(self._source())
+
+        def note(attempt_no: int, exc: BaseException, delay: float) -> None:
+            self.store_retries += 1
+            log.error("trainer: recording %s failed (%s: %s); trying again in %.1fs (the update is in the weights, "
+                      "so the batch is kept)", what, type(exc).__name__, exc, delay)
+
+        def until_recorded() -> T:
+            while True:
+                try:
+                    return retry_sync(attempt, self.store_backoff, on_retry=note,
+                                      retryable=lambda exc: not isinstance(exc, LeaseLost))
+                except LeaseLost:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a round of tries ran out; the next round begins
+                    delay = self.store_backoff.delay(self.store_backoff.retries)
+                    note(self.store_backoff.retries, exc, delay)
+                    if should_stop is not None and should_stop():
+                        self.uncommitted = True
+                        raise CommitNotRecorded(f"a stop was asked for while recording {what} kept failing "
+                                                f"({type(exc).__name__}: {exc})") from exc
+                    time.sleep(delay)
+
+        return self.parallel.share(until_recorded)
+
+    def _commit(self, lease_id: str, step: int, metrics: dict[str, Any], turn_ids: list[int],
+                should_stop: Callable[[], bool] | None, scores: dict[int, dict[str, torch.Tensor]]) -> bool:
+        """Record the step (retried like every write after the update). False when the lease was lost: the samples
+        are not marked trained and the rest of the lease is given back; the update stays in the weights."""
+        record = step_record(metrics)
+        version = self.policy_version
+
+        def commit(store: SampleSource) -> bool:
+            try:
+                store.commit_step(lease_id, step, version, record, turn_ids, scores)
+                return True
+            except LeaseLost as exc:
+                log.error("trainer: step %d: the store refused the commit (lease %s lost: %s); its samples are not "
+                          "marked trained and go back to ready", step, lease_id, exc)
+            try:
+                store.release_lease(lease_id)
+            except Exception:  # noqa: BLE001 - the lease then expires on its own
+                log.exception("trainer: releasing lease %s failed; its samples return when it expires", lease_id)
+            return False
+
+        return bool(self._persist(commit, f"step {step}", should_stop))
+
     # ---- resume / checkpoint ------------------------------------------------------------------------
     def resume(self) -> dict[str, int]:
-        """Load the newest checkpoint (if any) and requeue samples of steps after it. Blocking."""
+        """Load the newest checkpoint (if any) and requeue samples of steps after it. Blocking; one process (the
+        ``torchrun`` launcher plans its start in ``trainer.distributed``)."""
+        store = self._source()
         found = ckpt.load_latest(self.run_dir, map_location=self.models.device)
         if found is not None and bool(found.state.get("lora", self.models.lora)) != self.models.lora:
             raise RuntimeError(f"checkpoint {found.path} was written with lora={found.state.get('lora')}, "
                                f"this run has lora={self.models.lora}")
         plan = plan_resume(found.step if found is not None else None, self._last_recorded_step())
-        requeued = self.store.requeue_after_step(plan.requeue_after) if plan.requeue_after is not None else 0
+        requeued = store.requeue_after_step(plan.requeue_after) if plan.requeue_after is not None else 0
         self.step = plan.step  # lost steps keep their numbers and rows
         if found is None:
             self.last_checkpoint_step = 0
@@ -202,7 +283,7 @@ class Trainer:
             stored = history.load_version(self.run_dir, found.policy_version, map_location=self.models.device)
             load_trainable_state_dict(self.models, stored.weights)
             if found.policy_version > 0:
-                self.policy_version = publish_weights(self.engine, self.models, version=found.policy_version)
+                self.policy_version = self.sink.publish(self.models, stored.weights, found.policy_version)
             kept_optimizer = stored.optimizer if stored.optimizer is not None else found.optimizer
             self.accepted = AcceptedState(found.policy_version, trainable_state_dict(self.models),
                                           copy.deepcopy(kept_optimizer) if kept_optimizer is not None else None)
@@ -210,7 +291,7 @@ class Trainer:
         else:  # a run from before the version history: the checkpoint's weights are its version's
             load_trainable_state_dict(self.models, found.weights)
             if found.step > 0 or found.policy_version > 0:
-                self.policy_version = publish_weights(self.engine, self.models, version=found.policy_version)
+                self.policy_version = self.sink.publish(self.models, found.weights, found.policy_version)
         if found.optimizer is not None:
             self.optimizer.load_state_dict(found.optimizer)
         for group in self.optimizer.param_groups:  # the configured lr wins over the saved one
@@ -221,112 +302,158 @@ class Trainer:
                     found.step, self.policy_version, requeued)
         return {"step": found.step, "requeued": requeued, "policy_version": self.policy_version}
 
+    def restart_at(self, step: int, version: int) -> None:
+        """Counters decided by a launcher that loaded the weights itself (``torchrun``): the current weights and
+        optimizer state become the accepted ones, kept as ``version``. Every process calls it."""
+        self.step = self.last_checkpoint_step = int(step)
+        self.policy_version = int(version)
+        self.accepted = self._snapshot(self.policy_version)
+
     def _last_recorded_step(self) -> int:
-        last = self.store.last_step()
+        last = self._source().last_step()
         return last[0] if last else 0
 
     def save_checkpoint(self) -> Path:
-        path = ckpt.save_checkpoint(
-            self.run_dir, self.step, self.policy_version, trainable_state_dict(self.models),
-            self.optimizer.state_dict(),
-            extra={"lora": self.models.lora, "model_dir": str(self.models.model_dir), "method": self.config.method},
-            keep_last=self.keep_checkpoints)
+        """Every process (under ``torchrun`` the gathers are collectives); the main process writes."""
+        weights = self.parallel.trainable_weights(self.models)
+        optimizer_state = self.parallel.optimizer_state(self.models, self.optimizer)
+
+        def write() -> str:
+            return str(ckpt.save_checkpoint(
+                self.run_dir, self.step, self.policy_version, unshared_tensors(weights), optimizer_state,
+                extra={"lora": self.models.lora, "model_dir": str(self.models.model_dir),
+                       "method": self.config.method, "world_size": self.parallel.world_size},
+                keep_last=self.keep_checkpoints))
+
+        path = Path(self.parallel.share(write))
         self.last_checkpoint_step = self.step
         self.checkpoint_error = None
         return path
 
     def checkpoint_if_due(self, force: bool = False) -> Path | None:
-        if self.step == self.last_checkpoint_step:
-            return None
+        if self.step == self.last_checkpoint_step or self.uncommitted:
+            return None  # nothing new, or the weights hold an update whose samples the store does not count
         if force or self.step % self.config.checkpoint_every == 0 or self.checkpoint_error is not None:
             return self.save_checkpoint()
         return None
 
     # ---- publication ----------------------------------------------------------------------------------
     def publish(self) -> bool:
-        """Publish the training model's weights under ``pending_version``."""
+        """Publish the accepted weights under ``pending_version``."""
+        version = self.pending_version
         try:
-            self.policy_version = publish_weights(self.engine, self.models, version=self.pending_version)
-            self.needs_publish = False
-            self.pending_version = None
-            return True
-        except Exception:
+            served = self.parallel.share(lambda: self.sink.publish(self.models, self.accepted.weights,
+                                                                   version if version is not None
+                                                                   else self.policy_version + 1))
+        except Exception:  # noqa: BLE001 - the step stands; publication is retried before the next one
             log.exception("trainer: publishing weights failed; will retry before the next step")
             self.needs_publish = True
             return False
+        self.policy_version = int(served)
+        self.needs_publish = False
+        self.pending_version = None
+        return True
 
-    def _accept(self, step: int, evidence: dict[str, Any]) -> bool:
+    def _accept(self, step: int, evidence: dict[str, Any], should_stop: Callable[[], bool] | None,
+                weights: dict[str, torch.Tensor] | None = None, gathered: bool = False) -> bool:
         """Give the current weights a new version number, keep them, record them and publish them."""
-        version = self.store.next_version(at_least=max(self.policy_version, self.accepted.version) + 1)
-        self.accepted = self._snapshot(version)
-        try:
-            self._save_version(version, step, evidence)
-        except Exception as exc:  # noqa: BLE001 - OSError, or safetensors' own error for the same disk full
-            # The version is still served and kept in memory for the gate; only a later rollback to it is lost.
-            # Disk full must not turn an accepted step into a failed one (its samples are consumed).
-            evidence = {**evidence, "kept_on_disk": False, "keep_error": f"{type(exc).__name__}: {exc}"}
-            log.error("trainer: keeping version %d in %s failed (%s); it is served but cannot be rolled back to",
-                      version, self.run_dir, evidence["keep_error"])
-        self.store.record_version(version, step, "accepted", evidence)
+        at_least = max(self.policy_version, self.accepted.version) + 1
+        version = int(self._persist(lambda store: store.next_version(at_least=at_least),
+                                    f"the number of the version of step {step}", should_stop))
+        self.accepted = self._snapshot(version, weights, gathered=gathered)
+
+        def keep() -> dict[str, Any]:
+            try:
+                self._save_version(version, step, evidence)
+                return evidence
+            except Exception as exc:  # noqa: BLE001 - OSError, or safetensors' own error for the same disk full
+                # The version is still served and kept in memory for the gate; only a later rollback to it is lost.
+                # Disk full must not turn an accepted step into a failed one (its samples are consumed).
+                kept = {**evidence, "kept_on_disk": False, "keep_error": f"{type(exc).__name__}: {exc}"}
+                log.error("trainer: keeping version %d in %s failed (%s); it is served but cannot be rolled back to",
+                          version, self.run_dir, kept["keep_error"])
+                return kept
+
+        evidence = self.parallel.share(keep)
+        self._persist(lambda store: store.record_version(version, step, "accepted", evidence),
+                      f"version {version}", should_stop)
         self.pending_version = version
         self.unchecked_steps = []
         return self.publish()
 
-    def _check(self, step: int) -> tuple[bool, dict[str, Any]]:
+    def _check(self, step: int, should_stop: Callable[[], bool] | None) -> tuple[bool, dict[str, Any]]:
         """Run the gate when due. Returns (published, metrics about the gate)."""
         self.unchecked_steps.append(step)
-        if self.gate is None:
-            return self._accept(step, {"gate": "off"}), {}
+        if not self.config.gate:
+            return self._accept(step, {"gate": "off"}, should_stop), {}
         self.steps_since_check += 1
         if self.steps_since_check < self.config.gate_every:
             return False, {"gate_due_in": float(self.config.gate_every - self.steps_since_check)}
         self.steps_since_check = 0
-        kl_to = "reference" if self.models.lora or self.models.reference is not None else "last_accepted"
-        result = self.gate.check(self.models.causal_lm,
-                                 lambda: gate_reference(self.models, self.accepted.weights), kl_to=kl_to)
+        candidate = self.parallel.gate_candidate(self.models)
+
+        def check() -> tuple[GateResult | None, str]:
+            if self.gate is None:
+                raise RuntimeError("the publication gate runs on the main process")
+            try:
+                return self.gate_view.check(self.gate, candidate, self.accepted.weights), ""
+            except Exception as exc:  # noqa: BLE001 - an unchecked candidate is never served: it is rejected
+                log.exception("trainer: step %d: the publication gate failed; the candidate is rejected", step)
+                return None, f"{type(exc).__name__}: {exc}"
+
+        result, error = self.parallel.share(check)
         self.gate_checks += 1
-        self.gate_seconds += result.seconds
-        metrics = {"gate_accepted": 1.0 if result.accepted else 0.0, "gate_guard_pass": result.guard_pass,
-                   "gate_kl": result.kl, "gate_s": result.seconds}
-        evidence = result.evidence()
         steps = list(self.unchecked_steps)
-        if result.accepted:
-            published = self._accept(step, evidence)
-            log.info("trainer: step %d accepted by the publication gate as version %d (%s)", step,
-                     self.accepted.version, result.summary())
-            self._gate_event("gate_accepted", step, self.accepted.version, {"steps": steps, **evidence})
-            return published, metrics
+        if result is None:
+            metrics = {"gate_accepted": 0.0, "gate_error": 1.0}
+            evidence: dict[str, Any] = {"accepted": False, "reasons": [f"the gate failed: {error}"]}
+        else:
+            self.gate_seconds += result.seconds
+            metrics = {"gate_accepted": 1.0 if result.accepted else 0.0, "gate_guard_pass": result.guard_pass,
+                       "gate_kl": result.kl, "gate_s": result.seconds}
+            evidence = result.evidence()
+            if result.accepted:
+                published = self._accept(step, evidence, should_stop, candidate,
+                                         gathered=self.parallel.gathers_candidate)
+                log.info("trainer: step %d accepted by the publication gate as version %d (%s)", step,
+                         self.accepted.version, result.summary())
+                self._gate_event("gate_accepted", step, self.accepted.version, {"steps": steps, **evidence})
+                return published, metrics
         self.gate_rejections += 1
         self._restore(self.accepted)
         self.unchecked_steps = []
         self._gate_event("gate_rejected", step, self.policy_version,
                          {"steps": steps, "restored_version": self.accepted.version, **evidence})
+        reasons = result.reasons if result is not None else evidence["reasons"]
         log.warning("trainer: step %d rejected by the publication gate (%s); back to version %d", step,
-                    "; ".join(result.reasons), self.accepted.version)
+                    "; ".join(reasons), self.accepted.version)
         return False, metrics
 
     def rollback(self, version: int) -> dict[str, Any]:
-        """Serve kept version ``version`` again and continue training from it. Blocking (training thread)."""
-        stored = history.load_version(self.run_dir, version, map_location=self.models.device)
-        if bool(stored.meta.get("lora", self.models.lora)) != self.models.lora:
-            raise ValueError(f"version {version} was written with lora={stored.meta.get('lora')}, this run has "
-                             f"lora={self.models.lora}")
+        """Serve kept version ``version`` again and continue training from it. Blocking (training thread); every
+        process calls it."""
+        stored = history.load_version(self.run_dir, version, map_location=self.models.device) \
+            if self.parallel.main else None
+        lora = self.parallel.share(lambda: bool(stored.meta.get("lora", self.models.lora)))
+        if lora != self.models.lora:
+            raise ValueError(f"version {version} was written with lora={lora}, this run has lora={self.models.lora}")
         previous = self.policy_version
-        load_trainable_state_dict(self.models, stored.weights)
         self.optimizer = make_optimizer(self.models, self.config)
-        if stored.optimizer is not None:
-            self.optimizer.load_state_dict(stored.optimizer)
+        if self.parallel.load(self.models, self.optimizer, stored.weights if stored is not None else None,
+                              stored.optimizer if stored is not None else None, self.config.learning_rate):
             for group in self.optimizer.param_groups:  # the configured lr wins over the saved one
                 group["lr"] = self.config.learning_rate
             optimizer = "restored"
         else:
             optimizer = "reset (not kept with this version)"
-        self.policy_version = publish_weights(self.engine, self.models, version=version)
+        weights = stored.weights if stored is not None else None
+        self.policy_version = int(self.parallel.share(lambda: self.sink.publish(self.models, weights, version)))
         self.needs_publish, self.pending_version = False, None
         self.accepted = self._snapshot(version)
         self.steps_since_check = 0
         self.unchecked_steps = []
-        rolled_back = self.store.record_rollback(version, previous, {"optimizer": optimizer, "step": self.step})
+        rolled_back = self.parallel.share(lambda: self._source().record_rollback(
+            version, previous, {"optimizer": optimizer, "step": self.step}))
         log.warning("trainer: rolled back from version %d to version %d (optimizer %s)", previous, version,
                     optimizer)
         return {"version": self.policy_version, "from_version": previous, "rolled_back": rolled_back,
@@ -334,32 +461,38 @@ class Trainer:
 
     # ---- one batch ------------------------------------------------------------------------------------
     def run_batch(self, lease_id: str, samples: list[SampleRecord],
-                  should_stop: Callable[[], bool] | None = None) -> dict[str, Any] | None:
-        """Train one step on a leased batch and commit it. Returns the step metrics, or None when no sample
-        was trainable (all dropped with reasons) or a stop was requested before training began (lease
-        released). Raises on failure; the caller releases the lease."""
+                  should_stop: Callable[[], bool] | None = None, *,
+                  turns: TurnSource | None = None) -> dict[str, Any] | None:
+        """Train one step on a leased batch and commit it (every process calls it with the same batch; ``turns``
+        gives the samples' turns where the store is not at hand). Returns the step metrics, or None when no
+        sample was trainable (all dropped with reasons), the update was void, or a stop was requested before
+        training began (lease released). Raises ``LeaseLost`` when the commit was refused for a lost lease (the
+        rest of the lease is released; the update stays in the weights) and ``CommitNotRecorded`` when a stop
+        came while the store kept failing (the lease is kept). Any other failure happens before the update
+        and is raised for the caller to release the lease."""
         if self.needs_publish:
             self.publish()
-        items, drops, stats = prepare_items(self.store, samples, self.config, self.policy_version,
-                                            self.max_context, self.vocab_size)
-        for turn_id, reason in drops:
-            self.store.drop_leased_sample(turn_id, reason)
-        if not items:
-            self.store.release_lease(lease_id)
+        items, drops, stats = prepare_items(turns if turns is not None else self._source(), samples, self.config,
+                                            self.policy_version, self.max_context, self.vocab_size)
+        self.parallel.share(lambda: [self._source().drop_leased_sample(turn_id, reason)
+                                     for turn_id, reason in drops])
+        stop = bool(self.parallel.share(lambda: should_stop is not None and should_stop()))
+        if not items or stop:
+            self.parallel.share(lambda: self._source().release_lease(lease_id))
             return None
-        if should_stop is not None and should_stop():
-            self.store.release_lease(lease_id)
-            return None
-        metrics = train_step(self.models, self.optimizer, items, self.config, refresh=self.refresh,
-                             fuse_old=self.fuse_old)
-        for turn_id, reason in excluded_samples(items):
-            self.store.drop_leased_sample(turn_id, reason, lease_id=lease_id)
+        metrics = train_step(self.models, self.optimizer, items, self.config, teacher=self.teacher,
+                             fuse_old=self.fuse_old, runner=self.parallel.runner)
+        # From here the update is in the weights: every store write is retried, never given up for the batch.
+        excluded = excluded_samples(items)
+        if excluded:
+            self._persist(lambda store: [store.drop_leased_sample(t, r, lease_id=lease_id) for t, r in excluded],
+                          "the samples the step left out", should_stop)
         items = [it for it in items if EXCLUDED not in it.info]
         if not update_applied(metrics):
             self._void_update(lease_id, items)
             return None
         step = self.step + 1
-        published, gate_metrics = self._check(step)
+        published, gate_metrics = self._check(step, should_stop)
         metrics.update(stats.as_metrics())
         metrics.update(gate_metrics)
         metrics.update({
@@ -367,10 +500,11 @@ class Trainer:
             "policy_version": self.policy_version,
             "published": 1.0 if published else 0.0,
             "dropped": float(len(drops)),
-            "waiting": float(self.store.ready_count()),
+            "waiting": float(self.parallel.share(lambda: self._source().ready_count())),
         })
-        turn_ids = [it.turn_id for it in items]
-        self.store.commit_step(lease_id, step, self.policy_version, step_record(metrics), turn_ids)
+        if not self._commit(lease_id, step, metrics, [it.turn_id for it in items], should_stop,
+                            {it.turn_id: it.scores.tensors() for it in items if it.scores is not None}):
+            raise LeaseLost(f"step {step}: lease {lease_id} was lost before its commit")
         self.step = step  # only once the store agrees, so step numbers never skip
         self.last_metrics = metrics
         self.after_commit(metrics)
@@ -381,11 +515,16 @@ class Trainer:
         step: nothing is committed, gated or published. Its samples go back to ready for another batch, except
         those already in such a step before, which are dropped (a sample cannot stall training forever)."""
         again = self.voided.second_time(items)
-        for turn_id in again:
-            self.store.drop_leased_sample(turn_id, UPDATE_SKIPPED, lease_id=lease_id)
-        self.store.release_lease(lease_id)
-        self.store.record_event("update_skipped", {"turn_ids": [it.turn_id for it in items], "dropped": again},
-                                step=self.step, version=self.policy_version)
+
+        def give_back() -> None:
+            store = self._source()
+            for turn_id in again:
+                store.drop_leased_sample(turn_id, UPDATE_SKIPPED, lease_id=lease_id)
+            store.release_lease(lease_id)
+            store.record_event("update_skipped", {"turn_ids": [it.turn_id for it in items], "dropped": again},
+                               step=self.step, version=self.policy_version)
+
+        self.parallel.share(give_back)
         log.error("trainer: the update on %d samples was not finite and is skipped (no step, nothing published); "
                   "%d go back to ready, %d dropped after a second try", len(items), len(items) - len(again),
                   len(again))
@@ -393,12 +532,13 @@ class Trainer:
     def after_commit(self, metrics: dict[str, Any]) -> None:
         """Bookkeeping of a committed step. The step stands whatever happens here (its samples are consumed in
         the store), so a failure (disk full) is logged as what it is and never reported as a failed step."""
-        try:
-            self.metrics.write(metrics)
-            self.metrics.progress(metrics, int(metrics["waiting"]))
-        except Exception as exc:  # noqa: BLE001 - see the docstring
-            log.error("trainer: writing the metrics of step %d failed (%s: %s); the step stands", self.step,
-                      type(exc).__name__, exc)
+        if self.metrics is not None:
+            try:
+                self.metrics.write(metrics)
+                self.metrics.progress(metrics, int(metrics["waiting"]))
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                log.error("trainer: writing the metrics of step %d failed (%s: %s); the step stands", self.step,
+                          type(exc).__name__, exc)
         try:
             self.checkpoint_if_due()
         except Exception as exc:  # noqa: BLE001 - see the docstring
@@ -409,6 +549,9 @@ class Trainer:
 
     def close(self) -> None:
         """Close the metrics and let go of the weights and optimizer state (see ``HFEngine._release``)."""
-        self.metrics.close()
-        self.models = self.optimizer = None  # type: ignore[assignment]
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.teacher is not None:
+            self.teacher.close()
+        self.models = self.optimizer = self.gate_view = None  # type: ignore[assignment]
         self.accepted = None  # type: ignore[assignment]

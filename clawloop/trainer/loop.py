@@ -12,12 +12,16 @@
   ``batch_wait_s``, or no new turn has been stored for ``idle_train_s`` and none waits to be judged (the user
   has gone idle), the loop leases what is ready (up to a batch) and trains it. One person a few turns a minute
   fills a batch of 16 in five minutes or more, and two or three conversations never did (docs/trainer.md);
-* a step that fails releases its lease (its samples become ready again) and the loop backs off (doubling
+* a step that fails before its update releases its lease (its samples become ready again) and the loop backs off (doubling
   from ``error_backoff_s`` up to ``max_backoff_s``) before trying again; the error is logged and counted. The
   failed batch's samples are then retried one per step, so samples that train fine go through and one that
   breaks every step it is in is isolated; after ``max_sample_failures`` failed steps it is dropped with reason
   ``train_error`` (never silently) instead of stopping training forever (``trainer.leasing``, which every
   trainer loop leases through);
+* once the update is in the weights the batch is never given back: a store write that fails (disk full, database
+  locked) is tried again until it goes through (``Trainer._persist``); only a lost lease gives up, and then the
+  samples are not marked trained. A stop asked for while the store keeps failing leaves the lease to expire and
+  writes no checkpoint holding that update;
 * ``rollback(version)`` serves a kept version again (``Trainer.rollback``) once the step in progress, if any, has
   finished; requests keep being answered meanwhile. A rollback asked for while no server ran
   (``clawloop rollback RUN_DIR --to N``, recorded in the store's ``rollback_to``) is applied at ``start()``;
@@ -25,8 +29,8 @@
   releases anything still leased, writes a final checkpoint when steps were taken since the last one, and
   closes the metrics sinks.
 
-The teacher, when given, is asked for fresh teacher log-probs where the old policy's top-k moved away from
-the provisional set stored with a sample; its coroutines run on this event loop (``run_coroutine_threadsafe``).
+The teacher, when given, scores each step's OPD branches at the old policy's exact top-k ids
+(``trainer.old_policy``); its coroutines run on this event loop (``trainer.teacher_client.InProcessTeacher``).
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ from typing import Any, TextIO
 from clawloop.config import Config
 from clawloop.memory import trim_heap
 from clawloop.store import Store, TurnState
-from clawloop.trainer.core import Trainer, make_refresh
+from clawloop.trainer.contracts import PublishingEngine
+from clawloop.trainer.core import CommitNotRecorded, Trainer
+from clawloop.trainer.teacher_client import in_process
 from clawloop.trainer.leasing import BatchLeaser
 from clawloop.trainer.rollback import ROLLBACK_META
 from clawloop.trainer.model import TrainModels
@@ -51,7 +57,7 @@ log = logging.getLogger(__name__)
 
 
 class OnlineTrainer:
-    def __init__(self, config: Config, store: Store, policy_engine: Any, teacher: Any = None, *,
+    def __init__(self, config: Config, store: Store, policy_engine: PublishingEngine | None, teacher: Any = None, *,
                  run_dir: str | Path | None = None, resume: bool = False, poll_interval_s: float = 1.0,
                  error_backoff_s: float = 5.0, max_backoff_s: float = 300.0, max_sample_failures: int = 5,
                  models: TrainModels | None = None,
@@ -89,7 +95,9 @@ class OnlineTrainer:
 
     @property
     def policy_version(self) -> int:
-        return self.core.policy_version if self.core else int(getattr(self.engine, "policy_version", 0))
+        if self.core is not None:
+            return self.core.policy_version
+        return int(self.engine.policy_version) if self.engine is not None else 0
 
     @property
     def last_metrics(self) -> dict[str, Any]:
@@ -122,9 +130,9 @@ class OnlineTrainer:
         self._wake = asyncio.Event()
         self._stopping = False
         self._model_lock = asyncio.Lock()
-        refresh = make_refresh(self.teacher, self._loop)
+        teacher = in_process(self.teacher, self._loop)
         self.core = await asyncio.to_thread(
-            Trainer, self.config, self.store, self.engine, run_dir=self.run_dir, refresh=refresh,
+            Trainer, self.config, self.store, self.engine, run_dir=self.run_dir, teacher=teacher,
             models=self._models, console=self._console, on_gate=self.on_gate)
         if self.resume:
             self.resumed = await asyncio.to_thread(self.core.resume)
@@ -206,6 +214,9 @@ class OnlineTrainer:
                     await asyncio.to_thread(self._train_batch, lease_id, samples)
                 consecutive = 0
                 leaser.succeeded(samples)
+            except CommitNotRecorded as exc:  # stopping: the update is in the weights, so the batch stays leased
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.error("trainer: %s; its lease is kept and expires, and no checkpoint holds the update", exc)
             except Exception as exc:  # noqa: BLE001 - a failed step must not end serving
                 self.failures += 1
                 consecutive += 1

@@ -33,7 +33,7 @@ import torch
 
 from clawloop.config import Config
 from clawloop.engines.model_files import load_model, resolve_device, resolve_model
-from clawloop.trainer.allocator import release_large_frees
+from clawloop.memory import release_large_frees
 
 
 @dataclass

@@ -4,8 +4,10 @@ The run's store is opened, interrupted leases are returned (``store.recover()``)
 run is resumed when there is one (so offline training continues an online run, or an earlier offline one),
 and then full batches of ``rollout_batch_size`` ready samples are trained one step each. The remainder smaller
 than a batch is trained as a last, smaller step unless ``full_batches_only``. A checkpoint is written at the
-end. No engine serves, so publication only counts versions; no teacher is at hand, so samples whose stored
-student top-k set is out of date keep it (see ``old_policy``).
+end. It is the one trainer loop (``core.Trainer``) with a ``LocalVersion`` sink: no engine serves, so
+publication only counts versions. A ``teacher`` given (a ``clawloop.teacher.Teacher``, run on a loop of its own,
+or any ``TeacherClient``) scores the OPD branches at the old policy's exact top-k ids; without one, a sample's OPD
+branch trains only where scores were recorded at those very ids, and is left out otherwise (see ``old_policy``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from clawloop.config import Config
-from clawloop.store import Store, find_store
-from clawloop.trainer.core import Trainer, make_refresh
+from clawloop.store import LeaseLost, Store, find_store
+from clawloop.trainer.core import CommitNotRecorded, Trainer
+from clawloop.trainer.teacher_client import in_process
 from clawloop.trainer.leasing import BatchLeaser
 from clawloop.trainer.model import TrainModels
 from clawloop.trainer.publish import LocalVersion
@@ -34,7 +37,7 @@ def train_offline(config: Config, run_dir: str | Path | None = None, max_steps: 
     if store is None:
         store = Store(find_store(run_dir))
     store.recover()
-    trainer = Trainer(config, store, LocalVersion(), run_dir=run_dir, refresh=make_refresh(teacher),
+    trainer = Trainer(config, store, LocalVersion(), run_dir=run_dir, teacher=in_process(teacher),
                       models=models, console=console)
     try:
         if resume:
@@ -47,6 +50,8 @@ def train_offline(config: Config, run_dir: str | Path | None = None, max_steps: 
                 break
             try:
                 metrics = trainer.run_batch(lease_id, leased)
+            except (LeaseLost, CommitNotRecorded):
+                raise  # the update is in the weights: the batch is not given back (a lost lease gave it back)
             except BaseException:
                 leaser.failed(lease_id, leased)  # back to ready (counted), then the command fails
                 raise

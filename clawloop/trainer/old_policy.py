@@ -1,50 +1,85 @@
-"""The old-policy forward: what the weights *before* a step say about each sample (no gradient).
+"""The old-policy forward: what the weights *before* a step say about each sample (no gradient), and the one
+teacher call per sample.
 
 Per sample, all at the train-side temperature of its turn, from one log-softmax per response position:
 
 * ``ℓ_old`` at the sampled ids — the PPO ratio's denominator, and (beside the behaviour log-probs the serving
   engine reported) the train-vs-behaviour gap metric and the truncated importance weights of stale samples;
-* the student side of the top-k targets — the old policy's own top-k ids and their log-probs (S^q_t), and
+* for a sample with an OPD branch (a hint, or ``opd_on_unhinted = anchor``): the old policy's own top-k ids
+  S^q_t and their log-probs, the teacher's scores at exactly those ids (``clawloop.wire.TeacherScores``), and
   ``ℓ_old`` at every candidate teacher's top-k ids;
 * ``ℓ_ref`` at the sampled ids when the KL-to-reference term is on;
 * for the legacy ``combine`` method, the teacher's log-prob at each sampled id under the chosen hint.
 
-The stored sample carries a *provisional* student top-k (computed at judging time, possibly by an older
-policy) with the teacher's log-probs at those ids. Where today's old-policy top-k is the same set, the stored
-teacher values are reused (re-ordered to match). Where it differs, the teacher is asked again at the new ids
-through ``refresh`` (``Teacher.teacher_at_ids``); with no teacher at hand (offline training), or when the
-teacher fails, the provisional ids stay the student set, scored exactly under the old policy — still a valid
-subset, only not today's top-k. Every case is counted in the step metrics.
+The teacher is asked here, once per sample, for exactly what the objective needs (``TeacherClient.submit``,
+one call per micro-batch covering every candidate of its samples). The call of micro-batch g runs while
+micro-batch g + 1's forward runs; g's answer is collected after that forward, so the pass waits only for the
+last call. With one update per batch (the fused step, ``trainer.step``) ℓ_old comes from the loss's own forward,
+so ``topk_pass`` runs a no-gradient forward first, for the top-k ids alone, when a teacher is to be asked.
+The next batch cannot be asked for in advance: its ids depend on the weights after this step.
+
+Scores recorded with a sample at the very same ids (a step that was trained but not kept, an older store) are
+used as they are (re-ordered to match) and the teacher is not asked. When the teacher fails, times out or is
+absent, the sample's OPD branch is left out (``TEACHER_MISSING``): its RL branch still trains when it has a
+±1 vote, and a sample with nothing left is dropped with reason ``teacher_error`` (``TEACHER_ERROR``). Every case
+is counted in the step metrics; a stale set is never used.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 
 import torch
 
 from clawloop.config import Config
 from clawloop.temperature import effective_temperature
 from clawloop.losses import TopKTargets, logprobs_at, select_hints, topk_overlap, truncated_importance_weights
-from clawloop.store import TurnRecord
 from clawloop.trainer.batch import TrainItem, micro_batches
 from clawloop.trainer.model import TrainModels
-from clawloop.trainer.runner import LocalRunner, Runner
+from clawloop.trainer.runner import LocalRunner, ResponseLogits, Runner
+from clawloop.trainer.teacher_client import TeacherClient
+from clawloop.wire import TeacherRequest, TeacherScores
 
 log = logging.getLogger(__name__)
 
-RefreshFn = Callable[[TurnRecord, list[str], torch.Tensor, float], torch.Tensor]
-"""(turn, hints, at_ids_T_K, temperature) -> [C, T, K] teacher log-probs at those ids (candidates in hint order;
-no hints = the un-hinted anchor candidate)."""
+TEACHER_MISSING = "teacher_missing"
+"""``TrainItem.info`` key: the sample's OPD branch is left out this step (the teacher failed or is absent)."""
+TEACHER_ERROR = "teacher_error"
+"""Drop reason of a sample with an OPD branch and no RL branch whose teacher scores could not be had."""
 
 
-def needs_targets(config: Config, item: TrainItem) -> bool:
-    """Whether this sample's OPD-side tensors will be used by the objective at all."""
+def wants_opd(config: Config, item: TrainItem) -> bool:
+    """Whether this sample has an OPD branch the objective would use (so the teacher must score it)."""
     _, w_opd = config.weights
-    if w_opd == 0.0 or item.teacher_tensors is None:
+    if w_opd == 0.0:
         return False
     return bool(item.sample.hints) or config.opd_on_unhinted == "anchor"
+
+
+def opd_expected(config: Config, item: TrainItem) -> bool:
+    """Whether the sample trains an OPD term this step, as far as known before its loss: it wants one, and its
+    teacher scores were had (or may be recorded with it)."""
+    if not wants_opd(config, item) or item.info.get(TEACHER_MISSING):
+        return False
+    return item.scores is not None or item.recorded_scores is not None
+
+
+def reset_teacher_state(items: list[TrainItem]) -> None:
+    """Forget what an earlier step over the same items learnt about their top-k ids and teacher scores."""
+    for item in items:
+        item.student_ids_T_K, item.scores, item.targets = None, None, None
+        for key in (TEACHER_MISSING, "teacher_missing_reason", "teacher_asked", "teacher_reused"):
+            item.info.pop(key, None)
+
+
+def mark_unscored(item: TrainItem, config: Config) -> None:
+    """After a fused loss forward with no teacher to ask: a sample whose OPD branch got no scores leaves it out."""
+    if wants_opd(config, item) and item.scores is None and not item.info.get(TEACHER_MISSING):
+        item.info[TEACHER_MISSING] = 1.0
+        item.info["teacher_missing_reason"] = "no teacher is at hand and no scores at these ids were recorded"
 
 
 def match_rows(new_ids_T_K: torch.Tensor, stored_ids_T_K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,11 +91,40 @@ def match_rows(new_ids_T_K: torch.Tensor, stored_ids_T_K: torch.Tensor) -> tuple
     return perm_T_K, found_T_K.all(-1)
 
 
+def recorded_at(item: TrainItem, ids_T_K: torch.Tensor) -> TeacherScores | None:
+    """The sample's recorded scores re-ordered to ``ids_T_K``, when they were taken at the very same ids."""
+    recorded = item.recorded_scores
+    if recorded is None:
+        return None
+    stored_ids_T_K = recorded.student_ids_T_K.to(device=ids_T_K.device, dtype=torch.long)
+    if stored_ids_T_K.shape != ids_T_K.shape:
+        return None
+    perm_T_K, matches_T = match_rows(ids_T_K, stored_ids_T_K)
+    if not bool(matches_T.all()):
+        return None
+    at_student_C_T_K = recorded.teacher_at_student_C_T_K.to(ids_T_K.device)
+    C, T, K = at_student_C_T_K.shape
+    return replace(recorded, student_ids_T_K=ids_T_K,
+                   teacher_at_student_C_T_K=at_student_C_T_K.gather(2, perm_T_K.unsqueeze(0).expand(C, T, K)))
+
+
+def student_topk(item: TrainItem, logits_T_V: torch.Tensor, config: Config) -> None:
+    """Record the old policy's top-k ids of a sample with an OPD branch, and the recorded scores when they are at
+    these very ids."""
+    if not wants_opd(config, item):
+        return
+    ids_T_K = logits_T_V.detach().topk(int(config.topk), dim=-1).indices  # same order as the tempered log-softmax
+    item.student_ids_T_K = ids_T_K
+    item.scores = recorded_at(item, ids_T_K)
+    if item.scores is not None:
+        item.info["teacher_reused"] = 1.0
+
+
 @torch.no_grad()
-def old_side_from_logits(item: TrainItem, logits_T_V: torch.Tensor, config: Config,
-                         refresh: RefreshFn | None = None) -> None:
-    """Fill ``item`` (old log-probs, importance weights, top-k targets, combine teacher values) from the old
-    policy's raw logits at its response positions."""
+def old_side_from_logits(item: TrainItem, logits_T_V: torch.Tensor, config: Config) -> None:
+    """Fill ``item`` from the old policy's raw logits at its response positions: old log-probs, importance
+    weights, and — when its teacher scores are at hand — the top-k targets and the combine teacher values.
+    The student top-k ids are taken here unless ``topk_pass`` took them already."""
     temperature = item.temperature
     logits_T_V = logits_T_V.detach()
     response_ids_T = item.response_ids_T.to(logits_T_V.device)
@@ -73,39 +137,26 @@ def old_side_from_logits(item: TrainItem, logits_T_V: torch.Tensor, config: Conf
         # Greedy turns have no sampling distribution to correct against: weight 1.
         item.token_weights_T = truncated_importance_weights(old_T, behaviour_T, config.tis_cap)
         item.info["tis_weight_mean"] = float(item.token_weights_T.mean())
-
     item.targets = None
-    if not needs_targets(config, item):
-        return
-    t = item.teacher_tensors
-    assert t is not None
-    device = logits_T_V.device
-    teacher_ids_C_T_K = t["teacher_ids_C_T_K"].to(device=device, dtype=torch.long)
-    teacher_logprobs_C_T_K = t["teacher_logprobs_C_T_K"].to(device=device, dtype=torch.float32)
-    teacher_at_student_C_T_K = t["teacher_at_student_C_T_K"].to(device=device, dtype=torch.float32)
-    C, T, K_teacher = teacher_ids_C_T_K.shape
-    stored_ids_T_K = t["student_ids_T_K"].to(device=device, dtype=torch.long)
-    K = int(stored_ids_T_K.shape[1])
-    new_ids_T_K = logits_T_V.topk(K, dim=-1).indices  # same order as the tempered log-softmax
+    if item.student_ids_T_K is None:
+        student_topk(item, logits_T_V, config)
+    if item.scores is not None:
+        targets_from_logits(item, logits_T_V, config)
 
-    hints = list(item.sample.hints)
-    perm_T_K, matches_T = match_rows(new_ids_T_K, stored_ids_T_K)
-    item.info["student_topk_changed_frac"] = float((~matches_T).float().mean())
-    fresh = None
-    if not bool(matches_T.all()) and refresh is not None:
-        fresh = _ask_teacher(refresh, item, hints, new_ids_T_K, temperature, (C, T, K))
-    if bool(matches_T.all()):
-        student_ids_T_K = new_ids_T_K
-        teacher_at_student_C_T_K = teacher_at_student_C_T_K.gather(
-            2, perm_T_K.unsqueeze(0).expand(C, T, K))
-    elif fresh is not None:
-        student_ids_T_K = new_ids_T_K
-        teacher_at_student_C_T_K = fresh.to(device=device, dtype=torch.float32)
-        item.info["student_topk_refreshed"] = 1.0
-    else:
-        # No teacher to ask (or it failed): keep the provisional set, exactly scored under the old policy below.
-        student_ids_T_K = stored_ids_T_K
-        item.info["student_topk_kept_provisional"] = 1.0
+
+@torch.no_grad()
+def targets_from_logits(item: TrainItem, logits_T_V: torch.Tensor, config: Config) -> None:
+    """The top-k targets from the old logits and the teacher's scores at the old policy's top-k ids."""
+    scores = item.scores
+    assert scores is not None and item.student_ids_T_K is not None
+    temperature = item.temperature
+    logits_T_V = logits_T_V.detach()
+    device = logits_T_V.device
+    student_ids_T_K = item.student_ids_T_K.to(device=device, dtype=torch.long)
+    teacher_ids_C_T_K = scores.teacher_ids_C_T_K.to(device=device, dtype=torch.long)
+    teacher_logprobs_C_T_K = scores.teacher_logprobs_C_T_K.to(device=device, dtype=torch.float32)
+    teacher_at_student_C_T_K = scores.teacher_at_student_C_T_K.to(device=device, dtype=torch.float32)
+    C, T, K_teacher = teacher_ids_C_T_K.shape
     student_logprobs_T_K = logprobs_at(logits_T_V, student_ids_T_K, temperature).float()
     flat_T_N = teacher_ids_C_T_K.permute(1, 0, 2).reshape(T, C * K_teacher)
     old_at_teacher_C_T_K = logprobs_at(logits_T_V, flat_T_N, temperature).float() \
@@ -118,47 +169,31 @@ def old_side_from_logits(item: TrainItem, logits_T_V: torch.Tensor, config: Conf
         teacher_logprobs_C_T_K=teacher_logprobs_C_T_K,
         teacher_at_student_C_T_K=teacher_at_student_C_T_K.contiguous(),
     )
+    if item.info.get("teacher_asked"):
+        # Record-only: the student side as the teacher was asked, for the sample's record (the dashboard).
+        scores.student_logprobs_T_K = student_logprobs_T_K.cpu()
+        if item.old_logprobs_T is not None:
+            scores.student_token_logprobs_T = item.old_logprobs_T.float().cpu()
     if config.method == "combine":
-        item.info["combine_teacher"] = _combine_teacher(item, t, old_T, config, refresh)
+        item.info["combine_teacher"] = _combine_teacher(item, scores, config)
 
 
-def _ask_teacher(refresh: RefreshFn, item: TrainItem, hints: list[str], ids_T_K: torch.Tensor,
-                 temperature: float, shape: tuple[int, int, int]) -> torch.Tensor | None:
-    """The teacher's log-probs at ``ids_T_K``, or None when it cannot answer (down, timed out, wrong shape):
-    a teacher outage degrades the subset to the provisional one instead of stopping training."""
-    try:
-        fresh = refresh(item.turn, hints, ids_T_K.cpu(), temperature)
-    except Exception as exc:  # noqa: BLE001 - any teacher failure has the same fallback
-        log.warning("trainer: teacher refresh for turn %d failed (%s: %s); keeping the stored student set",
-                    item.turn_id, type(exc).__name__, exc)
-        item.info["teacher_refresh_failed"] = 1.0
-        return None
-    if tuple(fresh.shape) != shape:
-        log.warning("trainer: teacher refresh for turn %d returned shape %s, expected %s; keeping the stored "
-                    "student set", item.turn_id, tuple(fresh.shape), shape)
-        item.info["teacher_refresh_failed"] = 1.0
-        return None
-    return fresh
-
-
-def _combine_teacher(item: TrainItem, t: dict[str, torch.Tensor], old_T: torch.Tensor, config: Config,
-                     refresh: RefreshFn | None) -> float:
+def _combine_teacher(item: TrainItem, scores: TeacherScores, config: Config) -> float:
     """ℓ_T at the sampled ids under the chosen hint, for the legacy combine method (stored on the item).
 
-    Sources, best first: stored ``teacher_at_response_C_T``; asking the teacher; looking the id up in the stored
-    top-k tables. A token found nowhere gets ℓ_T := ℓ_old (no distillation push on it). Returns the fraction of
-    tokens with a real teacher value.
+    Sources, best first: the teacher's log-probs at the sampled ids (``teacher_token_logprobs_C_T``, which every
+    teacher answer carries); looking the id up in the top-k tables. A token found nowhere gets ℓ_T := ℓ_old (no
+    distillation push on it). Returns the fraction of tokens with a real teacher value.
     """
     targets = item.targets
+    old_T = item.old_logprobs_T
+    assert targets is not None and old_T is not None
     device = old_T.device
     C, T, _ = targets.teacher_ids_C_T_K.shape
     ids_T = item.response_ids_T.to(device)
     found_C_T = torch.ones(C, T, dtype=torch.bool, device=device)
-    if "teacher_at_response_C_T" in t:
-        at_response_C_T = t["teacher_at_response_C_T"].to(device=device, dtype=torch.float32)
-    elif refresh is not None and (asked := _ask_teacher(refresh, item, list(item.sample.hints), ids_T.view(T, 1),
-                                                        item.temperature, (C, T, 1))) is not None:
-        at_response_C_T = asked[..., 0].to(device=device, dtype=torch.float32)
+    if scores.teacher_token_logprobs_C_T is not None:
+        at_response_C_T = scores.teacher_token_logprobs_C_T.to(device=device, dtype=torch.float32)
     else:
         at_response_C_T = old_T.expand(C, T).clone()
         found_C_T = torch.zeros(C, T, dtype=torch.bool, device=device)
@@ -174,30 +209,155 @@ def _combine_teacher(item: TrainItem, t: dict[str, torch.Tensor], old_T: torch.T
     return float(found_C_T.gather(0, h_star_T.view(1, T)).float().mean())
 
 
+# ---- asking the teacher --------------------------------------------------------------------------------
+@dataclass
+class Asked:
+    """One micro-batch's teacher call in flight: the samples it covers and the answer to come."""
+
+    items: list[TrainItem]
+    future: Future[list[TeacherScores]] | None
+    timeout_s: float
+    started: float
+
+    def collect(self) -> float:
+        """Wait for the answer and give each sample its scores, or mark its OPD branch left out. Returns the
+        seconds waited."""
+        if not self.items:
+            return 0.0
+        t0 = time.perf_counter()
+        error = "no teacher is at hand"
+        answer: list[TeacherScores] | None = None
+        if self.future is not None:
+            try:
+                answer = self.future.result(timeout=self.timeout_s)
+                error = ""
+            except Exception as exc:  # noqa: BLE001 - any teacher failure has the same outcome
+                error = f"{type(exc).__name__}: {exc}"
+        waited = time.perf_counter() - t0
+        for i, item in enumerate(self.items):
+            scores = answer[i] if answer is not None and i < len(answer) else None
+            reason = error or _misfit(item, scores)
+            if reason:
+                log.warning("trainer: no teacher scores for turn %d (%s); its OPD branch is left out this step",
+                            item.turn_id, reason)
+                item.info[TEACHER_MISSING] = 1.0
+                item.info["teacher_missing_reason"] = reason[:200]
+                item.scores = None
+                continue
+            item.scores = scores
+            item.info["teacher_asked"] = 1.0
+        return waited
+
+
+def _misfit(item: TrainItem, scores: TeacherScores | None) -> str:
+    if scores is None:
+        return "the teacher answered too few scores"
+    assert item.student_ids_T_K is not None
+    T, K = item.student_ids_T_K.shape
+    C = max(1, len(item.sample.hints))
+    if tuple(scores.teacher_at_student_C_T_K.shape) != (C, T, K) or scores.teacher_ids_C_T_K.dim() != 3 or \
+            tuple(scores.teacher_ids_C_T_K.shape[:2]) != (C, T) or \
+            scores.teacher_logprobs_C_T_K.shape != scores.teacher_ids_C_T_K.shape:
+        return f"the teacher's scores have shape {tuple(scores.teacher_at_student_C_T_K.shape)}, expected {(C, T, K)}"
+    return ""
+
+
+def ask(teacher: TeacherClient | None, group: list[TrainItem], config: Config) -> Asked:
+    """Submit one teacher call for the samples of ``group`` whose OPD branch has no scores yet (no blocking)."""
+    items = [it for it in group if wants_opd(config, it) and it.scores is None and it.student_ids_T_K is not None
+             and not it.info.get(TEACHER_MISSING)]
+    future = None
+    if items and teacher is not None:
+        requests = [TeacherRequest(turn=it.turn, hints=list(it.sample.hints),
+                                   student_ids_T_K=it.student_ids_T_K.cpu(), temperature=it.temperature)
+                    for it in items]
+        try:
+            future = teacher.submit(requests)
+        except Exception as exc:  # noqa: BLE001 - a teacher that cannot even be asked is a failed call
+            failed: Future[list[TeacherScores]] = Future()
+            failed.set_exception(exc)
+            future = failed
+    return Asked(items, future, teacher.timeout_s if teacher is not None else 0.0, time.perf_counter())
+
+
+# ---- the passes ------------------------------------------------------------------------------------------
+@torch.no_grad()
+def topk_pass(models: TrainModels, groups: list[list[TrainItem]], config: Config, runner: Runner,
+              teacher: TeacherClient, *, rounds: int | None = None) -> float:
+    """For the fused step: a no-gradient forward of each micro-batch for its samples' top-k ids, each
+    micro-batch's teacher call submitted at once and collected after the next forward. Returns the seconds
+    spent waiting for the teacher."""
+    rounds = runner.rounds(len(groups)) if rounds is None else rounds
+    local = any(wants_opd(config, it) and it.scores is None for group in groups for it in group)
+    if not any(runner.gather(local)):  # every rank runs the same forwards, or none
+        return 0.0
+    waited = 0.0
+    pending: Asked | None = None
+    for g in range(rounds):
+        group = groups[g] if g < len(groups) else []
+        if runner.world == 1 and not any(wants_opd(config, it) for it in group):
+            continue
+        forward = runner.forward(models.causal_lm, group)
+        for item, logits_T_V in forward.samples():
+            student_topk(item, logits_T_V, config)
+        del forward
+        asked = ask(teacher, group, config)
+        if pending is not None:
+            waited += pending.collect()
+        pending = asked
+    if pending is not None:
+        waited += pending.collect()
+    return waited
+
+
 @torch.no_grad()
 def old_policy_pass(models: TrainModels, groups: list[list[TrainItem]], config: Config, runner: Runner, *,
-                    refresh: RefreshFn | None = None, rounds: int | None = None) -> None:
+                    teacher: TeacherClient | None = None, rounds: int | None = None) -> float:
     """The separate old-policy (and reference) forward over this process's micro-batches ``groups``, filling
-    each item; ``rounds`` (``runner.rounds``) keeps every rank's forwards in step. No gradient is kept, so
-    memory is one layer's activations at a time; the token budget still bounds the padded batch."""
+    each item and asking the teacher (see the module docstring); ``rounds`` (``runner.rounds``) keeps every
+    rank's forwards in step. No gradient is kept, so memory is one layer's activations at a time, plus the
+    previous micro-batch's forward until its teacher answer is in. Returns the seconds spent waiting for the
+    teacher."""
     rounds = runner.rounds(len(groups)) if rounds is None else rounds
+    reset_teacher_state([it for group in groups for it in group])
+    waited = 0.0
+    pending: tuple[ResponseLogits, Asked] | None = None
     for g in range(rounds):
         group = groups[g] if g < len(groups) else []
         forward = runner.forward(models.causal_lm, group)
         for item, logits_T_V in forward.samples():
-            old_side_from_logits(item, logits_T_V, config, refresh)
+            old_side_from_logits(item, logits_T_V, config)
+        asked = ask(teacher, group, config)
+        if pending is not None:
+            waited += _finish(*pending, config)
+        pending = (forward, asked)
         del forward
         if models.use_reference:
             fill_reference(models, group, runner)
+    if pending is not None:
+        waited += _finish(*pending, config)
+    return waited
+
+
+def _finish(forward: ResponseLogits, asked: Asked, config: Config) -> float:
+    """Collect a micro-batch's teacher answer and build the targets of the samples it scored from that
+    micro-batch's old logits (the output layer runs again for them)."""
+    waited = asked.collect()
+    scored = {id(it) for it in asked.items if it.scores is not None}
+    if scored:
+        for item, logits_T_V in forward.samples():
+            if id(item) in scored:
+                targets_from_logits(item, logits_T_V, config)
+    return waited
 
 
 def fill_old_side(models: TrainModels, items: list[TrainItem], config: Config, *,
-                  micro_batch_size: int | None = None, refresh: RefreshFn | None = None,
+                  micro_batch_size: int | None = None, teacher: TeacherClient | None = None,
                   micro_batch_tokens: int | None = None) -> None:
     """``old_policy_pass`` over ``items`` in this process's micro-batches."""
     groups = micro_batches(items, micro_batch_size or config.micro_batch_size,
                            micro_batch_tokens or config.micro_batch_tokens)
-    old_policy_pass(models, groups, config, LocalRunner(models.device), refresh=refresh)
+    old_policy_pass(models, groups, config, LocalRunner(models.device), teacher=teacher)
 
 
 @torch.no_grad()
@@ -209,3 +369,12 @@ def fill_reference(models: TrainModels, group: list[TrainItem], runner: Runner) 
             item.ref_logprobs_T = logprobs_at(logits_T_V, item.response_ids_T.to(logits_T_V.device),
                                               item.temperature).float()
         del forward
+
+
+def teacher_metrics(items: list[TrainItem]) -> dict[str, float]:
+    """How each sample's OPD branch got its teacher scores this step."""
+    return {
+        "teacher_asked": float(sum(1 for it in items if it.info.get("teacher_asked"))),
+        "teacher_reused": float(sum(1 for it in items if it.info.get("teacher_reused"))),
+        "teacher_missing": float(sum(1 for it in items if it.info.get(TEACHER_MISSING))),
+    }

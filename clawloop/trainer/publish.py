@@ -20,7 +20,9 @@ modules) fall back to peft's own merge.
 ``publish_weights`` returns the engine's new ``policy_version``. An engine that accepts an explicit version
 (``version=`` keyword) is given one when resuming, so versions continue from the checkpoint.
 
-The other way round, a trainer in another process (``torchrun``) publishes by folder (``FolderPublisher``):
+The weight sinks of the trainer loop (``trainer.contracts.WeightSink``) are here: ``EngineSink`` (an engine in
+this process; with ``LocalVersion`` nowhere) and ``FolderSink``: a trainer in another process (``torchrun``)
+publishes by folder:
 ``RUN_DIR/weights/v<N>`` holds the full weights or the PEFT adapter, written to a temporary name and renamed
 so the API never reads half of one, then reported to the API's ``/v1/trainer/weights`` route, which loads it
 (``merge_adapter_folder`` for an adapter and an engine that takes full weights).
@@ -35,12 +37,13 @@ import logging
 import math
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from clawloop.atomic import write_folder_atomically
+from clawloop.trainer.contracts import PublishingEngine
 from clawloop.trainer.model import TrainModels
+from clawloop.weight_folder import unshared_tensors, write_weight_folder
 
 log = logging.getLogger(__name__)
 
@@ -150,21 +153,19 @@ def _accepts_version(fn: Any) -> bool:
     return any(p.name == "version" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def takes_adapters(engine: Any) -> bool:
+def takes_adapters(engine: PublishingEngine) -> bool:
     """Whether the engine publishes LoRA adapters as such (vLLM hot-loading) rather than merged weights: its
-    ``takes_adapters`` capability (an engine that does not declare it takes merged weights)."""
-    return bool(getattr(engine, "takes_adapters", False))
+    ``takes_adapters`` capability, part of the ``PublishingEngine`` contract."""
+    return bool(engine.takes_adapters)
 
 
-def publish_weights(engine: Any, models: TrainModels, version: int | None = None) -> int:
+def publish_weights(engine: PublishingEngine, models: TrainModels, version: int | None = None) -> int:
     """Publish from a worker thread (blocking). Returns the engine's policy version afterwards.
 
     A LoRA run publishing to an engine that hot-loads adapters (vLLM with ``LoRAPublisher``) sends the PEFT
     model itself (only the adapter is written); everything else gets the merged base-architecture state dict."""
     weights: Any = models.policy if models.lora and takes_adapters(engine) else merged_state_dict(models)
-    publish = getattr(engine, "publish_sync", None)
-    if publish is None:
-        raise TypeError(f"{type(engine).__name__} has no publish_sync(weights) method")
+    publish = engine.publish_sync
     if version is not None and _accepts_version(publish):
         return int(publish(weights, version=version))
     return int(publish(weights))
@@ -174,6 +175,7 @@ class LocalVersion:
     """A stand-in engine for offline training: nothing serves, but versions still count publications."""
 
     takes_adapters = False
+    max_context: int | None = None
 
     def __init__(self, version: int = 0):
         self._version = int(version)
@@ -187,27 +189,33 @@ class LocalVersion:
         return self._version
 
 
+class EngineSink:
+    """Weights go to an engine in this process (``LocalVersion``: nowhere, only the version counts)."""
+
+    def __init__(self, engine: PublishingEngine):
+        self.engine = engine
+
+    @property
+    def policy_version(self) -> int:
+        return int(self.engine.policy_version)
+
+    @property
+    def max_context(self) -> int | None:
+        return self.engine.max_context
+
+    def publish(self, models: TrainModels, weights: dict[str, torch.Tensor] | None, version: int) -> int:
+        return publish_weights(self.engine, models, version=version)
+
+    def served_version(self) -> int | None:
+        return None
+
+
 # ---- weights folders for another process (the torchrun trainer's rank 0) ------------------------------------
-def unshared_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tied tensors share storage, which safetensors refuses to write twice: clone the second and later ones."""
-    seen: set[int] = set()
-    out = {}
-    for k, v in state.items():
-        v = v.detach().contiguous()
-        ptr = v.untyped_storage().data_ptr()
-        out[k] = v.clone() if ptr in seen else v
-        seen.add(ptr)
-    return out
-
-
 def write_weights_folder(models: TrainModels, weights: dict[str, torch.Tensor], folder: Path) -> tuple[Path, str]:
     """The full weights (``model.safetensors``) or, with LoRA, a PEFT adapter folder, written atomically. Returns
     the folder and the ``kind`` the API's ``/v1/trainer/weights`` takes for it."""
-    from safetensors.torch import save_file
-
     if not models.lora:
-        write_folder_atomically(folder, lambda tmp: save_file(unshared_tensors(weights),
-                                                              str(tmp / "model.safetensors")))
+        write_weight_folder(folder, weights, tensors_file="model.safetensors")
         return folder, "full"
     adapter = getattr(models.policy, "active_adapter", "default")
     if isinstance(adapter, (list, tuple)):
@@ -215,11 +223,9 @@ def write_weights_folder(models: TrainModels, weights: dict[str, torch.Tensor], 
     peft_config = copy.deepcopy(models.policy.peft_config[adapter])
     peft_config.inference_mode = True  # as peft's save_pretrained writes it
 
-    def write(tmp: Path) -> None:
-        peft_config.save_pretrained(str(tmp))
-        save_file(unshared_tensors(weights), str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-
-    write_folder_atomically(folder, write)
+    # The adapter's config is its manifest: written after the tensors, as PEFT's save_pretrained names it.
+    write_weight_folder(folder, weights, tensors_file="adapter_model.safetensors", metadata={"format": "pt"},
+                        write=lambda tmp: peft_config.save_pretrained(str(tmp)))
     return folder, "lora"
 
 
@@ -236,37 +242,44 @@ def prune_weights_folders(root: Path, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-class FolderPublisher:
-    """Publishing by folder: writes each version's folder, reports it to the API (when there is one), remembers a
-    failed report so it is retried before the next batch, and keeps the newest ``KEEP_WEIGHTS_FOLDERS``."""
+class WeightReport(Protocol):
+    """The API's side of folder publication (``trainer.remote.RemoteStore``)."""
 
-    def __init__(self, models: TrainModels, store: Any, run_dir: Path, report: bool):
-        self.models = models
-        self.store = store
+    def report_weights(self, path: str, version: int | None = None, kind: str = "full") -> int: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+
+class FolderSink:
+    """Publishing by folder: writes each version's folder, reports it to the API when there is one (``api``),
+    and keeps the newest ``KEEP_WEIGHTS_FOLDERS``. A failed report raises; the loop calls ``publish`` again with
+    the same version before the next step, and the folder already written is reported, not written again."""
+
+    max_context: int | None = None
+
+    def __init__(self, run_dir: Path, api: WeightReport | None, version: int = 0):
+        self.api = api
         self.root = run_dir / "weights"
-        self.report = report and hasattr(store, "report_weights")
-        self.pending: tuple[Path, str, int] | None = None
+        self._version = int(version)
+        self.written: tuple[Path, str, int] | None = None
+        """The folder of the newest version written, its kind and its version."""
 
-    def publish(self, weights: dict[str, torch.Tensor], version: int) -> int | None:
-        """Write ``weights`` as version ``version`` and report them. Returns the version they are served under,
-        or None when the report failed (kept for ``retry``)."""
-        folder, kind = write_weights_folder(self.models, weights, self.root / f"v{version}")
-        if not self.report:
-            self._prune()
-            return version
-        self.pending = (folder, kind, version)
-        return self.retry()
+    @property
+    def policy_version(self) -> int:
+        return self._version
 
-    def retry(self) -> int | None:
-        if self.pending is None:
-            return None
-        folder, kind, version = self.pending
-        try:
-            served = int(self.store.report_weights(str(folder), version, kind=kind))
-        except Exception:
-            log.exception("reporting weights %s failed; will retry before the next step", folder)
-            return None
-        self.pending = None
+    def served_version(self) -> int | None:
+        return int(self.api.state()["policy_version"]) if self.api is not None else None
+
+    def publish(self, models: TrainModels, weights: dict[str, torch.Tensor] | None, version: int) -> int:
+        if self.written is None or self.written[2] != version:
+            if weights is None:
+                raise RuntimeError("folder publication needs the gathered weights")
+            folder, kind = write_weights_folder(models, weights, self.root / f"v{version}")
+            self.written = (folder, kind, version)
+        folder, kind, _ = self.written
+        served = version if self.api is None else int(self.api.report_weights(str(folder), version, kind=kind))
+        self._version = served
         self._prune()
         return served
 

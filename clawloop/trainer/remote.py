@@ -3,8 +3,14 @@
 
 The leased turns arrive with their samples and are kept until the lease is committed or released, so
 ``get_turn`` (used when a batch is prepared) needs no extra round trip. Every call has a timeout; transport
-errors are retried with backoff, HTTP answers are not (a 409 means the lease was lost and is raised as
-``LeaseLost``, like ``Store.commit_step`` raising when its samples are no longer held).
+errors and 503 answers (the API's store failed for a reason worth another try: disk full, database locked) are
+retried with backoff; other HTTP answers are not. A 409 means the lease was lost and is raised as
+``clawloop.store.LeaseLost``, as ``Store.commit_step`` raises it when its samples are no longer held. A 503 still
+failing after the retries is raised as ``StoreUnavailable``, which the trainer loop tries again later (its
+update is in the weights; the batch is never given back for it).
+
+Versions, gate events and rollbacks are recorded in the API's store as the embedded trainer records them in its
+own (``trainer.contracts.SampleSource``), and the gate's recent prompts come from it too.
 """
 
 from __future__ import annotations
@@ -12,14 +18,17 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import torch
 
 from clawloop.retry import Backoff, retry_sync
-from clawloop.store import SampleRecord, TurnRecord
-from clawloop.wire import sample_from_json
+from clawloop.store import LeaseLost, SampleRecord, TurnRecord
+from clawloop.wire import encode_tensors, sample_from_json
+
+__all__ = ["LeaseLost", "RemoteStore", "StoreUnavailable"]
 
 
-class LeaseLost(RuntimeError):
-    """The lease's samples were taken back (expired and re-leased, or already committed)."""
+class StoreUnavailable(RuntimeError):
+    """The API answered 503: its store failed for a reason worth another try."""
 
 
 class RemoteStore:
@@ -34,9 +43,14 @@ class RemoteStore:
         self._waiting = 0
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        response = retry_sync(lambda _: self._client.request(method, path, json=body),
-                              Backoff(self.retries, self.backoff_s),
-                              retryable=lambda exc: isinstance(exc, httpx.TransportError))
+        def attempt(_: int) -> httpx.Response:
+            response = self._client.request(method, path, json=body)
+            if response.status_code == 503:
+                raise StoreUnavailable(response.text)
+            return response
+
+        response = retry_sync(attempt, Backoff(self.retries, self.backoff_s),
+                              retryable=lambda exc: isinstance(exc, (httpx.TransportError, StoreUnavailable)))
         if response.status_code == 409:
             raise LeaseLost(response.text)
         response.raise_for_status()
@@ -67,10 +81,12 @@ class RemoteStore:
     extend_lease = heartbeat
 
     def commit_step(self, lease_id: str, step: int, policy_version: int, metrics: dict[str, Any],
-                    turn_ids: list[int]) -> None:
+                    turn_ids: list[int], scores: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
         self._call("POST", "/v1/trainer/commit", {"lease_id": lease_id, "step": step,
                                                   "policy_version": policy_version, "metrics": metrics,
-                                                  "turn_ids": list(turn_ids)})
+                                                  "turn_ids": list(turn_ids),
+                                                  "scores": {str(tid): encode_tensors(tensors)
+                                                             for tid, tensors in (scores or {}).items()}})
         self._forget(lease_id)
 
     def release_lease(self, lease_id: str) -> int:
@@ -104,6 +120,26 @@ class RemoteStore:
         if version is not None:
             body["version"] = int(version)
         return int(self._call("POST", "/v1/trainer/weights", body)["policy_version"])
+
+    def next_version(self, at_least: int = 0) -> int:
+        return int(self._call("POST", "/v1/trainer/next_version", {"at_least": int(at_least)})["version"])
+
+    def record_version(self, version: int, step: int, status: str, evidence: dict[str, Any]) -> None:
+        self._call("POST", "/v1/trainer/versions", {"version": int(version), "step": int(step), "status": status,
+                                                    "evidence": evidence})
+
+    def record_event(self, kind: str, detail: dict[str, Any], step: int | None = None,
+                     version: int | None = None) -> None:
+        self._call("POST", "/v1/trainer/events", {"kind": kind, "detail": detail, "step": step, "version": version})
+
+    def record_rollback(self, to_version: int, from_version: int, detail: dict[str, Any]) -> list[int]:
+        out = self._call("POST", "/v1/trainer/rollbacks", {"to_version": int(to_version),
+                                                           "from_version": int(from_version), "detail": detail})
+        return [int(v) for v in out["rolled_back"]]
+
+    def recent_prompts(self, n: int) -> list[tuple[int, list[int], list[dict[str, Any]]]]:
+        out = self._call("GET", f"/v1/trainer/recent_prompts?n={int(n)}")
+        return [(int(p["turn_id"]), [int(i) for i in p["prompt_ids"]], p["messages"]) for p in out["prompts"]]
 
     def _forget(self, lease_id: str) -> None:
         for tid in self._lease_turns.pop(lease_id, []):

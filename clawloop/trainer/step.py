@@ -18,17 +18,19 @@ Choices:
   ``clawloop.trainer.recompute``), so memory grows linearly with the tokens (docs/training-memory.md).
 * Old-policy side: with one update per batch (``steps_per_batch = 1``, the default) the old policy *is* the
   current policy before the update, so ℓ_old and the student top-k are read (detached) from the very logits
-  the loss uses — one forward instead of two, and ρ = 1 exactly. With several PPO epochs a separate no-grad
-  forward (``old_policy.old_policy_pass``) runs first and every epoch reuses it.
+  the loss uses — one forward instead of two, and ρ = 1 exactly; when a teacher is to be asked, a no-gradient
+  forward first takes the top-k ids alone, so the teacher calls run while it goes on (``old_policy.topk_pass``).
+  With several PPO epochs a separate no-grad forward (``old_policy.old_policy_pass``) runs first, asking the
+  teacher on the way, and every epoch reuses it. Advantages are computed once the teacher's answers are in.
 * AdamW with the configured lr, betas and weight decay; the global gradient norm is clipped at ``grad_clip``.
 * Non-finite numbers stay with the sample that made them: a sample whose loss, or whose gradient on its own
   logits, is not finite is left out of the update (``finite_share``) and reported with its reason
   (``excluded_samples``); the rest of the batch trains. An update whose global gradient is still not finite is
   skipped (``updates_applied`` < epochs in the metrics), and the trainer then neither commits nor publishes it.
 * The model runs in eval mode (no dropout) throughout.
-* A sample that cannot get an OPD term (``opd_on_unhinted = anchor`` but no anchor targets were stored, e.g.
-  its teacher call failed) trains its RL term only and is counted (``anchor_missing``), rather than failing the
-  step for the whole batch.
+* A sample whose teacher scores could not be had trains its RL term only (counted: ``teacher_missing``, and
+  ``anchor_missing`` for an un-hinted sample under ``opd_on_unhinted = anchor``), rather than failing the
+  step for the whole batch; one with no RL term (vote 0) is left out and dropped with reason ``teacher_error``.
 * Metrics: each epoch's per-sample metrics are gathered from every rank and merged, then averaged over epochs,
   so every runner reports the whole batch under the same keys.
 """
@@ -48,8 +50,10 @@ from clawloop.losses import MetricsAccumulator, ObjectiveSample, ObjectiveSettin
     sample_objective, shape_advantages
 from clawloop.trainer.batch import TrainItem, micro_batches
 from clawloop.trainer.model import TrainModels
-from clawloop.trainer.old_policy import RefreshFn, fill_reference, old_policy_pass, old_side_from_logits
+from clawloop.trainer.old_policy import TEACHER_ERROR, TEACHER_MISSING, fill_reference, mark_unscored, \
+    old_policy_pass, old_side_from_logits, opd_expected, reset_teacher_state, teacher_metrics, topk_pass
 from clawloop.trainer.runner import LocalRunner, Runner, scalar
+from clawloop.trainer.teacher_client import TeacherClient
 
 
 def make_optimizer(models: TrainModels, config: Config) -> torch.optim.Optimizer:
@@ -66,7 +70,7 @@ def rewards_for(items: list[TrainItem], config: Config) -> list[float]:
     prompt), then shaped across the batch by ``advantage_mode`` (docs/collapse-fix.md)."""
     rewards = group_rewards(items, config)
     _, w_opd = config.weights
-    hinted_B = torch.tensor([w_opd != 0.0 and bool(it.sample.hints) and it.teacher_tensors is not None
+    hinted_B = torch.tensor([w_opd != 0.0 and bool(it.sample.hints) and opd_expected(config, it)
                              for it in items], dtype=torch.bool)
     return shape_advantages(torch.tensor(rewards, dtype=torch.float64), hinted_B, config.advantage_mode).tolist()
 
@@ -89,7 +93,7 @@ def group_rewards(items: list[TrainItem], config: Config) -> list[float]:
 
 
 def objective_sample(item: TrainItem, logits_T_V: torch.Tensor, reward: float) -> ObjectiveSample:
-    hinted = bool(item.sample.hints) and item.teacher_tensors is not None
+    hinted = bool(item.sample.hints) and item.targets is not None
     return ObjectiveSample(
         response_ids_T=item.response_ids_T.to(logits_T_V.device),
         old_logprobs_T=item.old_logprobs_T,
@@ -106,17 +110,19 @@ def objective_sample(item: TrainItem, logits_T_V: torch.Tensor, reward: float) -
 
 
 def settings_for(item: TrainItem, settings: ObjectiveSettings) -> ObjectiveSettings:
-    """``anchor`` needs targets on the un-hinted prompt; a sample stored without them (the teacher failed and the
-    pipeline kept its vote) trains its RL term only instead of failing the whole step."""
-    if settings.opd_on_unhinted == "anchor" and item.teacher_tensors is None:
-        item.info["anchor_missing"] = 1.0
+    """``anchor`` needs targets on the un-hinted prompt; a sample without them (its teacher call failed) trains its
+    RL term only instead of failing the whole step."""
+    if settings.opd_on_unhinted == "anchor" and item.targets is None:
+        if not item.sample.hints:
+            item.info["anchor_missing"] = 1.0
         return dataclasses.replace(settings, opd_on_unhinted="skip")
     return settings
 
 
 EXCLUDED = "excluded_nonfinite"
-"""``TrainItem.info`` key of a sample left out of the update, with the reason (``NONFINITE_LOSS`` or
-``NONFINITE_GRADIENT``); the trainer drops such a sample with that reason instead of committing it."""
+"""``TrainItem.info`` key of a sample left out of the update, with the reason (``NONFINITE_LOSS``,
+``NONFINITE_GRADIENT``, or ``old_policy.TEACHER_ERROR`` for a sample whose only branch needed teacher scores that
+could not be had); the trainer drops such a sample with that reason instead of committing it."""
 NONFINITE_LOSS = "nonfinite_loss"
 NONFINITE_GRADIENT = "nonfinite_gradient"
 UPDATE_SKIPPED = "update_skipped_nonfinite"
@@ -166,17 +172,39 @@ def excluded_samples(items: list[TrainItem]) -> list[tuple[int, str]]:
     return [(it.turn_id, str(it.info[EXCLUDED])) for it in items if EXCLUDED in it.info]
 
 
+def nothing_left(item: TrainItem, config: Config) -> bool:
+    """A sample whose OPD branch lost its teacher scores and that has no RL branch (vote 0) is left out of the
+    update and dropped with reason ``TEACHER_ERROR`` (marked on the item); True when so."""
+    if EXCLUDED in item.info and item.info[EXCLUDED] == TEACHER_ERROR:
+        return True
+    if item.info.get(TEACHER_MISSING) and float(item.sample.reward) == 0.0:
+        item.info[EXCLUDED] = TEACHER_ERROR
+        return True
+    return False
+
+
+def share_teacher_outcomes(items: list[TrainItem], mine: list[TrainItem], runner: Runner) -> None:
+    """Every rank learns which samples lost their OPD branch (the advantages of the whole batch depend on it)."""
+    missing = {it.turn_id: str(it.info.get("teacher_missing_reason", "")) for it in mine if it.info.get(TEACHER_MISSING)}
+    for part in runner.gather(missing):
+        for it in items:
+            if it.turn_id in part:
+                it.info[TEACHER_MISSING] = 1.0
+                it.info["teacher_missing_reason"] = part[it.turn_id]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: list[TrainItem], config: Config,
-               *, refresh: RefreshFn | None = None, fuse_old: bool | None = None,
+               *, teacher: TeacherClient | None = None, fuse_old: bool | None = None,
                runner: Runner | None = None) -> dict[str, Any]:
     """Train on ``items`` (``steps_per_batch`` updates) and return the step's metrics (floats). Under an
     ``FSDPRunner`` every rank calls this with the whole batch; each trains its share and all return the
-    whole batch's metrics."""
+    whole batch's metrics. ``teacher`` scores the samples' OPD branches at the old policy's top-k ids
+    (``trainer.old_policy``); without one only scores recorded at those very ids are used."""
     if not items:
         raise ValueError("train_step needs at least one sample")
     t_start = time.perf_counter()
@@ -185,23 +213,37 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
     epochs = int(config.steps_per_batch)
     fuse = (epochs == 1) if fuse_old is None else (fuse_old and epochs == 1)
     device = runner.device
-    rewards = rewards_for(items, config)  # over the whole batch on every rank: group norms see every sample
     n = len(items)
     mine = runner.shard(n)
-    reward_of = {id(items[i]): rewards[i] for i in mine}
     groups = micro_batches([items[i] for i in mine], config.micro_batch_size, config.micro_batch_tokens)
     rounds = runner.rounds(len(groups))
     timings: dict[str, float] = defaultdict(float)
     params = models.trainable_parameters()
 
-    if not fuse:
+    reset_teacher_state(items)
+    for it in items:
+        if it.info.get(EXCLUDED) == TEACHER_ERROR:
+            del it.info[EXCLUDED]
+    if not fuse or teacher is not None:
         t0 = time.perf_counter()
-        old_policy_pass(models, groups, config, runner, refresh=refresh, rounds=rounds)
+        if fuse:
+            assert teacher is not None
+            timings["time_teacher_wait_s"] += topk_pass(models, groups, config, runner, teacher, rounds=rounds)
+        else:
+            timings["time_teacher_wait_s"] += old_policy_pass(models, groups, config, runner, teacher=teacher,
+                                                              rounds=rounds)
         _sync(device)
         timings["time_old_forward_s"] += time.perf_counter() - t0
+        share_teacher_outcomes(items, [items[i] for i in mine], runner)
+    # Over the whole batch on every rank (group norms see every sample), once the teacher's answers are in.
+    rewards = rewards_for(items, config)
+    reward_of = {id(items[i]): rewards[i] for i in mine}
 
     epoch_parts: list[tuple[dict[str, float], dict[str, int], int]] = []
-    excluded: set[int] = set()  # id() of the samples whose loss or gradient was not finite
+    excluded: set[int] = set()  # id() of the samples left out: loss or gradient not finite, or teacher_error
+    for i in mine:
+        if nothing_left(items[i], config):
+            excluded.add(id(items[i]))
     grad_norms: list[float] = []
     skipped = 0
     empty = 0
@@ -226,7 +268,11 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
                 if id(item) in excluded:
                     continue  # left out in an earlier epoch: it adds nothing to this update either
                 if fuse:
-                    old_side_from_logits(item, logits_T_V, config, refresh)
+                    old_side_from_logits(item, logits_T_V, config)
+                    mark_unscored(item, config)
+                    if nothing_left(item, config):
+                        excluded.add(id(item))
+                        continue
                 result = sample_objective(objective_sample(item, logits_T_V, reward_of[id(item)]),
                                           settings_for(item, settings))
                 # The whole batch's n: the sum over ranks is the batch mean.
@@ -273,7 +319,9 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["updates_skipped_nonfinite"] = float(skipped)
     metrics["updates_applied"] = float(epochs - skipped - empty)
-    metrics["samples_excluded_nonfinite"] = float(sum(1 for it in items if EXCLUDED in it.info))
+    metrics["samples_excluded_nonfinite"] = float(sum(1 for it in items if it.info.get(EXCLUDED) in
+                                                      (NONFINITE_LOSS, NONFINITE_GRADIENT)))
+    metrics["samples_dropped_teacher_error"] = float(sum(1 for it in items if it.info.get(EXCLUDED) == TEACHER_ERROR))
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])
     metrics["samples"] = float(n)
     metrics["world_size"] = float(runner.world)
@@ -300,7 +348,7 @@ def mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
 
 
 def item_metrics(items: list[TrainItem]) -> dict[str, float]:
-    """Behaviour-vs-old gap, sample policy versions, student top-k refresh counts, importance weights."""
+    """Behaviour-vs-old gap, sample policy versions, how the teacher scores were had, importance weights."""
     versions = [it.turn.policy_version for it in items]
     out = {
         "old_behaviour_logprob_gap": sum(it.info.get("behaviour_gap", 0.0) for it in items) / len(items),
@@ -310,16 +358,10 @@ def item_metrics(items: list[TrainItem]) -> dict[str, float]:
         "hinted_samples": float(sum(1 for it in items if it.sample.hints)),
         "reward_mean": sum(float(it.sample.reward) for it in items) / len(items),
     }
-    changed = [it.info["student_topk_changed_frac"] for it in items if "student_topk_changed_frac" in it.info]
-    if changed:
-        out["student_topk_changed_frac"] = sum(changed) / len(changed)
-    out["student_topk_refreshed"] = float(sum(it.info.get("student_topk_refreshed", 0.0) for it in items))
-    out["student_topk_kept_provisional"] = float(
-        sum(it.info.get("student_topk_kept_provisional", 0.0) for it in items))
+    out.update(teacher_metrics(items))
     tis = [it.info["tis_weight_mean"] for it in items if "tis_weight_mean" in it.info]
     if tis:
         out["tis_weight_mean"] = sum(tis) / len(tis)
-    out["teacher_refresh_failed"] = float(sum(it.info.get("teacher_refresh_failed", 0.0) for it in items))
     out["anchor_missing"] = float(sum(it.info.get("anchor_missing", 0.0) for it in items))
     combine = [it.info["combine_teacher"] for it in items if "combine_teacher" in it.info]
     if combine:

@@ -7,9 +7,9 @@ Layout under ``run_dir/versions``::
                              a rollback most likely returns to: see retention)
     v7/version.json          version, step, time, mode and the gate's evidence
 
-Each folder is written atomically (``clawloop.atomic.write_folder_atomically``). The store's ``versions`` table is
-the index (status accepted / rolled_back / uncommitted and the evidence); the folders hold the weights. Version 0
-is the starting weights.
+Each folder is written atomically, and checked for damage, by ``clawloop.weight_folder``. The store's
+``versions`` table is the index (status accepted / rolled_back / uncommitted and the evidence); the folders hold
+the weights. Version 0 is the starting weights.
 
 Retention, applied each time a version is saved (``prune_versions``): the newest ``keep`` versions are kept
 (``keep_lora_versions`` or ``keep_full_versions``), and so are, whatever their age, the version being served
@@ -33,15 +33,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from clawloop.atomic import write_folder_atomically, write_text_atomically
+from clawloop.atomic import write_text_atomically
 from clawloop.config import Config
-from clawloop.trainer.checkpoint import READ_ERRORS, json_problem, safetensors_problem, torch_file_problem
+from clawloop.weight_folder import READ_ERRORS, FolderLayout, folder_problem, read_weight_folder, save_in_layout
 
 WEIGHTS = "weights.safetensors"
 OPTIMIZER = "optimizer.pt"
 META = "version.json"
+LAYOUT = FolderLayout(tensors=WEIGHTS, record=META, required=("version",), optimizer=OPTIMIZER)
+"""A version folder's files (written and checked by ``clawloop.weight_folder``)."""
 
 
 @dataclass
@@ -86,13 +87,8 @@ def save_version(run_dir: str | Path, version: int, step: int, weights: dict[str
     meta = {"version": int(version), "step": int(step), "created_at": time.time(), "lora": bool(lora),
             "has_optimizer": optimizer_state is not None and lora, "evidence": evidence or {}}
 
-    def write(tmp: Path) -> None:
-        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS))
-        if optimizer_state is not None and lora:
-            torch.save(optimizer_state, tmp / OPTIMIZER)
-        (tmp / META).write_text(json.dumps(meta, indent=1, default=str) + "\n")
-
-    path = write_folder_atomically(version_dir(run_dir, version), write)
+    path = save_in_layout(version_dir(run_dir, version), LAYOUT, weights, optimizer_state if lora else None, meta,
+                          record_indent=1)
     prune_versions(run_dir, keep, newest=int(version), serving=serving, lora=lora)
     return path
 
@@ -130,9 +126,7 @@ def version_problem(run_dir: str | Path, version: int) -> str | None:
     path = version_dir(run_dir, version)
     if not path.is_dir():
         return None
-    return (json_problem(path / META, ("version",))
-            or safetensors_problem(path / WEIGHTS)
-            or torch_file_problem(path / OPTIMIZER, optional=True))
+    return folder_problem(path, LAYOUT)
 
 
 def load_version(run_dir: str | Path, version: int, map_location: str | torch.device = "cpu") -> StoredVersion:
@@ -146,13 +140,10 @@ def load_version(run_dir: str | Path, version: int, map_location: str | torch.de
     if problem is not None:
         raise DamagedVersion(version, problem)
     try:
-        meta = json.loads((path / META).read_text())
-        weights = load_file(str(path / WEIGHTS), device=str(map_location))
-        opt = path / OPTIMIZER
-        optimizer = torch.load(opt, map_location=map_location, weights_only=True) if opt.exists() else None
+        read = read_weight_folder(path, LAYOUT, map_location)
     except READ_ERRORS as exc:  # damage the readers' quick look could not see
         raise DamagedVersion(version, f"its files do not load ({type(exc).__name__}: {exc})") from exc
-    return StoredVersion(version=int(version), weights=weights, optimizer=optimizer, meta=meta)
+    return StoredVersion(version=int(version), weights=read.weights, optimizer=read.optimizer, meta=read.record)
 
 
 def list_versions(run_dir: str | Path) -> list[int]:

@@ -13,11 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clawloop.api.client_traffic import (COMPACTED_HISTORY_PREFIX, COMPACTION_SUMMARY, INTERNAL_CONTEXT_BEGIN,
-                                         MEMORY_FLUSH, SESSION_TITLE, conversation_messages, housekeeping_kind,
-                                         is_compacted_history, is_ephemeral)
 from clawloop.api.schemas import parse_chat_request
 from clawloop.api.sessions import SessionManager, answer_key, find_next_state, same_message
+from clawloop.openclaw_format import (COMPACTED_HISTORY_PREFIX, COMPACTION_SUMMARY, INTERNAL_CONTEXT_BEGIN,
+                                      MEMORY_FLUSH, SESSION_TITLE, conversation_messages, housekeeping_kind,
+                                      is_compacted_history, is_ephemeral)
 from clawloop.engines.base import Generation, TokenEvent
 from clawloop.engines.detok import IncrementalDetokenizer
 from clawloop.store import Store, TurnRecord, TurnState

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from clawloop.config import Config
+from clawloop.judge.factory import build_judge
 from clawloop.judge.parse import parse_eval, parse_hint
 from clawloop.judge.rules import RuleJudge, as_instruction, decide
 from clawloop.judge.votes import JudgeSettings
-from clawloop.pipeline import build_judge
 from clawloop.sim.data.questions import POOLS
 from clawloop.sim.personas import PERSONAS
 from clawloop.store import TurnRecord

@@ -13,7 +13,7 @@ from clawloop.judge.scripted import Hang, ScriptedJudgeServer, Status
 from clawloop.judge.parse import parse_eval, parse_hint
 from clawloop.judge.structured import REGEXES, SCHEMAS, as_vote_text
 from clawloop.judge.votes import Judge, JudgeSettings
-from clawloop.pipeline import build_judge
+from clawloop.judge.factory import build_judge
 from clawloop.store import TurnRecord
 
 

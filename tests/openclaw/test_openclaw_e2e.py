@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from clawloop.api.client_traffic import housekeeping_kind, is_ephemeral
+from clawloop.openclaw_format import housekeeping_kind, is_ephemeral
 
 pytestmark = pytest.mark.openclaw
 

@@ -300,7 +300,13 @@ def test_a_lease_lost_during_a_step_neither_stops_nor_stalls_the_ranks(base_mode
     assert "rank 0 trained 2" in out and "rank 1 trained 2" in out, out
     assert err.count("refused the commit") == 2, err[-4000:]
     store = Store(store_file)
-    assert store.steps() == [] and store.count_samples() == {TurnState.READY: 5}
+    counts = store.count_samples()
+    # No teacher runs in this job: after the first (uncommitted) update moved a sample's top-k, a sample with only
+    # an OPD branch has no scores at its new ids and is dropped as teacher_error; none is ever marked trained.
+    assert store.steps() == [] and set(counts) <= {TurnState.READY, TurnState.DROPPED}, counts
+    assert sum(counts.values()) == 5 and counts.get(TurnState.READY, 0) >= 4, counts
+    dropped = [t for t in store.turns() if t.state == TurnState.DROPPED]
+    assert all(t.reason == "teacher_error" for t in dropped), [(t.id, t.reason) for t in dropped]
     store.close()
 
 
@@ -339,17 +345,76 @@ def test_the_gate_on_rank_0_publishes_what_passes_and_takes_every_rank_back_from
     assert all(float(v.abs().max()) == 0 for k, v in adapter.items() if "lora_B" in k)
 
 
-def test_a_gate_that_fails_on_rank_0_rejects_the_candidate_instead_of_stopping_the_job():
-    from clawloop.trainer import distributed
+def test_a_gate_that_fails_rejects_the_candidate_instead_of_stopping_training(make_config, base_model,
+                                                                            tiny_tokenizer, tmp_path):
+    """The one loop on any rank: a gate that raises (out of memory on rank 0, say) rejects the candidate, which is
+    never served; the step stands with its samples consumed and the weights go back to the accepted ones."""
+    from clawloop.trainer.core import Trainer
+    from clawloop.trainer.model import trainable_state_dict
+    from clawloop.trainer.publish import LocalVersion
 
-    class BrokenGate:
-        every, steps_since_check = 1, 0
-
-        def due(self):
-            return True
-
-        def check(self, weights):
+    class BrokenGateView:
+        def check(self, gate, candidate, accepted):
             raise RuntimeError("out of memory")
 
-    decision, metrics = distributed._gate_decision(BrokenGate(), {}, store=None, step=3, version=2)
-    assert decision == distributed.REJECT and metrics["gate_error"] == 1.0
+    store = Store(tmp_path / "store.sqlite")
+    for i in range(2):
+        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i else -1.0)
+    config = make_config(method="rl", lr=1e-2, gate=True, gate_every=1)
+    trainer = Trainer(config, store, LocalVersion(), console=None, gate_view=BrokenGateView())
+    before = trainable_state_dict(trainer.models)
+    metrics = trainer.run_batch(*store.lease_samples(2))
+    assert metrics["gate_accepted"] == 0.0 and metrics["gate_error"] == 1.0 and metrics["published"] == 0.0
+    assert trainer.policy_version == 0 and store.count_samples() == {"consumed": 2}
+    (event,) = [e for e in store.events() if e["kind"].startswith("gate_")]
+    assert event["kind"] == "gate_rejected" and "out of memory" in event["detail"]["reasons"][0]
+    after = trainable_state_dict(trainer.models)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    trainer.close()
+    store.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("max_kl", [1e9, 1e-9], ids=["accepted", "rejected"])
+def test_torchrun_records_versions_and_gate_events_as_the_embedded_trainer_does(make_config, base_model,
+                                                                                tiny_tokenizer, tiny_model_path,
+                                                                                tmp_path, max_kl):
+    """The same batch through the embedded trainer and through 2 ranks: the same version rows (numbered by the
+    store), the same gate events and the same version folders on disk."""
+    from clawloop.trainer.core import Trainer
+    from clawloop.trainer.publish import LocalVersion
+    from clawloop.trainer.versions import list_versions
+
+    settings = dict(rollout_batch_size=5, micro_batch_size=2, lr=1e-2, lora=True, lora_rank=4, lora_alpha=8.0,
+                    gate=True, gate_every=1, gate_probe_tokens=8, checkpoint_every=1, gate_min_guard_pass=0.0,
+                    gate_max_kl=max_kl)
+    recorded = {}
+    for name in ("embedded", "torchrun"):
+        run_dir = tmp_path / name
+        store_file = run_dir / "store.sqlite"
+        store = Store(store_file)
+        _fill(store, base_model, tiny_tokenizer)
+        if name == "embedded":
+            trainer = Trainer(make_config(run_dir=str(run_dir), **settings), store, LocalVersion(), console=None)
+            trainer.run_batch(*store.lease_samples(5))
+            trainer.close()
+            store.close()
+        else:
+            store.close()
+            _run_trainer(_torchrun(2), store_file, run_dir, tiny_model_path, settings, max_steps=1)
+        store = Store(store_file)
+        recorded[name] = (
+            [(v["version"], v["step"], v["status"]) for v in store.versions()],
+            [(e["kind"], e["step"], e["version"], e["detail"].get("steps"), e["detail"].get("restored_version"))
+             for e in store.events()],
+            [(s["step"], s["policy_version"], s["metrics"]["published"]) for s in store.steps()],
+            list_versions(run_dir))
+        store.close()
+    assert recorded["torchrun"] == recorded["embedded"]
+    versions, events, steps, kept = recorded["torchrun"]
+    if max_kl > 1:
+        assert versions == [(1, 1, "accepted")] and kept == [0, 1] and steps == [(1, 1, 1.0)]
+        assert [e[0] for e in events] == ["gate_accepted"]
+    else:
+        assert versions == [] and kept == [0] and steps == [(1, 0, 0.0)]
+        assert events == [("gate_rejected", 1, 0, [1], 0)]

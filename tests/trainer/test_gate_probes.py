@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from clawloop.api.client_traffic import housekeeping_kind
+from clawloop.openclaw_format import housekeeping_kind
 from clawloop.api.schemas import parse_chat_request
 from clawloop.gate import gate as gate_module
 from clawloop.gate.gate import (MAX_PROMPT_TOKENS, RECENT_TAIL_TOKENS, PublicationGate, answer_logprobs,

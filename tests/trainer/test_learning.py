@@ -3,8 +3,8 @@ un-hinted context the policy actually answers in.
 
 The teacher here is a fixed distribution (what a hint-conditioned teacher that names a target token would say):
 probability 0.97 on the target token at each response position, the rest spread evenly. It is handed to the
-trainer the way the pipeline does — stored top-k tensors plus a ``teacher_at_ids`` callable for refreshing the
-teacher's values when the student's top-k set moves.
+trainer as a ``TeacherClient``; the sample also carries scores recorded at the starting policy's top-k, used
+while the student's top-k set is the same and replaced by the teacher's answer at the new ids once it moves.
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ import math
 import pytest
 import torch
 
+from concurrent.futures import Future
+
 from clawloop.store import SampleRecord, Store, TurnRecord
 from clawloop.trainer.core import Trainer
+from clawloop.wire import TeacherScores
 
 from trainer_helpers import logprob_table, render
 
@@ -29,13 +32,28 @@ def fixed_teacher(target_T: torch.Tensor):
         return torch.where(ids_T_K == target_T[:, None], torch.tensor(TOP), torch.tensor(REST)).float()
 
     calls: list[int] = []
+    teacher_ids_T_K = torch.stack([target_T] + [torch.full_like(target_T, 100 + j) for j in range(3)], dim=1)
 
-    def teacher_at_ids(turn, hints, at_ids_T_K, temperature):
-        assert hints == ["Answer with the word banana."]
-        calls.append(at_ids_T_K.shape[0])
-        return logprobs(at_ids_T_K)[None]
+    class FixedTeacher:
+        timeout_s = 30.0
 
-    return logprobs, teacher_at_ids, calls
+        def submit(self, requests):
+            out = []
+            for r in requests:
+                assert r.hints == ["Answer with the word banana."]
+                calls.append(r.student_ids_T_K.shape[0])
+                out.append(TeacherScores(student_ids_T_K=r.student_ids_T_K, teacher_ids_C_T_K=teacher_ids_T_K[None],
+                                         teacher_logprobs_C_T_K=logprobs(teacher_ids_T_K)[None],
+                                         teacher_at_student_C_T_K=logprobs(r.student_ids_T_K)[None],
+                                         hint_lens_C=torch.tensor([27])))
+            future: Future = Future()
+            future.set_result(out)
+            return future
+
+        def close(self):
+            pass
+
+    return logprobs, FixedTeacher(), calls
 
 
 def add_opd_sample(store, prompt, response, behaviour_T, student_ids_T_K, teacher_ids_T_K, logprobs, version):
@@ -63,8 +81,8 @@ def run(make_config, tiny_tokenizer, tmp_path, target_of, steps, **overrides):
     trainer = Trainer(config, store, console=None)
     start_T_V = logprob_table(trainer.models.policy, prompt, response, 0.6)
     target_T = target_of(start_T_V)
-    logprobs, teacher_at_ids, calls = fixed_teacher(target_T)
-    trainer.refresh = teacher_at_ids
+    logprobs, teacher, calls = fixed_teacher(target_T)
+    trainer.teacher = teacher
     # The stored student set is the one computed when the sample was judged: the starting policy's top-4.
     student_ids_T_K = start_T_V.topk(4).indices
     teacher_ids_T_K = torch.stack([target_T] + [torch.full_like(target_T, 100 + j) for j in range(3)], dim=1)
@@ -92,8 +110,8 @@ def test_opd_raises_a_token_the_student_already_considers(make_config, tiny_toke
         lora=lora, lr=1e-3 if lora else 1e-4)
     assert after.mean() > 5 * before.mean(), (before, after)
     assert after.max() > 0.3
-    assert calls, "the teacher was never asked at the refreshed student top-k"
-    assert metrics["student_topk_refreshed"] == 1.0
+    assert calls, "the teacher was never asked at the moved student top-k"
+    assert metrics["teacher_asked"] == 1.0
 
 
 def test_opd_teacher_subset_pulls_up_a_token_far_outside_the_student_top_k(make_config, tiny_tokenizer,

@@ -1,7 +1,9 @@
 """The old-policy forward: exact old log-probs at the train temperature, the student side of the top-k
-targets, and the refresh of teacher values where the student's top-k moved."""
+targets, recorded teacher scores reused only at the very same ids, and the teacher asked where they are not."""
 
 from __future__ import annotations
+
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -9,9 +11,37 @@ import torch
 from clawloop.store import Store
 from clawloop.trainer.batch import prepare_items
 from clawloop.trainer.model import load_train_models
-from clawloop.trainer.old_policy import fill_old_side, match_rows
+from clawloop.trainer.old_policy import TEACHER_MISSING, fill_old_side, match_rows
+from clawloop.wire import TeacherScores
 
 from trainer_helpers import HINTS, add_sample, logprob_table
+
+
+class FakeTeacher:
+    """A ``TeacherClient`` answering constant log-probs at whatever ids it is asked (its own top-k: ids 100..)."""
+
+    timeout_s = 30.0
+
+    def __init__(self, at_student=-2.0, at_response=-1.0):
+        self.at_student, self.at_response, self.asked = at_student, at_response, []
+
+    def submit(self, requests):
+        self.asked.append(requests)
+        out = []
+        for r in requests:
+            C, (T, K) = max(1, len(r.hints)), r.student_ids_T_K.shape
+            own = torch.arange(100, 100 + K).expand(C, T, K).contiguous()
+            out.append(TeacherScores(student_ids_T_K=r.student_ids_T_K, teacher_ids_C_T_K=own,
+                                     teacher_logprobs_C_T_K=torch.full((C, T, K), -1.0),
+                                     teacher_at_student_C_T_K=torch.full((C, T, K), self.at_student),
+                                     hint_lens_C=torch.tensor([len(h) for h in r.hints] or [0]),
+                                     teacher_token_logprobs_C_T=torch.full((C, T), self.at_response)))
+        future = Future()
+        future.set_result(out)
+        return future
+
+    def close(self):
+        pass
 
 
 def _items(store, config, version=0):
@@ -45,7 +75,7 @@ def test_old_side_matches_a_direct_forward_at_the_turn_temperature(make_config, 
                                        atol=1e-4, rtol=1e-4)
         # Same policy as at judging time: the stored teacher values at the student ids are reused as they are.
         torch.testing.assert_close(t.teacher_at_student_C_T_K, item.sample.targets["teacher_at_student_C_T_K"])
-        assert item.info["student_topk_changed_frac"] == 0.0
+        assert item.info["teacher_reused"] == 1.0
         # Behaviour log-probs were produced by the same weights: the gap is ~0.
         assert item.info["behaviour_gap"] < 1e-4
 
@@ -95,16 +125,16 @@ def test_same_set_in_another_order_reuses_the_stored_teacher_values(make_config,
 
     original = _store_with_edited_targets(store, base_model, tiny_tokenizer, reverse)
     items = _items(store, config)
-    calls = []
-    fill_old_side(load_train_models(config), items, config, refresh=lambda *a: calls.append(a))
-    assert not calls
+    teacher = FakeTeacher()
+    fill_old_side(load_train_models(config), items, config, teacher=teacher)
+    assert not teacher.asked
     t = items[0].targets
     # Values follow their ids: re-flipping the stored ones gives the order of the new (descending) ids.
     torch.testing.assert_close(t.student_ids_T_K, original["student_ids_T_K"].flip(-1))
     torch.testing.assert_close(t.teacher_at_student_C_T_K, original["teacher_at_student_C_T_K"].flip(-1))
 
 
-def test_a_moved_top_k_asks_the_teacher_again_or_keeps_the_provisional_set(make_config, base_model,
+def test_a_moved_top_k_asks_the_teacher_or_leaves_the_opd_branch_out(make_config, base_model,
                                                                            tiny_tokenizer, tmp_path):
     config = make_config()
     store = Store(tmp_path / "store.sqlite")
@@ -118,33 +148,24 @@ def test_a_moved_top_k_asks_the_teacher_again_or_keeps_the_provisional_set(make_
 
     # With a teacher: asked once, with today's ids and the hints in candidate order.
     items = _items(store, config)
-    calls = []
-
-    def refresh(turn, hints, at_ids_T_K, temperature):
-        calls.append((hints, at_ids_T_K.clone(), temperature))
-        C, (T, K) = len(hints), at_ids_T_K.shape
-        return torch.full((C, T, K), -3.0)
-
-    fill_old_side(models, items, config, refresh=refresh)
-    (hints, ids, temperature), = calls
+    teacher = FakeTeacher(at_student=-3.0)
+    fill_old_side(models, items, config, teacher=teacher)
+    ((request,),) = teacher.asked
     t = items[0].targets
-    assert hints == HINTS and temperature == 0.6
-    torch.testing.assert_close(ids, t.student_ids_T_K)
-    assert not (t.student_ids_T_K == 40000).any()
+    assert request.hints == HINTS and request.temperature == 0.6
+    torch.testing.assert_close(request.student_ids_T_K, t.student_ids_T_K)
+    table = logprob_table(base_model, items[0].turn.prompt_ids, items[0].turn.response_ids, 0.6)
+    assert torch.equal(t.student_ids_T_K, table.topk(4).indices)
+    assert not (t.student_ids_T_K == 40000).any() and not (stored["student_ids_T_K"] == t.student_ids_T_K).all()
     assert (t.teacher_at_student_C_T_K == -3.0).all()
-    assert items[0].info["student_topk_refreshed"] == 1.0
+    assert items[0].info["teacher_asked"] == 1.0
 
-    # Without a teacher: the stored ids stay the student set, scored exactly under the old policy.
+    # Without a teacher: no stale set; the OPD branch is left out and said so.
     assert store.release_lease(_items.last_lease) == 1
     items = _items(store, config)
-    fill_old_side(models, items, config, refresh=None)
-    t = items[0].targets
-    torch.testing.assert_close(t.student_ids_T_K, stored["student_ids_T_K"])
-    torch.testing.assert_close(t.teacher_at_student_C_T_K, stored["teacher_at_student_C_T_K"])
-    table = logprob_table(base_model, items[0].turn.prompt_ids, items[0].turn.response_ids, 0.6)
-    torch.testing.assert_close(t.student_logprobs_T_K, table.gather(1, stored["student_ids_T_K"]),
-                               atol=1e-4, rtol=1e-4)
-    assert items[0].info["student_topk_kept_provisional"] == 1.0
+    fill_old_side(models, items, config)
+    assert items[0].targets is None and items[0].info[TEACHER_MISSING] == 1.0
+    assert items[0].old_logprobs_T is not None  # the rest of the old side is there
 
 
 @pytest.mark.parametrize("mode", ["skip", "anchor"])
@@ -168,7 +189,7 @@ def test_combine_takes_the_teacher_logprob_of_each_sampled_token(make_config, ba
     def add_response_logprobs(t):
         C, T, _ = t["teacher_ids_C_T_K"].shape
         T_holder["value"] = torch.arange(C * T, dtype=torch.float32).reshape(C, T) * -0.1
-        t["teacher_at_response_C_T"] = T_holder["value"]
+        t["teacher_token_logprobs_C_T"] = T_holder["value"]
 
     _store_with_edited_targets(store, base_model, tiny_tokenizer, add_response_logprobs)
     items = _items(store, config)
@@ -179,17 +200,11 @@ def test_combine_takes_the_teacher_logprob_of_each_sampled_token(make_config, ba
     assert any(torch.allclose(item.teacher_logprobs_T, values[c]) for c in range(values.shape[0]))
     assert item.info["combine_teacher"] == 1.0
 
-    # With a teacher callable instead, it is asked at the sampled ids (K = 1).
+    # Asked instead: every teacher answer carries its log-probs at the sampled ids.
     store2 = Store(tmp_path / "store2.sqlite")
-    add_sample(store2, base_model, tiny_tokenizer, 0, hints=HINTS)
+    add_sample(store2, base_model, tiny_tokenizer, 0, hints=HINTS, edit_targets=lambda t: t.clear())
     items = _items(store2, config)
-    seen = []
-
-    def refresh(turn, hints, at_ids_T_K, temperature):
-        seen.append(at_ids_T_K)
-        return torch.full((len(hints), at_ids_T_K.shape[0], at_ids_T_K.shape[1]), -1.5)
-
-    fill_old_side(load_train_models(config), items, config, refresh=refresh)
-    assert seen and seen[-1].shape[1] == 1
-    assert seen[-1][:, 0].tolist() == items[0].turn.response_ids
-    assert (items[0].teacher_logprobs_T == -1.5).all()
+    teacher = FakeTeacher(at_response=-1.5)
+    fill_old_side(load_train_models(config), items, config, teacher=teacher)
+    assert teacher.asked
+    assert (items[0].teacher_logprobs_T == -1.5).all() and items[0].info["combine_teacher"] == 1.0

@@ -89,6 +89,8 @@ def test_what_each_kind_of_engine_receives(make_config, tmp_path):
     from clawloop.trainer.publish import publish_weights
 
     class Recorder:
+        takes_adapters = False  # the PublishingEngine contract's capability (merged weights)
+
         def __init__(self, publisher=None, takes_version=True):
             self.publisher, self.calls, self.policy_version = publisher, [], 0
             if not takes_version:

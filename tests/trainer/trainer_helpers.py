@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from clawloop.losses import build_topk_targets
+from tests.losses_support import build_topk_targets
 from clawloop.store import SampleRecord, Store, TurnRecord
 from clawloop.teacher import inject_hint
 

@@ -1,0 +1,198 @@
+"""The run folder: whether a process can start in it, and what it holds of earlier training.
+
+Checked before any model is loaded, so that a folder that cannot be started stops start-up in seconds with a
+``RunFolderError``: one paragraph for the person at the command line naming the file or folder at fault and what
+to do about it.
+
+* ``open_run_store``: the run's store (``RUN_DIR/store.sqlite``), opened for writing; a folder this process cannot
+  write, or a store that does not read, is a ``RunFolderError``.
+* ``prepare_training_state``: a folder that already holds training (checkpoints, or versions past the starting
+  weights) is started only as asked:
+
+  * ``resume``: from the newest intact checkpoint (``trainer.checkpoint.load_latest`` skips damaged ones and says
+    which); a folder whose checkpoints are all damaged, or whose checkpoint's version folder is, stops start-up;
+  * ``fresh``: ``checkpoints/`` and ``versions/`` are moved to ``archive/<date-time>/`` (nothing is deleted) and
+    training starts again from the starting weights; the store's record stays and numbers go on;
+  * neither: refused, since the run would silently serve the starting weights, unless a rollback is pending
+    (``clawloop rollback RUN_DIR --to N``), which serves version N.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from clawloop.store import STORE_FILENAME, Store
+from clawloop.trainer import checkpoint as ckpt
+from clawloop.trainer import versions as history
+from clawloop.trainer.rollback import ROLLBACK_META
+
+log = logging.getLogger("clawloop.run_folder")
+
+
+class RunFolderError(RuntimeError):
+    """The run folder cannot be started as it is. The message is one paragraph for the person at the command
+    line: the file or folder at fault and what to do about it."""
+
+
+def store_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / STORE_FILENAME
+
+
+def ensure_writable(folder: Path) -> None:
+    """Create ``folder`` if needed and write a scratch file in it; a folder this process cannot write to is a
+    ``RunFolderError`` (found by trying: permission bits do not tell, e.g. under root or a read-only mount)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise RunFolderError(
+            f"clawloop cannot write to {folder} ({exc.strerror or exc}). A run keeps its store, checkpoints and "
+            f"versions in its folder and writes there from the start. Make it writable (e.g. chmod -R u+w "
+            f"{folder}, or remount its disk read-write), or give another folder with --run-dir.") from None
+
+
+def open_run_store(run_dir: str | Path) -> Store:
+    """The run's store, opened for writing; see ``RunFolderError`` for what stops it."""
+    folder = Path(run_dir)
+    ensure_writable(folder)
+    path = store_path(folder)
+    try:
+        if path.exists():
+            with open(path, "ab"):  # a store file that cannot be written (the folder could be)
+                pass
+        return Store(path)
+    except PermissionError as exc:
+        raise RunFolderError(
+            f"clawloop cannot write the run's store {path} ({exc.strerror}). Make it writable (e.g. chmod u+w "
+            f"{path}), or give another folder with --run-dir.") from None
+    except sqlite3.DatabaseError as exc:
+        raise RunFolderError(
+            f"The run's store {path} cannot be read: SQLite says \"{exc}\". It is the record of every turn, "
+            "sample and step of the run, and was probably cut short (a full disk, a copy that did not finish). "
+            f"Restore it from a backup (with its -wal file, if there is one), or start a new run in another "
+            "folder with --run-dir; this folder's checkpoints and versions cannot be resumed without it.") from None
+
+
+# ---- a run folder that already holds training ------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainingState:
+    """What a run folder holds of earlier training."""
+
+    checkpoints: list[str]
+    """Checkpoint folders, newest first."""
+    versions: list[int]
+    """Kept version folders past version 0 (the starting weights), newest first."""
+    pending_rollback: int | None
+    """The version ``clawloop rollback RUN_DIR --to N`` asked the next start to serve."""
+
+    @property
+    def exists(self) -> bool:
+        return bool(self.checkpoints or self.versions)
+
+    def describe(self) -> str:
+        parts = []
+        if self.checkpoints:
+            parts.append(f"{len(self.checkpoints)} checkpoint(s) (newest {self.checkpoints[0]})")
+        if self.versions:
+            parts.append(f"{len(self.versions)} accepted version(s) (newest v{self.versions[0]})")
+        return " and ".join(parts)
+
+
+def training_state(store: Store, run_dir: Path) -> TrainingState:
+    checkpoints = [p.name for p in ckpt.list_checkpoints(run_dir)]
+    versions = sorted((v for v in history.list_versions(run_dir) if v > 0), reverse=True)
+    pending = store.get_meta(ROLLBACK_META) or ""
+    return TrainingState(checkpoints, versions, int(pending) if pending else None)
+
+
+def prepare_training_state(store: Store, run_dir: str | Path, *, resume: bool, fresh: bool) -> None:
+    """Check (and with ``fresh``, set aside) what ``run_dir`` holds of earlier training before the trainer starts;
+    ``RunFolderError`` names what stops it (module docstring)."""
+    run_dir = Path(run_dir)
+    if resume and fresh:
+        raise RunFolderError(f"--resume continues the run in {run_dir} and --fresh starts it over: give one.")
+    for folder in (ckpt.checkpoints_dir(run_dir), history.versions_dir(run_dir)):
+        if folder.exists():
+            ensure_writable(folder)
+    state = training_state(store, run_dir)
+    if fresh:
+        if state.exists:
+            archive_training_state(store, run_dir, state)
+        if state.pending_rollback is not None:  # its version went to the archive with the others
+            store.set_meta(ROLLBACK_META, "")
+        return
+    if state.pending_rollback is not None:
+        check_rollback_target(store, run_dir, state.pending_rollback)
+    if resume:
+        check_resumable(run_dir)
+    elif state.exists and state.pending_rollback is None:
+        raise RunFolderError(
+            f"{run_dir} holds an earlier run's training: {state.describe()}. Started as it is, this run would "
+            "serve and train from the starting weights and leave that training unused. Restart with --resume to "
+            "continue from the newest checkpoint, or with --fresh to start over from the starting weights "
+            f"(checkpoints/ and versions/ are then moved to {run_dir / 'archive'}/<date-time>/, nothing is "
+            "deleted, and the store's record is kept). For an unrelated run, give another folder with --run-dir.")
+
+
+def check_resumable(run_dir: Path) -> None:
+    """A resume needs an intact checkpoint (when there are any) and the version folder it serves."""
+    found, skipped = ckpt.newest_intact_checkpoint(run_dir)
+    root = ckpt.checkpoints_dir(run_dir)
+    if found is None and skipped:
+        listed = "; ".join(f"{s.path.name}: {s.problem}" for s in skipped)
+        raise RunFolderError(
+            f"No checkpoint in {root} can be resumed from ({listed}). Restore one from a backup, or start over "
+            f"from the starting weights with --fresh (checkpoints/ and versions/ are moved to "
+            f"{run_dir / 'archive'}/<date-time>/). To train every recorded sample again into the starting "
+            f"weights instead, move {root} elsewhere and restart with --resume.")
+    if found is None:
+        return
+    version = int(json.loads((found / "state.json").read_text())["policy_version"])
+    problem = history.version_problem(run_dir, version)
+    if problem is not None:
+        raise RunFolderError(
+            f"Checkpoint {found.name} in {root} serves version {version}, but "
+            f"{history.version_dir(run_dir, version)} is damaged ({problem}). Restore that folder from a backup, "
+            "or start over from the starting weights with --fresh.")
+
+
+def check_rollback_target(store: Store, run_dir: Path, version: int) -> None:
+    """The version a pending rollback serves at start must be kept, intact and committed."""
+    if not history.has_version(run_dir, version):
+        reason = f"{history.version_dir(run_dir, version)} is not kept"
+    elif (problem := history.version_problem(run_dir, version)) is not None:
+        reason = f"{history.version_dir(run_dir, version)} is damaged ({problem})"
+    elif store.version_status(version) == "uncommitted":
+        reason = "it never committed (a crash came before its step did)"
+    else:
+        return
+    raise RunFolderError(
+        f"A rollback to version {version} is pending for {run_dir} (clawloop rollback --to {version}), but {reason}. "
+        f"Choose another version with clawloop rollback {run_dir} --to N, or start over from the starting weights "
+        "with --fresh.")
+
+
+def archive_training_state(store: Store, run_dir: Path, state: TrainingState) -> Path:
+    """``fresh``: move ``checkpoints/`` and ``versions/`` to a new ``archive/<date-time>/`` folder (renames in the
+    run folder: nothing is copied or deleted) and mark the store's accepted versions archived. Returns the
+    archive."""
+    folders = [f for f in (ckpt.checkpoints_dir(run_dir), history.versions_dir(run_dir)) if f.exists()]
+    archive = run_dir / "archive" / time.strftime("%Y%m%d-%H%M%S")
+    while archive.exists():  # two fresh starts within a second
+        archive = archive.with_name(archive.name + "-1")
+    archive.mkdir(parents=True)
+    for folder in folders:
+        os.replace(folder, archive / folder.name)
+    store.archive_versions({"archive": str(archive), "moved": [f.name for f in folders]})
+    log.warning("--fresh: %s of %s moved to %s (%s); training starts again from the starting weights, the "
+                "store's record is kept and step and version numbers go on", " and ".join(f.name for f in folders),
+                run_dir, archive, state.describe())
+    return archive
