@@ -8,9 +8,10 @@ What it runs, in one process, and prints as JSON (``--out`` also writes it):
 * the embedded engine (``HFEngine``, bf16): generation tokens/s at 1 and 16 concurrent requests, and the
   scoring of 8 answers with their top-4;
 * the trainer (``Trainer.run_batch``, fp32 master weights as on CPU) on hybrid-method samples of real chat
-  prompts (teacher scores made up at the asked ids, ``benchmarks/synthetic.py``), LoRA and full fine-tuning: seconds per step, the loss, and the GPU's peak memory. The trainer
-  publishes into the same engine, so the hand-over to serving runs too; the publication gate is on and checks
-  each step on the GPU.
+  prompts, LoRA and full fine-tuning, with teacher scores made up at the asked ids (``benchmarks/synthetic.py``)
+  or, for ``lora+teacher``, asked of the served engine: seconds per step, the loss, and the GPU's peak memory.
+  The trainer publishes into the same engine, so the hand-over to serving runs too; the publication gate is on
+  and checks each step on the GPU.
 
     python3 benchmarks/cuda_check.py --tokenizer /path/to/tiny-model-folder [--layers 36] [--out result.json]
 """
@@ -92,7 +93,8 @@ async def engine_rates(engine, prompts: list[list[int]], new_tokens: int) -> dic
     return out
 
 
-def train(model_dir: Path, engine, lora: bool, samples: int, tokens: int, steps: int, device: str) -> dict:
+def train(model_dir: Path, engine, lora: bool, samples: int, tokens: int, steps: int, device: str,
+          real_teacher: bool = False) -> dict:
     from clawloop.config import Config
     from clawloop.engines.model_files import load_tokenizer
     from clawloop.store import Store
@@ -107,7 +109,15 @@ def train(model_dir: Path, engine, lora: bool, samples: int, tokens: int, steps:
         write_samples(store, tokenizer, samples * steps, tokens)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        trainer = Trainer(config, store, engine, console=None, teacher=RandomTeacher(len(tokenizer), config.topk))
+        if real_teacher:  # the served engine scores the hinted prompts, as ``teacher = "policy"`` does
+            from clawloop.renderers import chat_render_fn
+            from clawloop.teacher import Teacher
+            from clawloop.trainer.teacher_client import InProcessTeacher
+
+            teacher = InProcessTeacher(Teacher(engine, chat_render_fn(tokenizer), config))
+        else:
+            teacher = RandomTeacher(len(tokenizer), config.topk)
+        trainer = Trainer(config, store, engine, console=None, teacher=teacher)
         loaded_gib = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
         rows = []
         for _ in range(steps):
@@ -119,8 +129,11 @@ def train(model_dir: Path, engine, lora: bool, samples: int, tokens: int, steps:
             rows.append({"wall_s": round(time.perf_counter() - t0, 2),
                          "step_time_s": round(metrics["step_time_s"], 2), "gate_s": round(metrics.get("gate_s", 0), 2),
                          "loss": round(metrics["loss"], 4), "grad_norm": round(metrics.get("grad_norm", 0.0), 4),
-                         "published": metrics["published"], "policy_version": metrics["policy_version"]})
-        result = {"variant": "lora" if lora else "full", "samples_per_step": samples, "response_tokens": tokens,
+                         "published": metrics["published"], "policy_version": metrics["policy_version"],
+                         "teacher_asked": metrics.get("teacher_asked", 0.0),
+                         "teacher_wait_s": round(metrics.get("time_teacher_wait_s", 0.0), 2)})
+        result = {"variant": ("lora" if lora else "full") + ("+teacher" if real_teacher else ""),
+                  "samples_per_step": samples, "response_tokens": tokens,
                   "trainable_params": sum(p.numel() for p in trainer.models.trainable_parameters()),
                   "gpu_gib_after_load": round(loaded_gib, 2),
                   "gpu_peak_gib": peak_gib(), "steps": rows}
@@ -138,7 +151,8 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--variants", default="lora,full")
+    parser.add_argument("--variants", default="lora,full,lora+teacher",
+                        help="lora, full; '+teacher' asks the served engine as the teacher instead of made-up scores")
     parser.add_argument("--out", default="")
     parser.add_argument("--device", default="cuda", help="cpu runs the same code for a quick check of the script")
     args = parser.parse_args()
@@ -158,15 +172,17 @@ def main() -> int:
         tokenizer = load_tokenizer(model_dir)
         prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": f"Tell me about topic {i}."}],
                                                       add_generation_prompt=True)["input_ids"]) for i in range(16)]
-        engine = HFEngine(model_dir, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32", max_batch_size=16)
+        dtype = "bfloat16" if args.device == "cuda" else "float32"
+        engine = HFEngine(model_dir, device=args.device, dtype=dtype, max_batch_size=16)
         report["engine"] = asyncio.run(engine_rates(engine, prompts, 128))
         print(json.dumps(report["engine"]), flush=True)
         save(report, args.out)
         report["trainer"] = []
         for variant in args.variants.split(","):
             try:
-                report["trainer"].append(train(model_dir, engine, variant == "lora", args.samples, args.tokens,
-                                               args.steps, args.device))
+                report["trainer"].append(train(model_dir, engine, variant.startswith("lora"), args.samples,
+                                               args.tokens, args.steps, args.device,
+                                               real_teacher=variant.endswith("+teacher")))
             except Exception as exc:  # noqa: BLE001 - report the failure, run the next variant
                 report["trainer"].append({"variant": variant, "error": f"{type(exc).__name__}: {exc}"})
             print(json.dumps(report["trainer"][-1]), flush=True)

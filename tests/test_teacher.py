@@ -13,6 +13,7 @@ from clawloop.renderers import chat_render_fn
 from clawloop.store import TurnRecord
 from clawloop.teacher import Teacher, inject_hint, train_temperature
 from clawloop.wire import TeacherRequest, TeacherScores
+from tests.counting_engine import CountingEngine
 
 TOOL_LOOP = [
     {"role": "system", "content": "You are terse."},
@@ -84,17 +85,6 @@ def teacher(tiny_engine, tiny_tokenizer):
 def ask(teacher, turn, hints, ids_T_K, temperature=0.7):
     (scores,) = asyncio.run(teacher.score([TeacherRequest(turn, list(hints), ids_T_K, temperature)]))
     return scores
-
-
-class CountingEngine:
-    """The real engine, counting ``score`` calls and the requests in each."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-
-    async def score(self, requests):
-        self.calls.append(list(requests))
-        return await self.engine.score(requests)
 
 
 def test_scores_match_a_direct_forward_pass(teacher, tiny_engine, tiny_tokenizer):

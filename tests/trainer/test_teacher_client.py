@@ -25,21 +25,11 @@ from clawloop.trainer.publish import LocalVersion
 from clawloop.trainer.step import EXCLUDED, make_optimizer, train_step
 from clawloop.trainer.teacher_client import InProcessTeacher, RemoteTeacher
 from clawloop.wire import TeacherScores
+from tests.counting_engine import CountingEngine
 
 from trainer_helpers import HINTS, add_sample, logprob_table, render
 
 ADMIN_KEY = "teacher-admin-key"
-
-
-class CountingEngine:
-    """The real engine, recording every ``score`` call and its requests."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-
-    async def score(self, requests):
-        self.calls.append(list(requests))
-        return await self.engine.score(requests)
 
 
 class TableTeacher:
