@@ -235,6 +235,10 @@ class TrainerSettings:
                              "has gone idle), the embedded trainer trains on the samples that are ready without "
                              "waiting for a full batch; longer than the pause between two turns of one "
                              "conversation. 0 = off.")
+    train_nice: int = _f(10, "CPU priority of the learning loop's threads (the embedded trainer, and the frozen base "
+                         "engine that judges and scores for it) below serving's (Linux nice, 0-19): when both "
+                         "want the CPU, answering a user comes first and learning takes what is left; 0 = the "
+                         "same priority.")
     lr: float | None = _f(None, "Learning rate (default 1e-5 full fine-tune, 1e-4 LoRA).")
     lora: bool = _f(False, "Train a LoRA adapter instead of all weights.")
     lora_rank: int = _f(16, "LoRA rank.")
@@ -395,6 +399,8 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
                      "gate_every", "gate_probe_tokens", "keep_full_versions", "keep_lora_versions"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
+        if not 0 <= self.train_nice <= 19:
+            raise ConfigError(f"train_nice={self.train_nice!r} must be between 0 (serving's priority) and 19 (lowest)")
         for name in ("weight_decay", "hint_min_chars", "max_staleness",
                      "judge_retries", "num_threads", "default_temperature", "judge_temperature",
                      "train_temperature"):

@@ -21,6 +21,7 @@ are always the old policy's exact top-k; the judging pipeline never calls it.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -91,7 +92,26 @@ class Teacher:
 
     # ---- scoring ------------------------------------------------------------------------------------------
     async def score(self, requests: Sequence[TeacherRequest]) -> list[TeacherScores]:
-        """The teacher's scores for each request (see the module docstring), from one engine call."""
+        """The teacher's scores for each request (see the module docstring), from one engine call. Rendering the
+        hinted prompts runs in a worker thread: this coroutine runs on the serving event loop."""
+        prompts, spans = await asyncio.to_thread(self._score_requests, requests)
+        results = await self.engine.score(prompts) if prompts else []
+        out = []
+        for request, (first, count, candidates) in zip(requests, spans):
+            mine = results[first:first + count]
+            out.append(TeacherScores(
+                student_ids_T_K=request.student_ids_T_K.to(torch.int64).cpu().contiguous(),
+                teacher_ids_C_T_K=torch.stack([r.topk_ids_T_K.to(torch.int64).cpu() for r in mine]),
+                teacher_logprobs_C_T_K=torch.stack([r.topk_logprobs_T_K.float().cpu() for r in mine]),
+                teacher_at_student_C_T_K=torch.stack([_at_ids(r).float().cpu() for r in mine]),
+                hint_lens_C=torch.tensor([len(h) for h in candidates], dtype=torch.int64),
+                teacher_token_logprobs_C_T=torch.stack([r.logprobs_T.float().cpu() for r in mine]),
+                teacher_version=int(mine[0].policy_version)))
+        return out
+
+    def _score_requests(self, requests: Sequence[TeacherRequest]
+                        ) -> tuple[list[ScoreRequest], list[tuple[int, int, list[str]]]]:
+        """The engine's score requests for every candidate of every request, and each request's span of them."""
         prompts: list[ScoreRequest] = []
         spans: list[tuple[int, int, list[str]]] = []
         for request in requests:
@@ -107,19 +127,7 @@ class Teacher:
             prompts.extend(ScoreRequest(prompt_ids=self.prompt_ids(turn, h), response_ids=list(turn.response_ids),
                                         top_k=self.topk, temperature=float(request.temperature),
                                         at_ids_T_K=at_ids_T_K) for h in candidates)
-        results = await self.engine.score(prompts) if prompts else []
-        out = []
-        for request, (first, count, candidates) in zip(requests, spans):
-            mine = results[first:first + count]
-            out.append(TeacherScores(
-                student_ids_T_K=request.student_ids_T_K.to(torch.int64).cpu().contiguous(),
-                teacher_ids_C_T_K=torch.stack([r.topk_ids_T_K.to(torch.int64).cpu() for r in mine]),
-                teacher_logprobs_C_T_K=torch.stack([r.topk_logprobs_T_K.float().cpu() for r in mine]),
-                teacher_at_student_C_T_K=torch.stack([_at_ids(r).float().cpu() for r in mine]),
-                hint_lens_C=torch.tensor([len(h) for h in candidates], dtype=torch.int64),
-                teacher_token_logprobs_C_T=torch.stack([r.logprobs_T.float().cpu() for r in mine]),
-                teacher_version=int(mine[0].policy_version)))
-        return out
+        return prompts, spans
 
 
 def _at_ids(result: Any) -> torch.Tensor:

@@ -13,7 +13,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "clawloop"
 # package's __init__, so a new top-level module has no layer until it is given one.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("clawloop", "clawloop.memory", "clawloop.atomic", "clawloop.weight_folder", "clawloop.openclaw_format",
-              "clawloop.retry", "clawloop.temperature")),
+              "clawloop.retry", "clawloop.temperature", "clawloop.priority")),
     ("records", ("clawloop.store", "clawloop.wire")),
     ("engines, renderers", ("clawloop.engines", "clawloop.renderers")),
     ("losses", ("clawloop.losses",)),

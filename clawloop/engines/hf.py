@@ -75,6 +75,7 @@ from clawloop.engines.base import (
 from clawloop.engines.detok import IncrementalDetokenizer, StopStrings
 from clawloop.engines.sampling import choose_tokens, sampling_logprobs, top_alternatives
 from clawloop.memory import trim_heap
+from clawloop.priority import lower_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +241,7 @@ class HFEngine:
         prefill_batch_tokens: int = 4096,
         initial_version: int = 0,
         model_name: str | None = None,
+        worker_nice: int = 0,
     ):
         if swap_mode not in SWAP_MODES:
             raise ValueError(f"swap_mode must be one of {SWAP_MODES}, not {swap_mode!r}")
@@ -294,6 +296,9 @@ class HFEngine:
         }
         """Counters since start (read-only outside the worker): ``decode_rows / decode_steps`` is the mean batch;
         ``decode_forward_s / decode_total_s`` the share of decode time spent in the model's forward."""
+        self._worker_nice = int(worker_nice)
+        """CPU priority of the worker thread below serving's (``clawloop.priority``): for an engine that only does
+        the learning loop's work (the frozen base model judging and scoring)."""
         self._thread = threading.Thread(target=self._run, name="clawloop-hf-engine", daemon=True)
         self._thread.start()
 
@@ -495,6 +500,7 @@ class HFEngine:
     # ------------------------------------------------------------------------------------------ worker
 
     def _run(self) -> None:
+        lower_thread_priority(self._worker_nice)
         try:
             with torch.inference_mode():
                 while not self._stopping:

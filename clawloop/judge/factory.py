@@ -40,7 +40,8 @@ def load_base_engine(config: Config) -> Any:
     from clawloop.engines.hf import HFEngine
 
     return HFEngine(config.model, device=config.device, dtype=config.dtype, max_batch_size=config.max_batch_size,
-                    num_threads=config.num_threads, model_name=f"{config.served_model_name}-base")
+                    num_threads=config.num_threads, model_name=f"{config.served_model_name}-base",
+                    worker_nice=config.train_nice)  # it works for the learning loop only, never for a user
 
 
 def build_judge(config: Config, *, base_engine: Any = None, render: Callable[..., list[int]] | None = None,

@@ -2,7 +2,8 @@
 
 ``OnlineTrainer(config, store, policy_engine, teacher=None)``:
 
-* ``start()`` loads the training model (in a worker thread), resumes from the newest checkpoint when asked,
+* ``start()`` loads the training model (on the training thread: one thread for every model operation, at a lower
+  CPU priority than serving, ``train_nice``), resumes from the newest checkpoint when asked,
   and starts the loop;
 * the loop waits until ``store.ready_count() >= rollout_batch_size`` (woken early by ``wake()``, which the
   pipeline calls when it writes a sample; otherwise it polls), leases exactly one batch, and trains it in a
@@ -36,15 +37,18 @@ The teacher, when given, scores each step's OPD branches at the old policy's exa
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from clawloop.config import Config
 from clawloop.memory import trim_heap
+from clawloop.priority import lower_thread_priority
 from clawloop.store import Store, TurnState
 from clawloop.trainer.contracts import PublishingEngine
 from clawloop.trainer.core import CommitNotRecorded, Trainer
@@ -54,6 +58,9 @@ from clawloop.trainer.rollback import ROLLBACK_META
 from clawloop.trainer.model import TrainModels
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
 
 
 class OnlineTrainer:
@@ -85,6 +92,8 @@ class OnlineTrainer:
         self._busy = False
         self.on_gate = on_gate
         self._model_lock: asyncio.Lock | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        """The one thread every model operation runs on (``start``)."""
         self.short_batches = 0
         """Batches leased with fewer samples than ``rollout_batch_size`` (``train_what_is_ready``)."""
 
@@ -126,19 +135,23 @@ class OnlineTrainer:
     async def start(self) -> None:
         if self._task is not None:
             return
+        # Every model operation runs on this one thread, below serving's CPU priority (``train_nice``); the threads
+        # it starts for its own parallel work inherit that priority.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clawloop-train",
+                                            initializer=lower_thread_priority, initargs=(int(self.config.train_nice),))
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._stopping = False
         self._model_lock = asyncio.Lock()
         teacher = in_process(self.teacher, self._loop)
-        self.core = await asyncio.to_thread(
+        self.core = await self._on_train_thread(
             Trainer, self.config, self.store, self.engine, run_dir=self.run_dir, teacher=teacher,
             models=self._models, console=self._console, on_gate=self.on_gate)
         if self.resume:
-            self.resumed = await asyncio.to_thread(self.core.resume)
+            self.resumed = await self._on_train_thread(self.core.resume)
         pending = self.store.get_meta(ROLLBACK_META)
         if pending:
-            await asyncio.to_thread(self.core.rollback, int(pending))
+            await self._on_train_thread(self.core.rollback, int(pending))
             self.store.set_meta(ROLLBACK_META, "")
         self._task = asyncio.create_task(self._run(), name="clawloop-trainer")
 
@@ -166,14 +179,22 @@ class OnlineTrainer:
                 pass
             self._task = None
         if self.core is not None:
-            await asyncio.to_thread(self._shutdown)
+            await self._on_train_thread(self._shutdown)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
     async def rollback(self, version: int) -> dict[str, Any]:
         """Serve kept version ``version`` again and train on from it (after the step in progress)."""
         if self.core is None or self._model_lock is None:
             raise RuntimeError("the trainer has not started")
         async with self._model_lock:
-            return await asyncio.to_thread(self.core.rollback, int(version))
+            return await self._on_train_thread(self.core.rollback, int(version))
+
+    async def _on_train_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` on the training thread (see ``start``)."""
+        assert self._loop is not None and self._executor is not None
+        return await self._loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
     def _train_batch(self, lease_id: str, samples: list[Any]) -> None:
         assert self.core is not None
@@ -211,7 +232,7 @@ class OnlineTrainer:
             try:
                 assert self._model_lock is not None
                 async with self._model_lock:
-                    await asyncio.to_thread(self._train_batch, lease_id, samples)
+                    await self._on_train_thread(self._train_batch, lease_id, samples)
                 consecutive = 0
                 leaser.succeeded(samples)
             except CommitNotRecorded as exc:  # stopping: the update is in the weights, so the batch stays leased
