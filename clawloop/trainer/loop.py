@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+SWITCH_INTERVAL_S = 0.001
+"""The interpreter's thread switch interval while an embedded trainer runs (see ``start``)."""
+
 
 
 class OnlineTrainer:
@@ -136,7 +139,10 @@ class OnlineTrainer:
         if self._task is not None:
             return
         # Every model operation runs on this one thread, below serving's CPU priority (``train_nice``); the threads
-        # it starts for its own parallel work inherit that priority.
+        # it starts for its own parallel work inherit that priority. The trainer's Python between kernels holds the
+        # interpreter lock; a shorter switch interval than Python's 5 ms hands it back to the serving threads sooner.
+        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clawloop-train",
                                             initializer=lower_thread_priority, initargs=(int(self.config.train_nice),))
         self._loop = asyncio.get_running_loop()
