@@ -6,8 +6,11 @@ temporary store, and runs ``--steps`` steps through ``clawloop.trainer.core.Trai
 step (the default). Each line shows the optimizer step's time and the gate check's time (greedy answers to the
 shipped probes plus the run's ``gate_recent_prompts`` recent distinct prompts, ``gate_probe_tokens`` each, then
 the KL forward pass), and their ratio. The first check also answers every probe with the reference once (its
-verdicts are kept), so it is slower than the steady state. A last line times the greedy answers to probes of
-mixed lengths in one padded batch and in the gate's length groups, side by side.
+verdicts are kept), so it is slower than the steady state. Before the gate's own check, the same candidate is
+checked by a plain gate (on unless ``--no-plain``: shipped and recent probes only, without the knowledge probes
+and the run's corrected prompts), so the two times are measured side by side on the same weights; the line
+also says whether both decided alike and how many of their common answers are equal. A last line times the greedy
+answers to probes of mixed lengths in one padded batch and in the gate's length groups, side by side.
 
     .venv/bin/python benchmarks/gate.py                    # 3 steps of 4 samples x 64 tokens, 1 thread
     .venv/bin/python benchmarks/gate.py --threads 2 --probe-tokens 16
@@ -39,6 +42,7 @@ def main() -> None:
                         "setting's default)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--full", action="store_true", help="Full fine-tuning instead of LoRA.")
+    parser.add_argument("--no-plain", dest="plain", action="store_false", help="Skip the plain gate's check.")
     args = parser.parse_args()
 
     import torch
@@ -71,10 +75,14 @@ def main() -> None:
             store.claim_judgeable(1)
             store.put_sample(SampleRecord(turn_id=tid, reward=1.0 if i % 2 else -1.0, kind="rl"))
         trainer = Trainer(config, store, LocalVersion(), console=None)
+        side = SideBySide(trainer.gate, tokenizer, config, store) if args.plain else None
+        if side is not None:
+            trainer.gate = side  # type: ignore[assignment]
         mode = "full fine-tuning" if args.full else f"LoRA r{config.lora_rank}"
         print(f"gate benchmark: SmolLM2-135M-Instruct, {mode}, {args.threads} thread(s), batch {args.samples} x "
               f"{args.tokens} tokens, {len(trainer.gate.shipped)} shipped probes + {config.gate_recent_prompts} "
-              f"recent prompts x {args.probe_tokens} tokens")
+              f"recent prompts x {args.probe_tokens} tokens, {len(trainer.gate.knowledge)} knowledge probes x "
+              f"{trainer.gate.knowledge_tokens} tokens")
         for _ in range(args.steps):
             lease, leased = store.lease_samples(args.samples)
             t0 = time.perf_counter()
@@ -85,9 +93,39 @@ def main() -> None:
                   f"(ratio gate/train {gate_s / train_s:.2f}) | whole step {wall:.2f}s | "
                   f"{'accepted' if m.get('gate_accepted') else 'rejected'} guard {m.get('gate_guard_pass', 0):.2f} "
                   f"KL {m.get('gate_kl', 0):.3f}")
+            if side is not None and side.last:
+                plain_s, same, total, agree = side.last
+                print(f"  plain gate (no knowledge probes or corrected prompts) on the same candidate: {plain_s:.2f}s "
+                      f"(ratio plain/train {plain_s / train_s:.2f}, plain/gate {plain_s / max(gate_s, 1e-9):.2f}x) | "
+                      f"same decision: {agree} | same answers: {same}/{total}")
         compare_batching(trainer, tokenizer, args.probe_tokens)
         trainer.close()
         store.close()
+
+
+class SideBySide:
+    """Stands in for the trainer's gate: checks each candidate with a plain gate first (timed), then with the
+    trainer's own gate, whose result the trainer gets."""
+
+    def __init__(self, gate, tokenizer, config, store):
+        from clawloop.gate.gate import PublicationGate
+
+        self.gate = gate
+        self.plain = PublicationGate(tokenizer, min_guard_pass=config.gate_min_guard_pass, max_kl=config.gate_max_kl,
+                                     probe_tokens=config.gate_probe_tokens,
+                                     recent_prompts=lambda: store.recent_prompts(config.gate_recent_prompts))
+        self.last: tuple[float, int, int, bool] | None = None
+
+    def __getattr__(self, name):
+        return getattr(self.gate, name)
+
+    def check(self, candidate, reference, kl_to="reference"):
+        plain = self.plain.check(candidate, reference, kl_to=kl_to)
+        result = self.gate.check(candidate, reference, kl_to=kl_to)
+        answers = {(p.source, p.prompt): p.answer for p in result.probes}
+        common = [(answers[(p.source, p.prompt)], p.answer) for p in plain.probes if (p.source, p.prompt) in answers]
+        self.last = (plain.seconds, sum(a == b for a, b in common), len(common), plain.accepted == result.accepted)
+        return result
 
 
 def compare_batching(trainer, tokenizer, probe_tokens: int) -> None:

@@ -217,7 +217,7 @@ def assemble(config: Config, *, learning: Learning | None = None, engine: Any = 
             render = chat_render_fn(engine.tokenizer)
             judge = build_judge(config, base_engine=base_engine, render=render)
             teacher = build_teacher(config, render, policy_engine=engine, base_engine=base_engine)
-            pipeline = Pipeline(store, config, judge=judge, poll_interval_s=learning.pipeline_poll_s,
+            pipeline = Pipeline(store, config, judge=judge, poll_interval_s=learning.pipeline_poll_s, teacher=teacher,
                                 on_sample=lambda sample: trainer.wake() if trainer is not None else None)
             if trains_here:
                 trainer = OnlineTrainer(config, store, engine, teacher=teacher, resume=learning.resume,

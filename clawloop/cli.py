@@ -83,12 +83,12 @@ def _config_cli_values(args: argparse.Namespace) -> dict:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from clawloop.sim.demo import (LoopOptions, check_user_arguments, default_run_dir, demo_config, print_result,
-                                   run_loop)
+    from clawloop.sim.demo import (LoopOptions, check_user_arguments, default_run_dir, demo_config, persona_name,
+                                   print_result, run_loop)
 
     cli = _config_cli_values(args)
     seed = int(cli.get("seed", 0))
-    run_dir = Path(cli.get("run_dir") or default_run_dir(args.persona, seed))
+    run_dir = Path(cli.get("run_dir") or default_run_dir(persona_name(args), seed))
     if (run_dir / STORE_FILENAME).exists():
         print(f"clawloop demo: {run_dir} already holds a run; pick a fresh --run-dir", file=sys.stderr)
         return 2
@@ -99,7 +99,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cli.update(run_dir=str(run_dir), seed=seed)
     cli.setdefault("port", 0)
     config = demo_config(cli, file=args.config)
-    options = LoopOptions(persona=args.persona, interactions=args.interactions, seed=seed,
+    options = LoopOptions(persona=args.persona, persona_file=(args.persona_file or [""])[0],
+                          interactions=args.interactions, seed=seed,
                           eval_every=args.eval_every, heldout_n=args.heldout_n, user_url=args.user_url,
                           user_model=args.user_model, user_api_key_env=args.user_api_key_env, max_lag=args.max_lag)
     summary = run_loop(config, options)

@@ -174,6 +174,14 @@ class TeacherSettings:
     max_candidates: int = _f(3, "Most hint candidates per turn (shortest first).")
     hint_min_chars: int = _f(10, "A hint must be strictly longer than this many characters (stripped).")
     teacher: str = _f("base", "Teacher model: 'base' (frozen copy of the starting policy) or 'policy' (current).")
+    context_samples: int = _f(0, "Context distillation: answers the teacher samples under an accepted hint, per "
+                              "hinted turn, each trained as its own sample on the un-hinted prompt (0 = off; "
+                              "docs/context-distillation.md).")
+    context_loss: str = _f("sft", "How a context sample trains: sft (a +1 vote through the GRPO branch: the "
+                           "SFT gradient on the teacher's answer) or objective (the hint candidates ride along "
+                           "and the OPD branch scores the teacher's answer like any hinted sample).")
+    context_max_tokens: int = _f(0, "Most tokens per context answer (0 = default_max_tokens); never more than "
+                                 "max_response_tokens.")
 
 
 @dataclass
@@ -195,6 +203,17 @@ class MethodSettings:
                               "teacher on the un-hinted prompt, as the original).")
     kl_coef: float = _f(0.0, "Weight of the k3 KL to the reference (base) model.")
     entropy_coef: float = _f(0.0, "Weight of the entropy bonus.")
+    support_coef: float = _f(0.0, "Weight of the teacher-support term added to the OPD branch on hinted turns: "
+                             "forward KL from the chosen hint's teacher top-K plus a tail bin to the student, "
+                             "which lifts a token the teacher wants even when the student gives it almost no "
+                             "probability. 0 = off; > 0 needs method hybrid or opd with w_opd > 0.")
+    support_k: int = _f(4, "Teacher top-K ids per position the support term uses (may differ from topk; the "
+                         "teacher is asked for max(topk, support_k) ids when support_coef > 0).")
+    support_positions: str = _f("all", "Where the support term applies: all, outside (only where a teacher "
+                                "top-K id is outside the student's top-k), entropy (only where the teacher's "
+                                "entropy over its top-K plus tail exceeds support_min_entropy).")
+    support_min_entropy: float = _f(0.5, "support_positions=entropy: the teacher entropy (nats) a position must "
+                                    "exceed.")
     group_norm: bool = _f(False, "Normalise rewards within a group when it has more than one sample.")
     advantage_mode: str = _f("balanced", "GRPO advantages from a batch's votes: balanced (negatives scaled so "
                              "the batch never pushes down more than it pushes up; an all -1 batch trains no "
@@ -304,6 +323,11 @@ class GateSettings:
     gate_recent_prompts: int = _f(8, "The run's most recent distinct prompts added to the shipped probes at each "
                                   "check (what users ask is where a regression shows first; a closing wh-question "
                                   "of the last user message is the question for the guard's topic and echo rules).")
+    gate_fixed_prompts: int = _f(8, "The run's corrected prompts (an answer that got a hint or a -1 vote, trained into "
+                                 "an accepted version) re-asked at each check, newest first across users and "
+                                 "sessions: an earlier fix the last accepted version kept must stay fixed; 0 = none.")
+    gate_knowledge: bool = _f(True, "Ask the shipped knowledge probes (clawloop/gate/knowledge.py: facts and sums with "
+                              "known answers): a candidate that forgets facts the reference knew is rejected.")
 
 
 # The sections in reverse reading order: a dataclass collects its bases' fields from the last base to the first,
@@ -421,16 +445,36 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
             raise ConfigError(f"gate_min_guard_pass={self.gate_min_guard_pass!r} must be in [0, 1]")
         positive("gate_max_kl")
         positive("gate_recent_prompts", 0.0, strict=False)
+        positive("gate_fixed_prompts", 0.0, strict=False)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port!r} must be in [0, 65535]")
         if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
             raise ConfigError(f"adam_betas={self.adam_betas!r} must be two numbers in [0, 1)")
+        self._validate_context()
         if self.group_norm and self.method in ("opd", "topk_kl"):
             raise ConfigError(f"group_norm=True has no effect with method={self.method!r} (no rewards)")
         for backend in self.metrics_backends:
             if backend not in ("jsonl", "tensorboard", "wandb"):
                 raise ConfigError(f"metrics_backends has {backend!r}; allowed: jsonl, tensorboard, wandb")
         return self
+
+    def _validate_context(self) -> None:
+        choice = ("sft", "objective")
+        if self.context_loss not in choice:
+            raise ConfigError(f"context_loss={self.context_loss!r} is not one of: {', '.join(choice)}")
+        if self.context_samples < 0 or self.context_max_tokens < 0:
+            raise ConfigError("context_samples and context_max_tokens must be >= 0")
+        if self.context_samples == 0:
+            return
+        w_rl, w_opd = self.weights
+        if not self.needs_hints:
+            raise ConfigError(f"context_samples needs accepted hints, which method={self.method!r} never asks for")
+        if self.context_loss == "sft" and w_rl == 0.0:
+            raise ConfigError("context_loss='sft' trains through the GRPO branch, which has weight 0 here; use "
+                              "context_loss='objective'")
+        if self.context_loss == "objective" and w_opd == 0.0:
+            raise ConfigError("context_loss='objective' trains through the OPD branch, which has weight 0 here; "
+                              "use context_loss='sft'")
 
     def _validate_vllm(self) -> None:
         from clawloop.engines.vllm_server import VLLMServerSettings

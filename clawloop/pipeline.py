@@ -8,11 +8,15 @@ so no turn is taken twice), runs at most ``concurrency`` of them at a time, and 
    turn's attempt number (one more than any earlier, interrupted attempt);
 2. assembles the sample: hint(s) and a ±1 vote -> ``rl+opd``; hint(s) and vote 0 -> ``opd``; no hint and ±1 ->
    ``rl``; neither -> dropped with reason ``no_signal`` (``judge_failed`` when not one vote was valid);
-3. writes the sample (votes and hints; no model is asked here) with ``store.put_sample``, which moves the turn
+3. with ``context_samples > 0`` and accepted hints: asks the teacher for that many answers of its own to the
+   hint-augmented request (``context_answers``; docs/context-distillation.md);
+4. writes the sample (votes and hints) and its context samples with ``store.put_sample``, which moves the turn
    to ``ready`` in the same transaction and refuses a second sample for the same turn.
 
-The teacher is not asked here: the trainer asks it at training time, at the old policy's exact top-k ids
-(``clawloop.trainer.old_policy``), so a sample is ready as soon as it is judged.
+The teacher does not score anything here: the trainer asks it at training time, at the old policy's exact top-k
+ids (``clawloop.trainer.old_policy``), so a sample is ready as soon as it is judged. Context answers are the one
+model call besides the judge's; they are sampled before the write, so a crash before it leaves nothing (the turn
+is judged again and its answers sampled again) and a crash after it leaves the turn with all of them.
 
 Every store call runs in a worker thread (``asyncio.to_thread``): the store's lock may be held by a trainer
 transaction, and chat requests on this event loop must not wait for it.
@@ -39,12 +43,20 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from clawloop.engines.base import Generation, SamplingParams
 from clawloop.judge.describe import startup_message
 from clawloop.judge.factory import configured_turn_deadline_s
 from clawloop.judge.votes import Judge, Judgement
-from clawloop.store import SampleRecord, Store, TurnRecord, TurnState, VoteRecord
+from clawloop.store import CONTEXT_KIND, ContextSample, SampleRecord, Store, TurnRecord, TurnState, VoteRecord
+from clawloop.teacher import Teacher
+from clawloop.temperature import effective_temperature
 
 log = logging.getLogger(__name__)
+
+CONTEXT_REWARD = {"sft": 1.0, "objective": 0.0}
+"""A context sample's vote per ``context_loss``: sft treats the teacher's answer as a good one (A = +1 in the
+GRPO surrogate, whose gradient at ρ = 1 is the SFT gradient); objective leaves the GRPO branch out (nobody
+voted on the answer) and trains the OPD branch toward the hinted teacher."""
 
 
 def sample_kind(reward: int, has_hints: bool) -> str | None:
@@ -54,13 +66,50 @@ def sample_kind(reward: int, has_hints: bool) -> str | None:
     return "rl" if reward != 0 else None
 
 
+def context_params(config: Any, turn: TurnRecord, index: int) -> SamplingParams:
+    """How context answer ``index`` of ``turn`` is sampled: the served turn's temperature and top-p, at most
+    ``context_max_tokens`` (else ``default_max_tokens``) and never more than the trainer takes, and a seed of
+    its own per (run seed, turn, index), so a retry after a crash samples the same answer."""
+    limit = int(config.context_max_tokens) or int(config.default_max_tokens)
+    seed = (int(config.seed) * 1_000_003 + int(turn.id or 0) * 1_009 + index) % (2 ** 31)
+    return SamplingParams(temperature=effective_temperature(float(turn.temperature)), top_p=float(turn.top_p),
+                          max_tokens=max(1, min(limit, int(config.max_response_tokens))), seed=seed)
+
+
+def context_sample(config: Any, turn: TurnRecord, hints: list[str], index: int, hint_index: int,
+                   answer: Generation) -> ContextSample:
+    """Context answer ``index`` (sampled under ``hints[hint_index]``) as a turn and sample of its own: the judged
+    turn's request and un-hinted prompt ids, the teacher's ids and sampling log-probs as the response."""
+    mode = str(config.context_loss)
+    text = answer.text
+    context_turn = TurnRecord(
+        session_id=turn.session_id, owner=turn.owner, turn_index=turn.turn_index, messages=turn.messages,
+        tools=turn.tools, prompt_ids=list(turn.prompt_ids), response_ids=list(answer.token_ids),
+        logprobs=list(answer.logprobs), temperature=turn.temperature, top_p=turn.top_p,
+        policy_version=turn.policy_version, response_text=text,
+        assistant_message={"role": "assistant", "content": text}, finish_reason=answer.finish_reason)
+    info = {"context_loss": mode, "hint_index": hint_index, "hint": hints[hint_index],
+            "teacher_version": int(answer.policy_version),
+            "kind_reason": f"the teacher's answer under hint {hint_index}, trained without it ({mode})"}
+    sample = SampleRecord(turn_id=0, reward=CONTEXT_REWARD[mode], kind=CONTEXT_KIND,
+                          hints=list(hints) if mode == "objective" else [], info=info)
+    return ContextSample(index=index, turn=context_turn, sample=sample)
+
+
 class Pipeline:
     def __init__(self, store: Store, config: Any, *, judge: Judge,
                  concurrency: int = 2, poll_interval_s: float = 2.0, turn_deadline_s: float | None = None,
-                 max_attempts: int = 3, on_sample: Callable[[SampleRecord], None] | None = None):
+                 max_attempts: int = 3, on_sample: Callable[[SampleRecord], None] | None = None,
+                 teacher: Teacher | None = None):
+        """``teacher``: what samples context answers (``context_samples > 0``); without one none are made."""
         self.store = store
         self.config = config
         self.judge = judge
+        self.teacher = teacher
+        self.context_samples = int(getattr(config, "context_samples", 0))
+        if self.context_samples > 0 and teacher is None:
+            log.warning("clawloop pipeline: context_samples=%d but no teacher is at hand; no context samples "
+                        "are made", self.context_samples)
         self.concurrency = max(1, int(concurrency))
         self.poll_interval_s = float(poll_interval_s)
         self.turn_deadline_s = float(turn_deadline_s) if turn_deadline_s else configured_turn_deadline_s(config)
@@ -241,16 +290,55 @@ class Pipeline:
             "opd": "hint(s) and an evaluative vote of 0" if self.want_eval else "hint(s); evaluative votes off",
             "rl": "±1 evaluative vote and no accepted hint",
         }[kind]
+        context = await self.context_answers(turn, hints, info)
         info["pipeline_s"] = round(time.monotonic() - start, 3)
         sample = SampleRecord(turn_id=int(turn.id), reward=float(reward), kind=kind, hints=hints, info=info)
-        if not await asyncio.to_thread(self.store.put_sample, sample):
+        if not await asyncio.to_thread(self.store.put_sample, sample, context):
             # The turn left `judging` under us (dropped by session code, or already has a sample): nothing to do.
             self.stats["put_sample_refused"] += 1
             return None
         self.stats[f"sample:{kind}"] += 1
+        stored = sum(1 for c in context if c.turn.id is not None)
+        if stored:
+            self.stats[f"sample:{CONTEXT_KIND}"] += stored
         if self.on_sample is not None:
             try:
                 self.on_sample(sample)
             except Exception:  # noqa: BLE001 - a listener must not undo a written sample
                 log.exception("clawloop pipeline: on_sample listener failed")
         return sample
+
+    async def context_answers(self, turn: TurnRecord, hints: list[str], info: dict[str, Any]) -> list[ContextSample]:
+        """The teacher's own answers to ``turn`` under its accepted ``hints`` (answer i under hint i mod C, all
+        sampled at once), as context samples to store with the turn's sample. An answer identical to an earlier
+        one (a greedy turn) is left out; failures and what was left out are noted in ``info``, never raised: a
+        turn's own sample does not depend on its context answers."""
+        if self.context_samples <= 0 or not hints or self.teacher is None:
+            return []
+        teacher = self.teacher
+        plan = [(i, i % len(hints)) for i in range(self.context_samples)]
+        calls = [teacher.answer(turn, hints[h], context_params(self.config, turn, i)) for i, h in plan]
+        try:
+            answers = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), self.turn_deadline_s)
+        except asyncio.TimeoutError:
+            info["context_error"] = f"the teacher took longer than {self.turn_deadline_s:g}s"
+            self.stats["context_timeout"] += 1
+            return []
+        out: list[ContextSample] = []
+        seen: set[tuple[int, ...]] = set()
+        errors: list[str] = []
+        for (index, hint_index), answer in zip(plan, answers):
+            if isinstance(answer, BaseException):
+                errors.append(f"{index}: {type(answer).__name__}: {answer}"[:200])
+                continue
+            ids = tuple(answer.token_ids)
+            if not ids or ids in seen:
+                info["context_repeats"] = int(info.get("context_repeats", 0)) + 1
+                continue
+            seen.add(ids)
+            out.append(context_sample(self.config, turn, hints, index, hint_index, answer))
+        if errors:
+            info["context_error"] = errors
+            self.stats["context_error"] += len(errors)
+        info["context_answers"] = len(out)
+        return out

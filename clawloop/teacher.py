@@ -15,8 +15,10 @@ call covering every candidate of every request (the engine returns the teacher's
 the asked ids from one forward per candidate), all at the temperature the request names (the train-side
 ``train_temperature(config, turn)`` that the trainer also uses for the student).
 
-The teacher is asked at training time only, by the trainer (``clawloop.trainer.teacher_client``), so the ids
-are always the old policy's exact top-k; the judging pipeline never calls it.
+The teacher is scored at training time only, by the trainer (``clawloop.trainer.teacher_client``), so the ids
+are always the old policy's exact top-k. The judging pipeline asks it for one thing only, and only with
+``context_samples > 0``: ``Teacher.answer``, the teacher's own sampled answer to the hint-augmented request (the
+very prompt it is scored under), which becomes a context sample (docs/context-distillation.md).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from clawloop.engines.base import Engine, ScoreRequest
+from clawloop.engines.base import Engine, Generation, SamplingParams, ScoreRequest
 from clawloop.temperature import effective_temperature
 from clawloop.judge.prompts import content_text
 from clawloop.store import TurnRecord
@@ -90,6 +92,14 @@ class Teacher:
         """Whether rendering the stored request today reproduces the prompt ids served then."""
         return list(self.render(turn.messages, turn.tools)) == list(turn.prompt_ids)
 
+    # ---- answering ----------------------------------------------------------------------------------------
+    async def answer(self, turn: TurnRecord, hint: str, params: SamplingParams) -> Generation:
+        """The teacher's own answer to ``turn``'s request with ``hint`` injected, rendered exactly as for
+        scoring. Rendering runs in a worker thread and the engine call is awaited: this coroutine runs on the
+        serving event loop."""
+        prompt_ids = await asyncio.to_thread(self.prompt_ids, turn, hint)
+        return await self.engine.generate(prompt_ids, params)
+
     # ---- scoring ------------------------------------------------------------------------------------------
     async def score(self, requests: Sequence[TeacherRequest]) -> list[TeacherScores]:
         """The teacher's scores for each request (see the module docstring), from one engine call. Rendering the
@@ -125,7 +135,7 @@ class Teacher:
             candidates: list[str] = list(request.hints) if request.hints else [""]
             spans.append((len(prompts), len(candidates), candidates))
             prompts.extend(ScoreRequest(prompt_ids=self.prompt_ids(turn, h), response_ids=list(turn.response_ids),
-                                        top_k=self.topk, temperature=float(request.temperature),
+                                        top_k=request.teacher_k or self.topk, temperature=float(request.temperature),
                                         at_ids_T_K=at_ids_T_K) for h in candidates)
         return prompts, spans
 

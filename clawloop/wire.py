@@ -46,7 +46,7 @@ class TeacherScores:
     student_ids_T_K: torch.Tensor
     """[T, K] the ids the teacher was asked at: the old policy's top-k at training time."""
     teacher_ids_C_T_K: torch.Tensor
-    """[C, T, K'] each candidate teacher's own top-k ids."""
+    """[C, T, K'] each candidate teacher's own top-k ids (K' = the request's ``teacher_k``, most likely first)."""
     teacher_logprobs_C_T_K: torch.Tensor
     """[C, T, K'] their log-probs."""
     teacher_at_student_C_T_K: torch.Tensor
@@ -98,6 +98,13 @@ class TeacherRequest:
     """Hint candidates; empty = the un-hinted prompt itself (the anchor)."""
     student_ids_T_K: torch.Tensor
     temperature: float
+    teacher_k: int = 0
+    """K': how many of its own most likely ids per position the teacher returns; 0 = the teacher's ``topk``.
+    Above ``topk`` when the objective's teacher-support term reads more teacher ids than the subset's k."""
+
+
+MAX_TEACHER_K = 1024
+"""The widest teacher top-K' a request may ask for (a guard on the route, far above any useful K')."""
 
 
 def scores_to_json(scores: TeacherScores) -> dict[str, Any]:
@@ -116,6 +123,7 @@ def request_to_json(request: TeacherRequest) -> dict[str, Any]:
     return {"turn_id": turn.id, "messages": turn.messages, "tools": turn.tools,
             "prompt_ids": list(turn.prompt_ids), "response_ids": list(turn.response_ids),
             "hints": list(request.hints), "temperature": float(request.temperature),
+            "teacher_k": int(request.teacher_k),
             "student_ids": encode_tensors({"student_ids_T_K": request.student_ids_T_K.to(torch.int64)})}
 
 
@@ -132,8 +140,11 @@ def request_from_json(d: dict[str, Any]) -> TeacherRequest:
     hints = d.get("hints") or []
     if not isinstance(hints, list) or not all(isinstance(h, str) for h in hints):
         raise ValueError("'hints' must be a list of strings")
+    teacher_k = d.get("teacher_k", 0)  # absent from an older trainer's requests
+    if isinstance(teacher_k, bool) or not isinstance(teacher_k, int) or not 0 <= teacher_k <= MAX_TEACHER_K:
+        raise ValueError(f"'teacher_k' must be an integer in [0, {MAX_TEACHER_K}], got {teacher_k!r}")
     return TeacherRequest(turn=turn, hints=hints, student_ids_T_K=ids["student_ids_T_K"].to(torch.int64),
-                          temperature=float(d["temperature"]))
+                          temperature=float(d["temperature"]), teacher_k=teacher_k)
 
 
 def sample_to_json(sample: SampleRecord, turn: TurnRecord) -> dict[str, Any]:

@@ -59,7 +59,9 @@ def test_the_embedded_trainer_and_the_base_engine_run_below_serving(tmp_path):
     config = Config(model="tiny", device="cpu", num_threads=2, run_dir=str(tmp_path / "run"), port=0,
                     method="hybrid", train_nice=min(19, base + 6), metrics_backends=["jsonl"])
     before = set(thread_nices())
+    interval = sys.getswitchinterval()
     with build_runtime(config, console=None):
+        assert sys.getswitchinterval() < interval  # serving gets the interpreter lock back sooner while it trains
         deadline = time.time() + 30
         lowered = []
         while time.time() < deadline and len(lowered) < 2:
@@ -69,3 +71,4 @@ def test_the_embedded_trainer_and_the_base_engine_run_below_serving(tmp_path):
         others = [nice for tid, nice in thread_nices().items() if tid not in lowered]
     assert len(lowered) >= 2, thread_nices()  # the training thread and the base engine's worker
     assert base in others and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+    assert sys.getswitchinterval() == interval  # the trainer stopped: the process has Python's own interval again

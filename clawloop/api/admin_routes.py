@@ -23,8 +23,8 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.requests import Request
 
-from clawloop.api import safejson
 from clawloop.api.auth import require_admin
+from clawloop.api.bodies import read_json_object
 from clawloop.api.errors import APIError
 from clawloop.store import Store
 from clawloop.trainer.versions import DamagedVersion
@@ -39,11 +39,7 @@ def mount_admin_routes(app: FastAPI, store: Store, config: Any, trainer: Callabl
 
     async def rollback(request: Request) -> Any:
         require_admin(request, config)
-        try:
-            body = safejson.loads(await request.body())
-        except ValueError:
-            body = None
-        version = body.get("version") if isinstance(body, dict) else None
+        version = (await read_json_object(request, config.max_body_bytes)).get("version")
         if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2 ** 63:
             raise APIError(400, "'version' must be an integer >= 0.", "invalid_request_error", "version", None)
         online = trainer()

@@ -41,7 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from clawloop.api import safejson
+from clawloop.api.bodies import read_json_body
 from clawloop.api.auth import KeyRing, TurnIdMask, is_admin, require_user
 from clawloop.api.errors import APIError, bad_request, error_body, install_error_handlers
 from clawloop.api.guard import BrowserGuard, CatchAll, storage_failure, storage_unavailable_body
@@ -70,39 +70,6 @@ SESSION_HEADER = "x-session-id"
 TURN_TYPE_HEADER = "x-turn-type"
 SESSION_DONE_HEADER = "x-session-done"
 POLICY_VERSION_HEADER = "X-Policy-Version"
-
-
-# ------------------------------------------------------------------------------------------- body reading
-
-
-async def read_json_body(request: Request, max_bytes: int) -> Any:
-    """The decoded JSON body; 413 beyond ``max_bytes`` (declared or actually read), 400 when not JSON."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            declared_n = int(declared)
-        except ValueError:
-            raise bad_request("Invalid Content-Length header.", None, "invalid_body") from None
-        if declared_n > max_bytes:
-            raise APIError(413, f"Request body too large: {declared_n} bytes (limit {max_bytes}).",
-                           code="request_too_large")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"Request body too large (limit {max_bytes} bytes).", code="request_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise bad_request("The request body is empty; send a JSON object.", None, "invalid_body")
-    try:
-        return safejson.loads(raw)
-    except safejson.JSONLimitError as exc:
-        raise bad_request(f"The request body is outside the limits: {exc}.", exc.path or None, "invalid_json") \
-            from None
-    except ValueError as exc:  # UnicodeDecodeError is a ValueError
-        raise bad_request(f"The request body is not valid JSON: {str(exc)[:200]}", None, "invalid_json") from None
 
 
 # ------------------------------------------------------------------------------------------------ service

@@ -22,8 +22,8 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.requests import Request
 
-from clawloop.api import safejson
 from clawloop.api.auth import require_admin
+from clawloop.api.bodies import ADMIN_BODY_BYTES, read_json_object
 from clawloop.api.errors import APIError
 from clawloop.teacher import Teacher
 from clawloop.wire import request_from_json, scores_to_json
@@ -39,11 +39,7 @@ def mount_teacher_routes(app: FastAPI, teacher: Callable[[], Teacher | None], co
 
     async def score(request: Request) -> Any:
         require_admin(request, config)
-        try:
-            body = safejson.loads(await request.body())
-        except ValueError:
-            body = None
-        raw = body.get("requests") if isinstance(body, dict) else None
+        raw = (await read_json_object(request, ADMIN_BODY_BYTES)).get("requests")
         if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_REQUESTS:
             raise APIError(400, f"'requests' must be a list of 1 to {MAX_REQUESTS} teacher requests.",
                            "invalid_request_error", "requests", "invalid_value")

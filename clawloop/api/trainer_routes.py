@@ -14,7 +14,7 @@ Routes (all ``POST`` with a JSON body, except ``GET /v1/trainer/state``):
   not give the batch back. Every route answers a store failure so.
 * ``/v1/trainer/next_version {at_least}``, ``/v1/trainer/versions {version, step, status, evidence}``,
   ``/v1/trainer/events {kind, detail, step, version}``, ``/v1/trainer/rollbacks {to_version, from_version,
-  detail}`` and ``GET /v1/trainer/recent_prompts?n=`` give a remote trainer the store's version numbering,
+  detail}`` and ``GET /v1/trainer/recent_prompts?n=&corrected=`` give a remote trainer the store's version numbering,
   version history, gate events and the gate's recent prompts, as the embedded trainer has them.
 * ``/v1/trainer/release {lease_id}`` gives the batch back; ``/v1/trainer/drop {lease_id, turn_id, reason}``
   records a leased sample the trainer refuses (too long, stale, ...), never silently.
@@ -47,8 +47,8 @@ from fastapi import FastAPI
 from safetensors.torch import load_file as st_load_file
 from starlette.requests import Request
 
-from clawloop.api import safejson
 from clawloop.api.auth import require_admin
+from clawloop.api.bodies import ADMIN_BODY_BYTES, read_json_object
 from clawloop.api.errors import APIError
 from clawloop.store import LeaseLost, Store
 from clawloop.wire import decode_tensors, sample_to_json
@@ -116,16 +116,6 @@ def _string(body: dict[str, Any], key: str) -> str:
     return value
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    try:
-        body = safejson.loads(await request.body())
-    except ValueError:
-        raise APIError(400, "The body must be a JSON object.", "invalid_request_error", None, None) from None
-    if not isinstance(body, dict):
-        raise APIError(400, "The body must be a JSON object.", "invalid_request_error", None, None)
-    return body
-
-
 def load_weights_folder(path: Path, kind: str, base_model: str | Path | None) -> Any:
     """What the engine's ``publish_sync`` gets for a reported folder (see the module docstring)."""
     if kind == "full":
@@ -152,7 +142,7 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
 
     async def lease(request: Request) -> Any:
         authorise(request)
-        body = await _body(request)
+        body = await read_json_object(request, ADMIN_BODY_BYTES)
         n = _integer(body, "n", minimum=1)
         min_n = body.get("min_n")
         min_n = None if min_n is None else _integer(body, "min_n", minimum=0)
@@ -168,7 +158,7 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
 
     async def heartbeat(request: Request) -> Any:
         authorise(request)
-        body = await _body(request)
+        body = await read_json_object(request, ADMIN_BODY_BYTES)
         lease_id = _string(body, "lease_id")
         lease_s = min(_number(body, "lease_s", 600.0, minimum=0.001), MAX_LEASE_S)
         held = await _store_call(store.extend_lease, lease_id, lease_s)
@@ -179,7 +169,7 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
 
     async def commit(request: Request) -> Any:
         authorise(request)
-        body = await _body(request)
+        body = await read_json_object(request, ADMIN_BODY_BYTES)
         lease_id = _string(body, "lease_id")
         step = _integer(body, "step", minimum=1)
         version = _integer(body, "policy_version", minimum=0)
@@ -206,13 +196,13 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
 
     async def release(request: Request) -> Any:
         authorise(request)
-        body = await _body(request)
+        body = await read_json_object(request, ADMIN_BODY_BYTES)
         lease_id = _string(body, "lease_id")
         return {"lease_id": lease_id, "released": await _store_call(store.release_lease, lease_id)}
 
     async def drop(request: Request) -> Any:
         authorise(request)
-        body = await _body(request)
+        body = await read_json_object(request, ADMIN_BODY_BYTES)
         turn_id = _integer(body, "turn_id", minimum=0)
         reason = _string(body, "reason")[:200]
         lease_id = None if body.get("lease_id") is None else _string(body, "lease_id")
@@ -223,7 +213,7 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
 
     async def weights(request: Request) -> Any:
         authorise(request)
-        body = await _body(request)
+        body = await read_json_object(request, ADMIN_BODY_BYTES)
         path = Path(_string(body, "path"))
         version = body.get("version")
         version = None if version is None else _integer(body, "version", minimum=0)
@@ -259,13 +249,13 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
 
     async def next_version(request: Request) -> Any:
         authorise(request)
-        body = await _body(request)
+        body = await read_json_object(request, ADMIN_BODY_BYTES)
         at_least = _integer(body, "at_least", 0, minimum=0)
         return {"version": await _store_call(store.next_version, at_least)}
 
     async def record_version(request: Request) -> Any:
         authorise(request)
-        body = await _body(request)
+        body = await read_json_object(request, ADMIN_BODY_BYTES)
         version = _integer(body, "version", minimum=0)
         step = _integer(body, "step", minimum=0)
         status = _string(body, "status")[:40]
@@ -275,7 +265,7 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
 
     async def record_event(request: Request) -> Any:
         authorise(request)
-        body = await _body(request)
+        body = await read_json_object(request, ADMIN_BODY_BYTES)
         kind = _string(body, "kind")[:80]
         detail = _object(body, "detail")
         step = None if body.get("step") is None else _integer(body, "step", minimum=0)
@@ -285,7 +275,7 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
 
     async def record_rollback(request: Request) -> Any:
         authorise(request)
-        body = await _body(request)
+        body = await read_json_object(request, ADMIN_BODY_BYTES)
         to_version = _integer(body, "to_version", minimum=0)
         from_version = _integer(body, "from_version", minimum=0)
         detail = _object(body, "detail")
@@ -300,8 +290,9 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
         if not 0 <= n <= MAX_RECENT_PROMPTS:
             raise APIError(400, f"'n' must be an integer in [0, {MAX_RECENT_PROMPTS}].", "invalid_request_error",
                            "n", "invalid_value")
-        found = await _store_call(store.recent_prompts, n)
-        return {"prompts": [{"turn_id": t, "prompt_ids": ids, "messages": messages} for t, ids, messages in found]}
+        corrected = request.query_params.get("corrected", "0") in ("1", "true")
+        found = await _store_call(lambda: store.recent_prompts(n, corrected=corrected))
+        return {"corrected": corrected, "prompts": [{"turn_id": t, "prompt_ids": ids, "messages": messages} for t, ids, messages in found]}
 
     async def state(request: Request) -> Any:
         authorise(request)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from clawloop.losses import HINT_SELECTIONS, select_hints, topk_overlap
-from clawloop.store import SampleRecord, Store, TurnState, find_store
+from clawloop.store import CONTEXT_KIND, SampleRecord, Store, TurnState, find_store
 
 MAX_TOKENS_SHOWN = 512
 """Longest response shown token by token (the rest is summarised)."""
@@ -257,11 +257,16 @@ class RunView:
     def _overview(self, store: Store) -> dict[str, Any]:
         turns = store.count_turns()
         samples = store.count_samples()
+        by_kind = store.count_samples_by_kind()
         steps = store.steps()
         versions = store.versions()
         events = store.events()
         now = time.time()
+        # Context samples are stored as turns of their own that nobody was served: left out of what was served.
         recent = store.turn_activity(now - 300.0)
+        unserved = store.context_turn_activity(now - 300.0)
+        recent = {k: recent[k] - unserved[k] for k in recent}
+        context_turns = sum(by_kind.get(CONTEXT_KIND, {}).values())
         live = self.live() if self.live is not None else {}
         if "policy_version" in live:
             version, version_from = live["policy_version"], "served now"
@@ -282,8 +287,11 @@ class RunView:
                                                     "loss": last["metrics"].get("loss")},
             "samples_waiting": int(samples.get(TurnState.READY, 0)),
             "samples_by_state": samples,
+            "samples_by_kind": {kind: sum(states.values()) for kind, states in sorted(by_kind.items())},
+            "samples_by_kind_and_state": by_kind,
             "turns_by_state": turns,
-            "turns_total": sum(turns.values()),
+            "turns_total": sum(turns.values()) - context_turns,
+            "context_turns": context_turns,
             "drop_reasons": store.drop_reasons(),
             "judge": {**self._judge_setup(store), **store.vote_stats()},
             "gate": {"events_by_kind": dict(gate),
@@ -328,6 +336,8 @@ class RunView:
             last_attempt = max((v.attempt for v in votes), default=0)
             out.append({
                 "turn_id": turn.id, "turn_index": turn.turn_index, "created_at": turn.created_at,
+                "context_of": store.context_source(int(turn.id)),
+                "context_turn_ids": store.context_turn_ids(int(turn.id)),
                 "policy_version": turn.policy_version, "state": turn.state, "reason": turn.reason,
                 "request_tail": turn.messages[-2:],
                 "answer": turn.response_text, "assistant_message": turn.assistant_message,
@@ -340,8 +350,9 @@ class RunView:
                 "sample": None if sample is None else {
                     "kind": sample.kind, "reward": sample.reward, "hints": sample.hints, "state": sample.state,
                     "chosen_hint": self._chosen_hint(sample), "has_targets": sample.targets is not None,
-                    "info": {k: sample.info.get(k) for k in ("kind_reason", "candidates", "teacher_error")
-                             if k in sample.info}},
+                    "info": {k: sample.info.get(k) for k in ("kind_reason", "candidates", "teacher_error",
+                                                             "hint", "context_loss", "context_answers",
+                                                             "context_error") if k in sample.info}},
                 "fate": fate_of(turn.state, turn.reason, sample, fates),
             })
         return {"session_id": session_id, "turns": out}

@@ -2,6 +2,8 @@
 
 * ``guard`` — the degeneracy guard (is an answer still a sound piece of text?);
 * ``probes`` — the general prompts shipped with clawloop that every candidate answers;
+* ``knowledge`` — questions with known answers; a candidate must keep the facts the reference knew;
+* ``generation`` — batched greedy answers and log-probabilities for the KL;
 * ``gate`` — the decision (greedy probe answers, guard regressions, KL to the reference), with its evidence.
 
 Design notes: docs/publication-gate.md.

@@ -5,24 +5,31 @@ optimizer step; the serving engine keeps serving the last accepted version meanw
 
 A check:
 
-1. builds the probe set: the shipped general prompts (``clawloop.gate.probes``) plus the run's most recent
-   distinct real prompts (``recent_prompts`` from the store). A prompt of up to ``MAX_PROMPT_TOKENS`` is probed as
+1. builds the probe set: the shipped general prompts (``clawloop.gate.probes``), the shipped knowledge probes
+   (``clawloop.gate.knowledge``), the run's corrected prompts (``fixed_prompts``: answers that got a hint or a -1
+   vote and were trained into an accepted version) and its most recent distinct real prompts (``recent_prompts``;
+   both from the store, spread across users and sessions). A prompt of up to ``MAX_PROMPT_TOKENS`` is probed as
    it was served; a longer one (an agent's, with its system prompt, tools and history) as its closing exchanges
    (``closing_exchanges``: what the user wrote in the last messages, at most ``RECENT_TAIL_TOKENS``), which is
    what the guard judges the answer against; a probe equal to an earlier one is asked once;
-2. generates the candidate's greedy answer to each probe (``probe_tokens`` at most; probes of similar length are
-   batched together, ``length_buckets``);
-3. runs the degeneracy guard on every answer: the text rules everywhere (empty, symbol soup, loops, low
+2. has the reference answer each probe once, the first time it appears, and keeps its verdict;
+3. finds the candidate's greedy answer to each probe (``probe_tokens`` at most, ``knowledge_tokens`` for the
+   knowledge probes; probes of similar length batched together, ``length_buckets``);
+4. runs the degeneracy guard on every answer: the text rules everywhere (empty, symbol soup, loops, low
    diversity) and, where the question is known (the shipped probes, and a recent prompt whose last user message
    ends in a wh-question, ``question_of``),
    the question rules too (the answer must mention the question's topic and must not merely echo it: "A tree
-   is a tree is a tree." and "The answer is:" are early signs of collapse that the text rules miss). A probe
-   counts against the candidate only when the reference answers it soundly: the reference's verdict on a probe
-   is computed the first time the probe appears and kept. ``guard_pass`` = candidate-sound / reference-sound;
-   the candidate fails when more of the counted probes regress than ``tolerated_regressions`` allows (the
-   share ``1 - min_guard_pass`` of them, rounded down, and at least one unless ``min_guard_pass`` is 1; one
-   more for a candidate whose KL, step 4, is below ``NEAR_IDENTICAL_KL``);
-4. measures KL(candidate || reference) at every position of the candidate's answers (full vocabulary, nats per
+   is a tree is a tree." and "The answer is:" are early signs of collapse that the text rules miss). A knowledge
+   probe's answer must also contain one of its right answers. A probe counts against the candidate when the
+   reference or the last accepted version answered it soundly (the last accepted version's verdicts are recorded
+   by the check that accepted it; before any, the reference's stand for them). ``guard_pass`` = candidate-sound
+   / counted; the candidate fails when more of the counted probes regress than ``tolerated_regressions`` allows
+   (the share ``1 - min_guard_pass`` of them, rounded down, and at least one unless ``min_guard_pass`` is 1; one
+   more for a candidate whose KL, step 5, is below ``NEAR_IDENTICAL_KL``), when more known facts are forgotten
+   than the same rule allows for their own count, or when it breaks a corrected prompt the last accepted version
+   answered soundly (``decide``). The check stops as soon as the candidate can no longer pass
+   (``certain_rejection``);
+5. measures KL(candidate || reference) at every position of the candidate's answers (full vocabulary, nats per
    token, mean over all answer tokens); the candidate fails when it is above ``max_kl``. The reference is the
    starting weights (LoRA: the adapter switched off; full fine-tuning: the frozen copy kept for ``kl_coef > 0``);
    a full fine-tuning run without that copy measures against the last accepted weights instead.
@@ -44,7 +51,9 @@ from typing import Any, ContextManager
 
 import torch
 
+from clawloop.gate.generation import answer_logprobs, greedy_answers, length_buckets
 from clawloop.gate.guard import check as guard_check
+from clawloop.gate.knowledge import KNOWLEDGE_TOKENS, KnowledgeProbe, knows
 from clawloop.gate.probes import PROBES
 from clawloop.judge.envelopes import strip_messages
 from clawloop.renderers.chat import ChatRenderer
@@ -64,7 +73,7 @@ they add little to a check; a longer message (a text to summarise) keeps its beg
 @dataclass
 class ProbeOutcome:
     source: str
-    """``shipped`` or ``recent:<turn id>``."""
+    """``shipped``, ``knowledge``, ``fixed:<turn id>`` (a corrected prompt) or ``recent:<turn id>``."""
     prompt: str
     answer: str
     ok: bool
@@ -72,6 +81,20 @@ class ProbeOutcome:
     reference_ok: bool
     kl: float
     tokens: int
+    accepted_ok: bool | None = None
+    """The last accepted version's verdict on this probe; None when no accepted version has answered it since the
+    gate started (the reference's verdict then stands for it)."""
+    accepted_answer: str | None = None
+    """The last accepted version's answer, for the evidence."""
+
+    @property
+    def counted(self) -> bool:
+        """Whether the candidate's verdict counts: the reference or the last accepted version answered soundly."""
+        return self.reference_ok or bool(self.accepted_ok)
+
+    @property
+    def regressed(self) -> bool:
+        return self.counted and not self.ok
 
 
 @dataclass
@@ -85,18 +108,30 @@ class GateResult:
     thresholds: dict[str, float]
     probes: list[ProbeOutcome] = field(default_factory=list)
     counted: int = 0
-    """Probes the reference answers soundly."""
+    """Guard probes (all but the knowledge probes) the reference or the last accepted version answers soundly."""
     regressions: int = 0
-    """Counted probes the candidate does not answer soundly."""
+    """Counted guard probes the candidate does not answer soundly."""
+    knowledge_counted: int = 0
+    """Knowledge probes the reference (or the last accepted version) answers rightly."""
+    forgotten: int = 0
+    """Counted knowledge probes whose fact the candidate's answer lacks (or that it answers unsoundly)."""
+    broken_fixes: int = 0
+    """Corrected prompts the last accepted version answered soundly and the candidate does not."""
+    unanswered: int = 0
+    """Probes the check did not ask the candidate: it stopped once the candidate could no longer pass, or the
+    probe could not count (neither the reference nor the last accepted version answered it soundly)."""
 
     def summary(self) -> str:
         verdict = "accepted" if self.accepted else "rejected (" + "; ".join(self.reasons) + ")"
         return (f"{verdict}: guard {self.guard_pass:.2f} ({self.regressions} of {self.counted} regressed), "
-                f"KL {self.kl:.2f} nats/token, {self.seconds:.1f}s")
+                f"{self.forgotten} of {self.knowledge_counted} facts forgotten, KL {self.kl:.2f} nats/token, "
+                f"{self.seconds:.1f}s")
 
     def evidence(self) -> dict[str, Any]:
         return {"accepted": self.accepted, "reasons": list(self.reasons), "guard_pass": self.guard_pass,
                 "counted": self.counted, "regressions": self.regressions,
+                "knowledge_counted": self.knowledge_counted, "forgotten": self.forgotten,
+                "broken_fixes": self.broken_fixes, "unanswered": self.unanswered,
                 "kl": self.kl, "kl_to": self.kl_to, "seconds": round(self.seconds, 3),
                 "thresholds": dict(self.thresholds), "probes": [asdict(p) for p in self.probes]}
 
@@ -111,6 +146,10 @@ class Decision:
     counted: int
     regressions: int
     tolerated: int
+    knowledge_counted: int = 0
+    forgotten: int = 0
+    tolerated_forgotten: int = 0
+    broken_fixes: int = 0
 
 
 NEAR_IDENTICAL_KL = 1e-3
@@ -132,21 +171,54 @@ def tolerated_regressions(counted: int, min_guard_pass: float, *, near_identical
 
 
 def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float, max_kl: float) -> Decision:
-    """Accept or reject on the probe outcomes and the mean KL: rejected when more counted probes regress than
-    ``tolerated_regressions`` allows, or when the KL is above ``max_kl`` (or not a number)."""
-    counted = [o for o in outcomes if o.reference_ok]
-    regressed = [o for o in counted if not o.ok]
-    guard_pass = (len(counted) - len(regressed)) / len(counted) if counted else 1.0
-    tolerated = tolerated_regressions(len(counted), min_guard_pass, near_identical=kl < NEAR_IDENTICAL_KL)
+    """Accept or reject on the probe outcomes and the mean KL. Rejected when
+
+    * more counted guard probes regress than ``tolerated_regressions`` allows: a probe counts when the reference or
+      the last accepted version answered it soundly (``ProbeOutcome.counted``), so a drift that breaks a probe the
+      reference already failed is seen, and the reference-based count is the special case of a gate with no
+      accepted version yet;
+    * more counted knowledge probes are forgotten than the same rule allows for their own number (a separate count,
+      so adding facts does not loosen the guard's allowance);
+    * a corrected prompt that the last accepted version answered soundly is not answered soundly any more (an
+      earlier fix broken; none tolerated, except by a near-identical candidate, whose failures are near-ties);
+    * the KL is above ``max_kl`` (or not a number)."""
+    near_identical = kl < NEAR_IDENTICAL_KL
+    guard = [o for o in outcomes if o.source != "knowledge" and o.counted]
+    regressed = [o for o in guard if not o.ok]
+    guard_pass = (len(guard) - len(regressed)) / len(guard) if guard else 1.0
+    tolerated = tolerated_regressions(len(guard), min_guard_pass, near_identical=near_identical)
+    facts = [o for o in outcomes if o.source == "knowledge" and o.counted]
+    forgotten = [o for o in facts if not o.ok]
+    tolerated_facts = tolerated_regressions(len(facts), min_guard_pass, near_identical=near_identical)
+    broken = [o for o in guard if o.source.startswith("fixed:") and o.accepted_ok and not o.ok]
     reasons = []
     if len(regressed) > tolerated:
         failed = sorted({r for o in regressed for r in o.reasons})
-        reasons.append(f"guard pass {guard_pass:.3f} < {min_guard_pass:.3f}: {len(regressed)} of {len(counted)} "
+        reasons.append(f"guard pass {guard_pass:.3f} < {min_guard_pass:.3f}: {len(regressed)} of {len(guard)} "
                        f"counted probes regressed, {tolerated} tolerated ({', '.join(failed)})")
+    if len(forgotten) > tolerated_facts:
+        reasons.append(f"{len(forgotten)} of {len(facts)} known facts forgotten, {tolerated_facts} tolerated ("
+                       + "; ".join(o.prompt for o in forgotten) + ")")
+    if broken and not near_identical:
+        reasons.append(f"{len(broken)} earlier fix(es) broken (" + "; ".join(o.prompt for o in broken) + ")")
     if not kl <= max_kl:  # also rejects a NaN
         reasons.append(f"KL {kl:.2f} > {max_kl:.2f} nats/token")
-    return Decision(accepted=not reasons, reasons=reasons, guard_pass=guard_pass, counted=len(counted),
-                    regressions=len(regressed), tolerated=tolerated)
+    return Decision(accepted=not reasons, reasons=reasons, guard_pass=guard_pass, counted=len(guard),
+                    regressions=len(regressed), tolerated=tolerated, knowledge_counted=len(facts),
+                    forgotten=len(forgotten), tolerated_forgotten=tolerated_facts, broken_fixes=len(broken))
+
+
+def certain_rejection(outcomes: Sequence[ProbeOutcome], pending_guard: int, pending_facts: int, *,
+                      min_guard_pass: float) -> bool:
+    """True when the candidate must be rejected whatever the probes not answered yet and its KL turn out to be:
+    its regressions (or forgotten facts) so far exceed what ``decide`` would tolerate even if every pending probe
+    counted and the candidate were near-identical. A check stops there (``PublicationGate.check``)."""
+    guard = [o for o in outcomes if o.source != "knowledge" and o.counted]
+    facts = [o for o in outcomes if o.source == "knowledge" and o.counted]
+    most_tolerated = tolerated_regressions(len(guard) + pending_guard, min_guard_pass, near_identical=True)
+    most_forgotten = tolerated_regressions(len(facts) + pending_facts, min_guard_pass, near_identical=True)
+    return (sum(not o.ok for o in guard) > most_tolerated
+            or sum(not o.ok for o in facts) > most_forgotten)
 
 
 @dataclass
@@ -157,43 +229,65 @@ class _Probe:
     question: str | None = None
     """The question, for the guard's question rules: a shipped prompt, or a recent prompt's closing wh-question
     (``question_of``); None when it has none (the text rules still apply)."""
+    answers: tuple[str, ...] = ()
+    """A knowledge probe's right answers (``clawloop.gate.knowledge``); empty for the others."""
+
+
+PromptSource = Callable[[], Sequence[tuple[int, list[int], list[dict[str, Any]]]]]
+"""Gives ``(turn id, prompt ids, request messages)`` of the run's prompts (``Store.recent_prompts``)."""
 
 
 class PublicationGate:
     """Checks candidates of one run (see the module docstring). Not thread-safe: the training thread owns it."""
 
     def __init__(self, tokenizer: Any, *, min_guard_pass: float = 0.9, max_kl: float = 4.0, probe_tokens: int = 32,
-                 recent_prompts: Callable[[], Sequence[tuple[int, list[int], list[dict[str, Any]]]]] | None = None,
-                 probes: Sequence[str] = PROBES):
+                 recent_prompts: PromptSource | None = None, probes: Sequence[str] = PROBES,
+                 knowledge: Sequence[KnowledgeProbe] = (), knowledge_tokens: int = KNOWLEDGE_TOKENS,
+                 fixed_prompts: PromptSource | None = None):
         self.tokenizer = tokenizer
         self.min_guard_pass = float(min_guard_pass)
         self.max_kl = float(max_kl)
         self.probe_tokens = int(probe_tokens)
+        self.knowledge_tokens = min(int(knowledge_tokens), self.probe_tokens)
         self.recent_prompts = recent_prompts
+        self.fixed_prompts = fixed_prompts
         self.renderer = ChatRenderer(tokenizer)
         self.shipped = [_Probe("shipped", p, self._render(p), question=p) for p in probes]
+        self.knowledge = [_Probe("knowledge", k.question, self._render(k.question), question=k.question,
+                                 answers=tuple(k.answers)) for k in knowledge]
         self._reference_ok: dict[str | bytes, bool] = {}
         """Reference verdict per probe key (``_key``); computed once each, so a question asked again in a new turn
         costs the reference no second answer."""
+        self._accepted: dict[str | bytes, tuple[bool, str, list[int]]] = {}
+        """The last accepted version's verdict and answer per probe key, recorded by the check that accepted it;
+        empty at start and after ``forget_accepted`` (the reference's verdicts then stand for it)."""
+
+    def forget_accepted(self) -> None:
+        """The served version changed outside the gate (a rollback): its verdicts are unknown, so the reference's
+        stand for them until a candidate is accepted again."""
+        self._accepted.clear()
 
     def _render(self, prompt: str) -> list[int]:
         out = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     def probe_set(self) -> list[_Probe]:
-        """The shipped probes, then each recent prompt's probe unless an earlier probe has the same ids: two
-        sessions that ask the same question differ in OpenClaw's timestamps but not in their bounded forms, and
-        one borderline answer must not count as two regressions."""
-        probes = list(self.shipped)
+        """The shipped probes, the knowledge probes, the run's corrected prompts (``fixed:``), then its recent
+        prompts, each run prompt unless an earlier probe has the same ids: two sessions that ask the same question
+        differ in OpenClaw's timestamps but not in their bounded forms, and one borderline answer must not count as
+        two regressions."""
+        probes = list(self.shipped) + list(self.knowledge)
         seen = {tuple(p.ids) for p in probes}
-        for turn_id, ids, messages in (self.recent_prompts() if self.recent_prompts else ()):
-            probe = self._recent_probe(turn_id, list(ids), messages)
-            if probe is not None and tuple(probe.ids) not in seen:
-                seen.add(tuple(probe.ids))
-                probes.append(probe)
+        for kind, source in (("fixed", self.fixed_prompts), ("recent", self.recent_prompts)):
+            for turn_id, ids, messages in (source() if source else ()):
+                probe = self._recent_probe(turn_id, list(ids), messages, kind=kind)
+                if probe is not None and tuple(probe.ids) not in seen:
+                    seen.add(tuple(probe.ids))
+                    probes.append(probe)
         return probes
 
-    def _recent_probe(self, turn_id: int, ids: list[int], messages: Sequence[dict[str, Any]]) -> _Probe | None:
+    def _recent_probe(self, turn_id: int, ids: list[int], messages: Sequence[dict[str, Any]], *,
+                      kind: str = "recent") -> _Probe | None:
         """A recent prompt as a probe: as it was served when it is at most ``MAX_PROMPT_TOKENS`` long, else its
         bounded form (``bounded_ids``); None when it has no bounded form (it ends in a tool result, say)."""
         if not ids:
@@ -202,7 +296,7 @@ class PublicationGate:
             ids = self.bounded_ids(messages)
             if not ids:
                 return None
-        return _Probe(f"recent:{turn_id}", last_user_text(messages) or self._prompt_tail(ids), ids,
+        return _Probe(f"{kind}:{turn_id}", last_user_text(messages) or self._prompt_tail(ids), ids,
                       question=question_of(messages))
 
     def bounded_ids(self, messages: Sequence[dict[str, Any]], budget: int = RECENT_TAIL_TOKENS) -> list[int]:
@@ -250,44 +344,112 @@ class PublicationGate:
         return text[-200:]
 
     # ---- the check ------------------------------------------------------------------------------------------
+    def _verdict(self, p: _Probe, ids: list[int]) -> tuple[bool, list[str]]:
+        """The guard's verdict on an answer (question rules where the question is known); a knowledge probe's
+        answer must also hold one of its right answers (``forgot`` otherwise), and may be all digits ("10 + 10 =
+        20." is a sound answer to a sum, though the text rules call it ``empty`` and ``non_letters``)."""
+        text = self._text(ids)
+        verdict = guard_check(text, question=p.question)
+        reasons = [r for r in verdict.reasons if not (p.answers and r in ("empty", "non_letters"))]
+        if p.answers and not knows(text, p.answers):
+            reasons.append("forgot")
+        return not reasons, reasons
+
+    def _accepted_ok(self, p: _Probe) -> bool | None:
+        known = self._accepted.get(_key(p))
+        return None if known is None else known[0]
+
+    def _worth_asking(self, p: _Probe) -> bool:
+        """A knowledge probe is asked only when its verdict can count: the reference or the last accepted version
+        knew the fact. Every other probe is asked (its answer also feeds the KL and the evidence)."""
+        return p.source != "knowledge" or self._reference_ok[_key(p)] or bool(self._accepted_ok(p))
+
     @torch.no_grad()
     def check(self, candidate: torch.nn.Module, reference: Callable[[], ContextManager[torch.nn.Module]],
               kl_to: str = "reference") -> GateResult:
         """Decide on ``candidate`` (the training model as it is now). ``reference()`` enters a context in which
         it yields the model to compare with (``kl_to`` names it in the evidence). Only the fixed starting weights
-        (``kl_to="reference"``) have their verdicts kept between checks; the last accepted version changes."""
+        (``kl_to="reference"``) have their verdicts kept between checks; the last accepted version changes.
+
+        The cost is bounded three ways, none of which changes a decision: a knowledge probe that cannot count
+        (neither the reference nor the last accepted version knew the fact) is not asked; the knowledge probes, whose
+        facts come in a first sentence, are answered in ``knowledge_tokens``; and the check stops as soon as the
+        regressions so far reject the candidate whatever the rest would show (``certain_rejection``)."""
         t0 = time.monotonic()
         if kl_to != "reference":
             self._reference_ok.clear()
-        probes = self.probe_set()
-        prompts = [p.ids for p in probes]
-        answers, cand_lp = greedy_answers(candidate, prompts, self.probe_tokens, self._eos_ids())
-        missing = [p for p in probes if _key(p) not in self._reference_ok]
-        with reference() as ref:
-            if missing:
-                ref_answers, _ = greedy_answers(ref, [p.ids for p in missing], self.probe_tokens, self._eos_ids())
-                for p, ans in zip(missing, ref_answers):
-                    self._reference_ok[_key(p)] = guard_check(self._text(ans), question=p.question).ok
-            ref_lp = answer_logprobs(ref, prompts, answers)
+        probe_set = self.probe_set()
+        eos = self._eos_ids()
+        missing = [p for p in probe_set if _key(p) not in self._reference_ok]
+        if missing:  # the reference answers each probe once, the first time it appears
+            with reference() as ref:
+                for cap, group in self._by_cap(missing):
+                    ref_answers, _ = greedy_answers(ref, [p.ids for p in group], cap, eos)
+                    for p, ans in zip(group, ref_answers):
+                        self._reference_ok[_key(p)] = self._verdict(p, ans)[0]
+        probes = [p for p in probe_set if self._worth_asking(p)]
+        unasked = len(probe_set) - len(probes)
+        answered: list[tuple[_Probe, list[int], torch.Tensor]] = []
         outcomes: list[ProbeOutcome] = []
+        batches = [(cap, [group[i] for i in idx]) for cap, group in self._by_cap(probes)
+                   for idx in length_buckets([len(p.ids) for p in group])]
+        for n, (cap, batch) in enumerate(batches):
+            answers, logprobs = self._answer(candidate, batch, cap, eos)
+            for p, ans, lp in zip(batch, answers, logprobs):
+                ok, reasons = self._verdict(p, ans)
+                known = self._accepted.get(_key(p))
+                answered.append((p, ans, lp))
+                outcomes.append(ProbeOutcome(source=p.source, prompt=p.prompt, answer=self._text(ans), ok=ok,
+                                             reasons=reasons, reference_ok=self._reference_ok[_key(p)], kl=0.0,
+                                             tokens=len(ans), accepted_ok=None if known is None else known[0],
+                                             accepted_answer=None if known is None else known[1]))
+            pending = [p for _, rest in batches[n + 1:] for p in rest]
+            if pending and certain_rejection(outcomes, sum(p.source != "knowledge" for p in pending),
+                                             sum(p.source == "knowledge" for p in pending),
+                                             min_guard_pass=self.min_guard_pass):
+                unasked += len(pending)
+                break
+        order = {id(p): i for i, p in enumerate(probe_set)}  # the evidence lists probes in the probe set's order
+        pairs = sorted(zip(answered, outcomes), key=lambda pair: order[id(pair[0][0])])
+        answered, outcomes = [a for a, _ in pairs], [o for _, o in pairs]
+        with reference() as ref:
+            ref_lp = answer_logprobs(ref, [p.ids for p, _, _ in answered], [a for _, a, _ in answered])
         kl_sum, kl_tokens = 0.0, 0
-        for p, ans, c_T_V, r_T_V in zip(probes, answers, cand_lp, ref_lp):
+        for outcome, (_, ans, c_T_V), r_T_V in zip(outcomes, answered, ref_lp):
             kl_T = (c_T_V.exp() * (c_T_V - r_T_V)).sum(-1) if len(ans) else torch.zeros(0)
             kl_sum += float(kl_T.sum())
             kl_tokens += len(ans)
-            verdict = guard_check(self._text(ans), question=p.question)
-            outcomes.append(ProbeOutcome(source=p.source, prompt=p.prompt, answer=self._text(ans), ok=verdict.ok,
-                                         reasons=list(verdict.reasons), reference_ok=self._reference_ok[_key(p)],
-                                         kl=float(kl_T.mean()) if len(ans) else 0.0, tokens=len(ans)))
+            outcome.kl = float(kl_T.mean()) if len(ans) else 0.0
         kl = kl_sum / kl_tokens if kl_tokens else 0.0
         decision = decide(outcomes, kl, min_guard_pass=self.min_guard_pass, max_kl=self.max_kl)
+        if decision.accepted:
+            # The new last accepted version's verdicts replace the old ones; a fact it was not asked (neither an
+            # accepted version nor the reference knew it) keeps its earlier verdict.
+            unasked_keys = {_key(p) for p in probe_set} - {_key(p) for p, _, _ in answered}
+            self._accepted = {**{k: v for k, v in self._accepted.items() if k in unasked_keys},
+                              **{_key(p): (o.ok, o.answer, list(a)) for (p, a, _), o in zip(answered, outcomes)}}
         return GateResult(accepted=decision.accepted, reasons=decision.reasons, guard_pass=decision.guard_pass,
                           kl=kl, kl_to=kl_to, seconds=time.monotonic() - t0, probes=outcomes,
                           thresholds={"min_guard_pass": self.min_guard_pass, "max_kl": self.max_kl,
                                       "probe_tokens": float(self.probe_tokens),
+                                      "knowledge_tokens": float(self.knowledge_tokens),
                                       "near_identical_kl": NEAR_IDENTICAL_KL,
-                                      "tolerated_regressions": float(decision.tolerated)},
-                          counted=decision.counted, regressions=decision.regressions)
+                                      "tolerated_regressions": float(decision.tolerated),
+                                      "tolerated_forgotten": float(decision.tolerated_forgotten)},
+                          counted=decision.counted, regressions=decision.regressions,
+                          knowledge_counted=decision.knowledge_counted, forgotten=decision.forgotten,
+                          broken_fixes=decision.broken_fixes, unanswered=unasked)
+
+    def _answer(self, model: torch.nn.Module, batch: list[_Probe], cap: int,
+                eos: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """Greedy answers to ``batch`` and their log-softmax rows (for the KL)."""
+        return greedy_answers(model, [p.ids for p in batch], cap, eos)
+
+    def _by_cap(self, probes: Sequence[_Probe]) -> list[tuple[int, list[_Probe]]]:
+        """The knowledge probes (answered in ``knowledge_tokens``) first, then the others (``probe_tokens``)."""
+        facts = [p for p in probes if p.source == "knowledge"]
+        rest = [p for p in probes if p.source != "knowledge"]
+        return [(cap, group) for cap, group in ((self.knowledge_tokens, facts), (self.probe_tokens, rest)) if group]
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -371,88 +533,3 @@ def _key(p: _Probe) -> str | bytes:
     if p.source == "shipped":
         return p.prompt
     return hashlib.blake2b(array("q", p.ids).tobytes(), digest_size=16).digest()
-
-
-def length_buckets(lengths: Sequence[int], *, ratio: float = 2.0, slack: int = 32) -> list[list[int]]:
-    """Indices of ``lengths`` grouped for batching: sorted by length, a new group starts where a length exceeds
-    ``ratio`` × the group's shortest + ``slack``. One batch padded to its longest prompt would make twenty
-    40-token probes pay for a 200-token recent prompt (measured on the CPU default: 46 s for one batch against 32 s
-    for two); a batch per prompt would pay the per-token decoding overhead once per prompt."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and lengths[i] <= ratio * lengths[groups[-1][0]] + slack:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
-@torch.no_grad()
-def greedy_answers(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, eos_ids: list[int], *,
-                   batches: Callable[[Sequence[int]], list[list[int]]] = length_buckets,
-                   ) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy continuations of ``prompts`` (one left-padded batch with a KV cache per group of ``batches``, by
-    default ``length_buckets``), each cut before its first end-of-turn token or after ``max_tokens``, and the
-    model's log-softmax ``[T, V]`` at each answer position (read from the generation's own logits, so no second
-    forward is needed)."""
-    answers: list[list[int]] = [[] for _ in prompts]
-    logprobs: list[torch.Tensor] = [torch.zeros(0) for _ in prompts]
-    for group in batches([len(p) for p in prompts]):
-        group_answers, group_logprobs = _greedy_batch(model, [prompts[i] for i in group], max_tokens, eos_ids)
-        for i, a, lp in zip(group, group_answers, group_logprobs):
-            answers[i], logprobs[i] = a, lp
-    return answers, logprobs
-
-
-def _greedy_batch(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int,
-                  eos_ids: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
-    device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    pad = eos_ids[0] if eos_ids else 0
-    ids_B_L = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
-    mask_B_L = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        ids_B_L[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask_B_L[i, width - len(p):] = 1
-    out = model.generate(input_ids=ids_B_L, attention_mask=mask_B_L, max_new_tokens=max_tokens, do_sample=False,
-                         num_beams=1, use_cache=True, eos_token_id=eos_ids, pad_token_id=pad, temperature=None,
-                         top_p=None, top_k=None, output_logits=True, return_dict_in_generate=True)
-    logits_B_N_V = torch.stack(out.logits, dim=1)
-    answers, logprobs = [], []
-    for i, row in enumerate(out.sequences[:, width:].tolist()):
-        cut = next((j for j, t in enumerate(row) if t in eos_ids), len(row))
-        answers.append(row[:cut])
-        logprobs.append(torch.log_softmax(logits_B_N_V[i, :cut].float(), dim=-1))
-    return answers, logprobs
-
-
-@torch.no_grad()
-def answer_logprobs(model: torch.nn.Module, prompts: list[list[int]], answers: list[list[int]]) -> list[torch.Tensor]:
-    """Log-softmax ``[T, V]`` at the positions that predict each answer token (a right-padded forward per
-    ``length_buckets`` group)."""
-    out: list[torch.Tensor] = [torch.zeros(0) for _ in prompts]
-    for group in length_buckets([len(p) + len(a) for p, a in zip(prompts, answers)]):
-        for i, lp in zip(group, _answer_logprobs_batch(model, [prompts[i] for i in group],
-                                                       [answers[i] for i in group])):
-            out[i] = lp
-    return out
-
-
-def _answer_logprobs_batch(model: torch.nn.Module, prompts: list[list[int]],
-                           answers: list[list[int]]) -> list[torch.Tensor]:
-    device = next(model.parameters()).device
-    seqs = [p + a for p, a in zip(prompts, answers)]
-    width = max(len(x) for x in seqs)
-    ids_B_L = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
-    mask_B_L = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
-    for i, x in enumerate(seqs):
-        ids_B_L[i, :len(x)] = torch.tensor(x, dtype=torch.long)
-        mask_B_L[i, :len(x)] = 1
-    hidden_B_L_H = model.get_decoder()(input_ids=ids_B_L, attention_mask=mask_B_L, use_cache=False)[0]
-    head = model.get_output_embeddings()
-    out = []
-    for i, (p, a) in enumerate(zip(prompts, answers)):
-        logits_T_V = head(hidden_B_L_H[i, len(p) - 1:len(p) - 1 + len(a)])
-        out.append(torch.log_softmax(logits_T_V.float(), dim=-1))
-    return out

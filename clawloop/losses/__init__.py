@@ -18,6 +18,7 @@ One job per module:
 * ``surrogates``  PPO surrogate, GRPO, the legacy combine, k3 KL, truncated importance weights, masked token mean.
 * ``advantages``  group normalisation and the batch shaping of GRPO advantages.
 * ``topk``        top-k targets, overlap, hint selection, the OPD subset, top-k select OPD, the tail KL.
+* ``support``     the teacher-support term: forward KL from the teacher's top-K plus a tail bin to the student.
 * ``objective``   ``sample_objective``: one sample's loss and metrics for every method; ``MetricsAccumulator``.
 
 Everything the trainer, the dashboard and the tests use is importable from ``clawloop.losses`` itself.
@@ -30,7 +31,10 @@ from clawloop.losses.logsoftmax import logprobs_and_entropy, logprobs_at
 from clawloop.losses.objective import (MetricsAccumulator, ObjectiveConfig, ObjectiveSample, ObjectiveSettings,
                                        SampleObjective, sample_objective)
 from clawloop.losses.presets import (ADVANTAGE_MODES, HINT_SELECTIONS, METHOD_WEIGHTS, METHODS, OPD_ON_UNHINTED,
-                                     SUBSET_MODES, ObjectiveChoices, check_objective, method_weights)
+                                     SUBSET_MODES, SUPPORT_METHODS, SUPPORT_POSITIONS, ObjectiveChoices,
+                                     check_objective, method_weights)
+from clawloop.losses.support import (support_metrics, support_positions, support_targets, teacher_entropy,
+                                     teacher_support_kl)
 from clawloop.losses.surrogates import (combine_token_loss, grpo_token_loss, k3_kl, masked_token_mean,
                                         ppo_token_loss, truncated_importance_weights)
 from clawloop.losses.topk import (TopKSubset, TopKTargets, select_hints, tail_kl_metrics, topk_overlap,
@@ -38,10 +42,12 @@ from clawloop.losses.topk import (TopKSubset, TopKTargets, select_hints, tail_kl
 
 __all__ = [
     "ADVANTAGE_MODES", "HINT_SELECTIONS", "METHODS", "METHOD_WEIGHTS", "OPD_ON_UNHINTED", "SUBSET_MODES",
+    "SUPPORT_METHODS", "SUPPORT_POSITIONS",
     "MetricsAccumulator", "ObjectiveChoices", "ObjectiveConfig", "ObjectiveSample", "ObjectiveSettings",
     "SampleObjective", "TopKSubset", "TopKTargets", "check_objective", "combine_token_loss",
     "group_normalized_rewards", "grpo_token_loss", "k3_kl", "logprobs_and_entropy", "logprobs_at",
     "masked_token_mean", "method_weights", "ppo_token_loss", "sample_objective", "select_hints",
-    "shape_advantages", "tail_kl_metrics", "topk_overlap", "topk_select_loss", "topk_subset", "topk_tail_kl",
+    "shape_advantages", "support_metrics", "support_positions", "support_targets", "tail_kl_metrics",
+    "teacher_entropy", "teacher_support_kl", "topk_overlap", "topk_select_loss", "topk_subset", "topk_tail_kl",
     "truncated_importance_weights",
 ]

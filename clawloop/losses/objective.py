@@ -3,7 +3,8 @@
 ``sample_objective`` handles one sample (one [T, V] logits tensor at a time, so memory is bounded by the longest
 response, not the batch):
 
-    loss = w_rl·grpo_loss + w_opd·opd_loss + kl_coef·ref_kl − entropy_coef·entropy
+    loss = w_rl·grpo_loss + w_opd·(opd_loss + support_coef·opd_support_loss)
+           + kl_coef·ref_kl − entropy_coef·entropy
 
 The batch objective is the plain mean of the per-sample losses over ALL samples of the batch. A fully masked
 sample therefore contributes 0 yet still counts in the batch denominator (as the original's "sum of sample means"
@@ -18,7 +19,8 @@ did), so masking a sample never up-weights the others. The caller accumulates it
 
 * One chunked log-softmax (``clawloop.losses.logsoftmax``) gives every current log-prob a sample needs.
 * Skipped branches. A branch whose weight is 0 is not computed at all, so ``w_opd = 0`` reproduces the GRPO loss
-  bit for bit. A sample without an accepted hint gets no OPD term under ``opd_on_unhinted = "skip"``; under
+  bit for bit, and so does ``support_coef = 0`` the loss without the teacher-support term (its ids are not even
+  gathered). A sample without an accepted hint gets no OPD term under ``opd_on_unhinted = "skip"``; under
   ``"anchor"`` the caller supplies targets computed on the un-hinted prompt and they are used as they are.
 * Metrics are Python floats (detached), each a per-sample masked token mean, then a mean over the samples that
   report it. Branch losses are reported by every sample (0.0 when skipped), so the loss identity above holds for
@@ -35,6 +37,7 @@ from torch import Tensor
 
 from clawloop.losses.logsoftmax import logprobs_and_entropy
 from clawloop.losses.presets import check_objective, method_weights
+from clawloop.losses.support import support_metrics, support_positions, support_targets, teacher_support_kl
 from clawloop.losses.surrogates import combine_token_loss, grpo_token_loss, k3_kl, masked_token_mean
 from clawloop.losses.topk import TopKTargets, tail_kl_metrics, topk_select_loss, topk_subset, topk_tail_kl
 
@@ -51,6 +54,10 @@ class ObjectiveConfig(Protocol):
     opd_on_unhinted: str
     kl_coef: float
     entropy_coef: float
+    support_coef: float
+    support_k: int
+    support_positions: str
+    support_min_entropy: float
     train_temperature: float
 
     @property
@@ -85,6 +92,16 @@ class ObjectiveSettings:
     """Weight of the k3 KL to the reference; non-zero needs ``ref_logprobs_T`` on every sample."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus; non-zero needs ``logits_T_V``."""
+    support_coef: float = 0.0
+    """Weight of the teacher-support KL inside the OPD branch (``clawloop.losses.support``); 0 = off. Non-zero
+    needs method hybrid or opd with w_opd > 0."""
+    support_k: int = 4
+    """Teacher ids per position the support term reads: the k most likely of the K' the targets carry (all of
+    them when K' <= support_k)."""
+    support_positions: str = "all"
+    """Where the support term applies: one of ``SUPPORT_POSITIONS`` (all, outside, entropy)."""
+    support_min_entropy: float = 0.5
+    """support_positions=entropy: the teacher entropy over its top-K plus tail (nats) a position must exceed."""
     temperature: float = 1.0
     """τ dividing the logits; 0 = each sample's own ``ObjectiveSample.temperature``."""
     track_entropy: bool = True
@@ -120,6 +137,10 @@ class ObjectiveSettings:
             opd_on_unhinted=config.opd_on_unhinted,
             kl_coef=config.kl_coef,
             entropy_coef=config.entropy_coef,
+            support_coef=config.support_coef,
+            support_k=int(config.support_k),
+            support_positions=config.support_positions,
+            support_min_entropy=config.support_min_entropy,
             temperature=float(config.train_temperature),
         ).validate()
 
@@ -160,7 +181,8 @@ class ObjectiveSample:
 @dataclass
 class SampleObjective:
     loss: Tensor
-    """0-dim: this sample's contribution before the batch mean (w_rl·GRPO + w_opd·OPD + c_kl·KL − c_H·H)."""
+    """0-dim: this sample's contribution before the batch mean
+    (w_rl·GRPO + w_opd·(OPD + support_coef·support KL) + c_kl·KL − c_H·H)."""
     metrics: dict[str, float]
 
 
@@ -201,20 +223,29 @@ def sample_objective(sample: ObjectiveSample, settings: ObjectiveSettings) -> Sa
     # One chunked log-softmax gives every current log-prob this sample needs.
     subset = None
     kl_ids_T_K = kl_teacher_T_K = None
+    support_ids_T_S = support_teacher_T_S = support_cur_T_S = None
+    use_support = settings.support_coef != 0.0 and method != "topk_kl"
     columns = [response_ids_T.view(T, 1)]
     if use_targets:
         vocab = sample.logits_T_V.shape[1] if sample.logits_T_V is not None else None
         sample.targets.validate(vocab_size=vocab, num_tokens=T)
+        # The subsets and the hint choice read k teacher ids, however many the teacher was asked for.
+        targets = sample.targets.teacher_top(sample.targets.student_ids_T_K.shape[1])
         if method == "topk_kl":
             # The tail KL distils toward the selected candidate's own top-k.
-            pick = topk_subset(sample.targets, hint_selection=settings.hint_selection, subset_mode="teacher",
+            pick = topk_subset(targets, hint_selection=settings.hint_selection, subset_mode="teacher",
                                mask_T=mask_T)
             kl_ids_T_K, kl_teacher_T_K, subset = pick.ids_T_K, pick.teacher_logprobs_T_K, pick
             columns.append(kl_ids_T_K)
         else:
-            subset = topk_subset(sample.targets, hint_selection=settings.hint_selection,
+            subset = topk_subset(targets, hint_selection=settings.hint_selection,
                                  subset_mode=settings.subset_mode, mask_T=mask_T)
             columns.append(subset.ids_T_K)
+            if use_support:
+                # Same h* as the surrogate; the ids ride along in the one log-softmax below.
+                support_ids_T_S, support_teacher_T_S = support_targets(sample.targets, subset.h_star_T,
+                                                                       settings.support_k)
+                columns.append(support_ids_T_S)
     entropy_T = None
     if sample.logits_T_V is not None:
         with_entropy = settings.track_entropy or settings.entropy_coef != 0.0
@@ -225,6 +256,10 @@ def sample_objective(sample: ObjectiveSample, settings: ObjectiveSettings) -> Sa
             entropy_T = None
         logprobs_T = gathered_T_N[:, 0]
         extra_T_K = gathered_T_N[:, 1:]
+        if support_ids_T_S is not None:
+            subset_width = subset.ids_T_K.shape[1]
+            extra_T_K = gathered_T_N[:, 1:1 + subset_width]
+            support_cur_T_S = gathered_T_N[:, 1 + subset_width:]
     else:
         if sample.logprobs_T is None:
             raise ValueError("a sample needs logits_T_V or precomputed logprobs_T")
@@ -286,6 +321,19 @@ def sample_objective(sample: ObjectiveSample, settings: ObjectiveSettings) -> Sa
                 loss = loss + w_opd * term
                 branch["loss"] = term.detach()
                 metrics.update({prefix + k: v for k, v in branch.items()})
+            if use_support:
+                metrics["opd_support_applied"] = 1.0 if use_targets else 0.0
+                metrics["opd_support_loss"] = zero
+            if use_support and use_targets:
+                # A KL, not a policy gradient: no ratio and no importance weights (as the tail KL).
+                positions_T = support_positions(settings.support_positions, support_ids_T_S, support_teacher_T_S,
+                                                sample.targets.student_ids_T_K,
+                                                min_entropy=settings.support_min_entropy)
+                support_T = teacher_support_kl(support_cur_T_S, support_teacher_T_S, positions_T=positions_T)
+                term = masked_token_mean(support_T, mask_T)
+                loss = loss + (w_opd * settings.support_coef) * term
+                support = support_metrics(support_T, support_cur_T_S, support_teacher_T_S, positions_T, mask_T)
+                metrics.update({"opd_support_" + k: v for k, v in support.items()})
 
     if sample.ref_logprobs_T is not None:
         kl_T = k3_kl(logprobs_T, sample.ref_logprobs_T.to(dtype))

@@ -12,6 +12,7 @@ and the top-k tail KL), which clawloop's contract keeps as presets.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -20,6 +21,9 @@ HINT_SELECTIONS = ("sequence_optimal", "token_optimal", "shortest")
 SUBSET_MODES = ("student", "teacher", "overlap")
 OPD_ON_UNHINTED = ("skip", "anchor")
 ADVANTAGE_MODES = ("raw", "baseline", "hinted_opd", "balanced")
+SUPPORT_POSITIONS = ("all", "outside", "entropy")
+# The methods whose OPD branch is top-k select, the surrogate the teacher-support term is added to.
+SUPPORT_METHODS = ("hybrid", "opd")
 
 # (w_rl, w_opd) each preset implies.
 METHOD_WEIGHTS = {
@@ -56,11 +60,15 @@ class ObjectiveChoices(Protocol):
     eps_clip_high: float
     kl_coef: float
     entropy_coef: float
+    support_coef: float
+    support_k: int
+    support_positions: str
+    support_min_entropy: float
 
 
 def check_objective(settings: ObjectiveChoices) -> None:
-    """The checks of the objective's settings: the choices, the weights against the method preset, the clip range
-    and the KL / entropy coefficients. Raises ValueError naming the setting."""
+    """The checks of the objective's settings: the choices, the weights against the method preset, the clip range,
+    the KL / entropy coefficients and the teacher-support term. Raises ValueError naming the setting."""
     check_choice("method", settings.method, METHODS)
     check_choice("hint_selection", settings.hint_selection, HINT_SELECTIONS)
     check_choice("subset_mode", settings.subset_mode, SUBSET_MODES)
@@ -83,3 +91,24 @@ def check_objective(settings: ObjectiveChoices) -> None:
                 f"use method=hybrid to weight both branches")
     if method_weights(settings.method, settings.w_rl, settings.w_opd) == (0.0, 0.0):
         raise ValueError("w_rl and w_opd are both 0: nothing would be trained")
+    check_support(settings)
+
+
+def check_support(settings: ObjectiveChoices) -> None:
+    """The teacher-support settings. A non-zero ``support_coef`` is refused where there is no top-k select OPD
+    branch to add it to (methods rl, combine, topk_kl, or w_opd = 0) rather than silently doing nothing."""
+    check_choice("support_positions", settings.support_positions, SUPPORT_POSITIONS)
+    coef = settings.support_coef
+    if not (math.isfinite(coef) and coef >= 0.0):
+        raise ValueError(f"support_coef={coef!r} must be a finite number >= 0.0")
+    if isinstance(settings.support_k, bool) or int(settings.support_k) != settings.support_k \
+            or settings.support_k < 1:
+        raise ValueError(f"support_k={settings.support_k!r} must be an integer >= 1")
+    if not (math.isfinite(settings.support_min_entropy) and settings.support_min_entropy >= 0.0):
+        raise ValueError(f"support_min_entropy={settings.support_min_entropy!r} must be a finite number >= 0.0")
+    if coef > 0.0:
+        _, w_opd = method_weights(settings.method, settings.w_rl, settings.w_opd)
+        if settings.method not in SUPPORT_METHODS or w_opd == 0.0:
+            raise ValueError(
+                f"support_coef={coef!r} adds to the top-k select OPD branch, which method={settings.method!r} "
+                f"with w_opd={w_opd!r} does not train; use method hybrid or opd with w_opd > 0, or support_coef=0")

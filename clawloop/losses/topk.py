@@ -14,7 +14,7 @@ Both take the current log-probs at the subset's ids already gathered ([T, K], fr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -33,8 +33,9 @@ class TopKTargets:
     """Everything the top-k objectives need about the old policy and the C hint candidates of one sample.
 
     Student side (the old policy's own top-k, K ids per position) and teacher side (each candidate's own top-k,
-    K' ids per position; clawloop uses K' = K) are both stored with the log-probs of the *other* side at the same
-    ids, so every subset mode is a pure gather. All log-probs are full-vocabulary, temperature-scaled.
+    K' ids per position; K' = K unless the teacher-support term asks for more, see ``teacher_top``) are both
+    stored with the log-probs of the *other* side at the same ids, so every subset mode is a pure gather. All
+    log-probs are full-vocabulary, temperature-scaled.
     """
 
     student_ids_T_K: Tensor
@@ -103,6 +104,19 @@ class TopKTargets:
                 if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
                     fail(f"{name} repeats an id within a position (top-k sets must be distinct ids)")
         return self
+
+    def teacher_top(self, k: int) -> "TopKTargets":
+        """These targets with each candidate teacher's side cut to its ``k`` most likely ids (self when K' <= k).
+
+        The teacher is asked for K' = max(topk, support_k) ids when the teacher-support term wants more than the
+        subset's k; the top-k select branch and the hint selection keep reading exactly k of them.
+        """
+        if self.teacher_ids_C_T_K.shape[-1] <= k:
+            return self
+        keep_C_T_k = self.teacher_logprobs_C_T_K.topk(k, dim=-1).indices
+        return replace(self, old_at_teacher_C_T_K=self.old_at_teacher_C_T_K.gather(-1, keep_C_T_k),
+                       teacher_ids_C_T_K=self.teacher_ids_C_T_K.gather(-1, keep_C_T_k),
+                       teacher_logprobs_C_T_K=self.teacher_logprobs_C_T_K.gather(-1, keep_C_T_k))
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "TopKTargets":
         """A copy on ``device`` (ids stay long; log-probs cast to ``dtype`` when given)."""

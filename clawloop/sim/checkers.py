@@ -198,3 +198,16 @@ class NoDigitsChecker:
 
     def describe(self) -> str:
         return "no digits"
+
+
+CHECKER_KINDS: dict[str, type] = {
+    "language": LanguageChecker,
+    "french": FrenchChecker,
+    "spanish": SpanishChecker,
+    "brief": BriefChecker,
+    "opening": OpeningChecker,
+    "closing": ClosingChecker,
+    "lowercase": LowercaseChecker,
+    "no_digits": NoDigitsChecker,
+}
+"""The checker kinds a persona file can name (``[checker] kind = ...``); its other keys are the fields of the class."""

@@ -13,7 +13,14 @@ Per (method, persona), over the seeds that have results:
   the seeds that reached it, and how many did; a seed that never does counts as not reached, not as 0);
 * **final score**: held-out preference score after training, mean ± standard deviation (min–max);
 * **guard after**: the degeneracy guard's pass rate after training (mean), next to **before** (mean);
+* **sessions to stable effect**: the first training session of the first run of 3 in a row whose first answer (as
+  served to the simulated user) follows the preference and passes the guard (``sessions.py``); mean over the seeds
+  that reached it, and how many did;
 * the score before training, for reference.
+
+Personas are built-in (``--personas``) or defined in files (``--persona-file``, any number of times). A file's
+persona is recorded in ``OUT/personas/<name>.json`` when its first cell runs; a later run whose file defines it
+differently stops, as for the settings.
 
 Written: ``OUT/table.md`` (with the command that made it), ``OUT/table.json`` and ``OUT/comparison.png``.
 """
@@ -32,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from clawloop.sim.demo import DEMO_EVAL_EVERY, DEMO_INTERACTIONS, DEMO_PRESET, LoopOptions, demo_config, run_loop
+from clawloop.sim.persona_file import load_persona_file, read_persona_file
+from clawloop.sim.sessions import STABLE_RUN, sessions_to_stable_effect
 
 DEFAULT_METHODS = ("rl", "opd", "hybrid")
 DEFAULT_PERSONAS = ("brief", "inshort")
@@ -45,7 +54,8 @@ _PER_CELL = {"method", "seed", "run_dir", "port", "num_threads", "host", "w_rl",
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="Comma-separated methods.")
-    parser.add_argument("--personas", default=",".join(DEFAULT_PERSONAS), help="Comma-separated personas.")
+    parser.add_argument("--personas", default=None, help="Comma-separated built-in personas (default "
+                        f"{','.join(DEFAULT_PERSONAS)}, or none when --persona-file is given).")
     parser.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)), help="Comma-separated seeds.")
     parser.add_argument("--interactions", type=int, default=DEFAULT_INTERACTIONS, help="Interactions per cell.")
     parser.add_argument("--eval-every", type=int, default=DEMO_EVAL_EVERY,
@@ -81,8 +91,9 @@ def shared_settings(config_dict: Mapping[str, Any]) -> dict[str, Any]:
 
 def run_cell(out_dir: Path, method: str, persona: str, seed: int, *, cli: Mapping[str, Any],
              options: LoopOptions, file: str | None = None, out: Callable[[str], None] = print,
-             **loop_kwargs: Any) -> dict[str, Any]:
-    """The cached result of one cell, running it first when there is none."""
+             persona_file: str = "", **loop_kwargs: Any) -> dict[str, Any]:
+    """The cached result of one cell, running it first when there is none (``persona_file``: the file that
+    defines ``persona``, for a persona that is not built in)."""
     cell_dir = out_dir / "cells" / cell_name(method, persona, seed)
     result_path = cell_dir / "result.json"
     if result_path.exists():
@@ -90,7 +101,7 @@ def run_cell(out_dir: Path, method: str, persona: str, seed: int, *, cli: Mappin
     if cell_dir.exists():  # an interrupted cell: its store and weights are half a run; start over
         shutil.rmtree(cell_dir)
     config = demo_config({**cli, "method": method, "seed": seed, "run_dir": str(cell_dir), "port": 0}, file=file)
-    opts = LoopOptions(**{**options.__dict__, "persona": persona, "seed": seed,
+    opts = LoopOptions(**{**options.__dict__, "persona": persona, "persona_file": persona_file, "seed": seed,
                           "label": cell_name(method, persona, seed)})
     summary = run_loop(config, opts, out=out, **loop_kwargs)
     result = {"method": method, "persona": persona, "seed": seed, **summary}
@@ -115,6 +126,13 @@ def interactions_to_target(curve: Iterable[Mapping[str, Any]], target: float) ->
         if point["score"] >= target:
             return int(point["interactions"])
     return None
+
+
+def stable_effect(cell: Mapping[str, Any]) -> int | None:
+    """A cell's sessions to a stable effect; cells run before it was stored are read from their session records."""
+    if "sessions_to_stable_effect" in cell:
+        return cell["sessions_to_stable_effect"]
+    return sessions_to_stable_effect(cell.get("sessions") or [])
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
@@ -145,6 +163,10 @@ def aggregate(cells: list[dict[str, Any]], target: float) -> list[dict[str, Any]
             "interactions_to_target": reached,
             "interactions_to_target_mean": statistics.fmean(hit) if hit else None,
             "reached_target": len(hit),
+            "sessions_to_stable_effect": (stable := [stable_effect(c) for c in runs]),
+            "sessions_to_stable_effect_mean": (statistics.fmean(v for v in stable if v is not None)
+                                               if any(v is not None for v in stable) else None),
+            "reached_stable_effect": sum(v is not None for v in stable),
             "steps_mean": statistics.fmean(c["steps"] for c in runs),
             "served_guard_lowest": _lowest_served_guard(runs),
             "served_versions_scored": [len((c.get("served_guard") or {}).get("by_version") or {}) for c in runs],
@@ -167,17 +189,21 @@ def _lowest_served_guard(runs: list[dict[str, Any]]) -> float:
 
 def markdown_table(rows: list[dict[str, Any]], target: float, interactions: int | None = None) -> str:
     head = ("| persona | method | seeds | score before | final score, mean ± sd (min–max) | "
-            f"interactions to {target:g} (seeds reaching it) | guard before → after | lowest guard of a served "
-            "version (versions scored) | gate rejections per seed | rollbacks | steps | min/run |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            f"interactions to {target:g} (seeds reaching it) | sessions to stable effect ({STABLE_RUN} in a row) | "
+            "guard before → after | lowest guard of a served version (versions scored) | gate rejections per seed | "
+            "rollbacks | steps | min/run |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         reach = (f"{r['interactions_to_target_mean']:.0f} ({r['reached_target']}/{r['n']})"
                  if r["interactions_to_target_mean"] is not None else f"not reached (0/{r['n']})")
+        stable = (f"{r['sessions_to_stable_effect_mean']:.1f} ({r['reached_stable_effect']}/{r['n']} reached)"
+                  if r["sessions_to_stable_effect_mean"] is not None else f"not reached (0/{r['n']} reached)")
         lines.append(
             f"| {r['persona']} | {r['method']} | {','.join(map(str, r['seeds']))} | {r['score_before_mean']:.2f} | "
             f"{r['final_score_mean']:.2f} ± {r['final_score_sd']:.2f} ({r['final_score_min']:.2f}–"
-            f"{r['final_score_max']:.2f}) | {reach} | {r['guard_before_mean']:.2f} → {r['guard_after_mean']:.2f} | "
+            f"{r['final_score_max']:.2f}) | {reach} | {stable} | "
+            f"{r['guard_before_mean']:.2f} → {r['guard_after_mean']:.2f} | "
             f"{r['served_guard_lowest']:.2f} ({sum(r['served_versions_scored'])}) | "
             f"{','.join(map(str, r['gate_rejections']))} | {sum(r['rollbacks'])} | "
             f"{r['steps_mean']:.0f} | {r['minutes_mean']:.1f} |")
@@ -190,7 +216,9 @@ def write_outputs(out_dir: Path, cells: list[dict[str, Any]], target: float, com
     settings = json.loads((out_dir / "settings.json").read_text()) if (out_dir / "settings.json").exists() else {}
     text = (f"Command: `{command}`\n\n{table}\n"
             f"Held-out preference score: share of greedy answers to the persona's held-out questions that follow the "
-            f"preference and pass the degeneracy guard. Settings shared by all cells: {out_dir / 'settings.json'}.\n")
+            f"preference and pass the degeneracy guard. Sessions to stable effect: the first training session of the "
+            f"first {STABLE_RUN} in a row whose first answer, as served, followed the preference and passed the guard "
+            f"(mean over the seeds that reached it). Settings shared by all cells: {out_dir / 'settings.json'}.\n")
     (out_dir / "table.md").write_text(text)
     (out_dir / "table.json").write_text(json.dumps({"command": command, "target": target, "rows": rows,
                                                     "settings": settings}, indent=1, default=str))
@@ -199,6 +227,23 @@ def write_outputs(out_dir: Path, cells: list[dict[str, Any]], target: float, com
 
         comparison(cells, out_dir / "comparison.png", target=target)
     return rows
+
+
+def check_persona_records(out_dir: Path, persona_files: Mapping[str, str], *, force: bool = False) -> str | None:
+    """Record each file persona's definition in ``OUT/personas/<name>.json``; a problem message when a folder's
+    cells were run with a different definition of the same name (and not ``force``)."""
+    folder = out_dir / "personas"
+    for name, path in persona_files.items():
+        definition = read_persona_file(path)
+        record = folder / f"{name}.json"
+        if record.exists():
+            if json.loads(record.read_text()) != definition and not force:
+                return (f"{out_dir} holds cells of a persona {name!r} defined differently than in {path} ({record}); "
+                        "use another --out, rename the persona, or --force")
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(definition, indent=1, ensure_ascii=False))
+    return None
 
 
 def main_from_args(args: argparse.Namespace, cli: dict[str, Any], out: Callable[[str], None] = print) -> int:
@@ -228,8 +273,15 @@ def main_from_args(args: argparse.Namespace, cli: dict[str, Any], out: Callable[
         options = LoopOptions(interactions=args.interactions, eval_every=args.eval_every, heldout_n=args.heldout_n,
                               eval_each_version=args.eval_each_version, user_url=args.user_url, user_model=args.user_model,
                               user_api_key_env=args.user_api_key_env, max_lag=args.max_lag)
+        persona_files = {load_persona_file(path).name: str(path) for path in args.persona_file or []}
+        problem = check_persona_records(out_dir, persona_files, force=args.force)
+        if problem:
+            out(f"clawloop eval: {problem}")
+            return 2
+        built_in = _split(args.personas) if args.personas is not None else ([] if persona_files else
+                                                                           list(DEFAULT_PERSONAS))
         ran = 0
-        for persona in _split(args.personas):
+        for persona in [*built_in, *persona_files]:
             for seed in [int(s) for s in _split(args.seeds)]:
                 for method in _split(args.methods):
                     name = cell_name(method, persona, seed)
@@ -242,10 +294,12 @@ def main_from_args(args: argparse.Namespace, cli: dict[str, Any], out: Callable[
                     t0 = time.monotonic()
                     out(f"[eval] {name}: running")
                     r = run_cell(out_dir, method, persona, seed, cli=cli, options=options, file=args.config,
-                                 out=out)
+                                 out=out, persona_file=persona_files.get(persona, ""))
                     ran += 1
+                    stable = stable_effect(r)
                     out(f"[eval] {name}: score {r['before']['score']:.2f} -> {r['after']['score']:.2f}, guard "
-                        f"{r['before']['guard_pass_rate']:.2f} -> {r['after']['guard_pass_rate']:.2f} "
+                        f"{r['before']['guard_pass_rate']:.2f} -> {r['after']['guard_pass_rate']:.2f}, stable "
+                        f"effect {'from session ' + str(stable) if stable is not None else 'not reached'} "
                         f"({(time.monotonic() - t0) / 60:.1f} min)")
     cells = load_cells(out_dir)
     rows = write_outputs(out_dir, cells, args.target, command)
@@ -255,5 +309,5 @@ def main_from_args(args: argparse.Namespace, cli: dict[str, Any], out: Callable[
     return 0
 
 
-__all__ = ["DEMO_PRESET", "add_arguments", "aggregate", "interactions_to_target", "load_cells", "main_from_args",
-           "markdown_table", "run_cell", "write_outputs"]
+__all__ = ["DEMO_PRESET", "add_arguments", "aggregate", "check_persona_records", "interactions_to_target",
+           "load_cells", "main_from_args", "markdown_table", "run_cell", "stable_effect", "write_outputs"]

@@ -36,7 +36,10 @@ import httpx
 
 from clawloop.config import Config, read_config_file, values_from_env
 from clawloop.sim.driver import EvalResult, Simulation, SimSession, evaluate
-from clawloop.sim.personas import Persona, get_persona
+from clawloop.sim.persona_file import PersonaFileError, load_persona_file, resolve_persona
+from clawloop.sim.personas import Persona
+from clawloop.sim.sessions import STABLE_RUN, served_summary, session_record
+from clawloop.sim.trained_terms import branch_metrics, steps_per_term, term_label
 
 DEMO_PERSONA = "brief"
 DEMO_INTERACTIONS = 72
@@ -139,6 +142,8 @@ def demo_config(cli: Mapping[str, Any] | None = None, *, file: str | Path | None
 @dataclass
 class LoopOptions:
     persona: str = DEMO_PERSONA
+    persona_file: str = ""
+    """A TOML or JSON file defining the persona (``clawloop/sim/persona_file.py``); replaces ``persona``."""
     interactions: int = DEMO_INTERACTIONS
     seed: int = 0
     eval_every: int = DEMO_EVAL_EVERY
@@ -176,6 +181,11 @@ def add_user_arguments(parser: Any) -> None:
     parser.add_argument("--user-model", default="", help="Model name for --user-url (required with it).")
     parser.add_argument("--user-api-key-env", default="OPENAI_API_KEY", metavar="NAME",
                         help="Environment variable holding the API key for --user-url (default OPENAI_API_KEY).")
+    parser.add_argument("--persona-file", action="append", default=[], metavar="FILE",
+                        help="A persona defined in a TOML or JSON file (name, preference, corrections, checker, "
+                        "questions; example: examples/personas/one_sentence_cook.toml). demo: replaces --persona; "
+                        "eval: may be given more than once, and its personas run besides those --personas names "
+                        "explicitly.")
 
 
 def check_user_arguments(args: Any) -> str | None:
@@ -186,7 +196,31 @@ def check_user_arguments(args: Any) -> str | None:
         return "--user-url needs --user-model (the model to ask for the simulated user's messages)"
     if args.user_url and not str(args.user_url).startswith(("http://", "https://")):
         return f"--user-url must be an http(s) URL, got {args.user_url!r}"
+    files = list(getattr(args, "persona_file", None) or [])
+    if getattr(args, "command", "") == "demo" and len(files) > 1:
+        return "a demo runs one persona: give --persona-file once"
+    names: dict[str, str] = {}
+    for path in files:
+        try:
+            persona = load_persona_file(path)
+        except PersonaFileError as exc:
+            return str(exc)
+        if persona.name in names:
+            return f"persona files {names[persona.name]} and {path} both define a persona named {persona.name!r}"
+        names[persona.name] = path
     return None
+
+
+def persona_name(args: Any) -> str:
+    """The persona a demo's arguments ask for: the one its persona file defines (the file's stem while the file is
+    unreadable; ``check_user_arguments`` reports why), else ``--persona``."""
+    files = getattr(args, "persona_file", None) or []
+    if not files:
+        return args.persona
+    try:
+        return load_persona_file(files[0]).name
+    except PersonaFileError:
+        return Path(files[0]).stem
 
 
 def simulated_user(persona: Persona, options: LoopOptions) -> Any:
@@ -244,11 +278,12 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
     t_start = time.monotonic()
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    persona: Persona = get_persona(options.persona)
+    persona: Persona = resolve_persona(options.persona, options.persona_file)
     questions = list(persona.heldout_questions[: options.heldout_n or None])
     state = RunState()
     backend, judge_why = judge_choice(config)
-    out(f"clawloop demo: persona '{persona.name}' wants: {persona.preference}")
+    out(f"clawloop demo: persona '{persona.name}'" + (f" (from {persona.source})" if persona.source else "")
+        + f" wants: {persona.preference}")
     out(f"judge: {judge_why}")
     out("user: " + (f"messages written by {options.user_model} at {options.user_url}; the checker scores"
                      if options.user_url else "the persona's scripted phrasings (--user-url for an LLM user)"))
@@ -343,14 +378,17 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
             status = _status(http, base_url)
             step, version = trainer_step()
             first = session.turns[0]
-            state.sessions.append({"session_id": session.session_id, "turns": len(session.turns),
+            record = session_record(len(state.sessions) + 1, session)
+            state.sessions.append({**record, "session_id": session.session_id, "turns": len(session.turns),
                                    "satisfied": satisfied, "first_followed": bool(first.satisfied and first.sound),
                                    "interactions": state.interactions, "step": step,
                                    "policy_version": version,
                                    "reply_kinds": [t.reply_kind for t in session.turns],
                                    "waiting_before": waiting_before,
                                    "elapsed_s": round(time.monotonic() - t_start, 1)})
-            out(f"[session {len(state.sessions):>3}] turns {len(session.turns)} (followed {satisfied}) | "
+            out(f"[session {len(state.sessions):>3}] turns {len(session.turns)} (followed {satisfied}; first "
+                f"answer {'ok' if record['first_satisfied'] and record['first_sound'] else 'not ok'}, by "
+                f"v{record['first_answer_version']}) | "
                 f"interactions {state.interactions:>3}/{options.interactions} | "
                 f"waiting {status.get('samples_waiting', '-')} | step {step} | v{version} | "
                 f"loss {_fmt_loss(status)} | {time.monotonic() - t_start:.0f}s")
@@ -393,6 +431,7 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
     summary = {
         "label": options.label,
         "persona": persona.name,
+        "persona_file": persona.source,
         "preference": persona.preference,
         "seed": options.seed,
         "interactions": state.interactions,
@@ -405,11 +444,14 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
         "final_policy_version": after.policy_version,
         "step_metrics": [{"step": st["step"], "policy_version": st["policy_version"],
                           **{k: st["metrics"].get(k) for k in ("loss", "grpo_loss", "opd_loss", "ref_kl",
-                                                               "grad_norm", "samples", "step_time_s")}}
+                                                               "grad_norm", "samples", "step_time_s")},
+                          **branch_metrics(st["metrics"])}
                          for st in steps],
+        "trained_terms": steps_per_term(st["metrics"] for st in steps),
         "curve": [asdict(p) for p in state.curve],
         "served_guard": served_guard(state.curve),
         "sessions": state.sessions,
+        **served_summary(state.sessions),
         "samples_by_kind": dict(samples),
         "samples_by_state": sample_states,
         "drop_reasons": drops,
@@ -538,3 +580,32 @@ def print_result(summary: dict[str, Any], out: Callable[[str], None] = print) ->
     if g.get("on"):
         out(f"  publication gate: {g['checks']} checks (every {g['every']} steps), {g['rejections']} rejected, "
             f"{g['seconds_per_check'] or 0:.1f}s per check")
+    for line in learning_lines(summary):
+        out("  " + line)
+
+
+def learning_lines(summary: dict[str, Any]) -> list[str]:
+    """What trained and who talked to which version, a few lines for the end of the demo's output."""
+    lines = []
+    terms = summary.get("trained_terms") or {}
+    steps = summary.get("steps", 0)
+    lines.append(f"terms that trained (steps active, of {steps}):" if terms else
+                 f"terms that trained: none ({steps} steps)")
+    lines += [f"  {term_label(branch)}: {n}" for branch, n in terms.items()]
+    kinds = summary.get("samples_by_kind") or {}
+    if kinds:
+        lines.append("samples by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
+    per_version = summary.get("sessions_per_version") or {}
+    sessions = sum(per_version.values())
+    if sessions:
+        lines.append("sessions per version (the one that wrote the first answer): "
+                     + ", ".join(f"{v}: {n}" for v, n in per_version.items()))
+        share = summary.get("share_after_v0") or 0.0
+        lines.append(f"sessions served by a version newer than v0: {round(share * sessions)} of {sessions} "
+                     f"({share:.0%})")
+    stable = summary.get("sessions_to_stable_effect")
+    run = summary.get("stable_run", STABLE_RUN)
+    lines.append(f"sessions to a stable effect ({run} sessions in a row whose first answer follows the preference "
+                 "and passes the guard): " + (f"from session {stable} (sessions {stable}-{stable + run - 1})"
+                                              if stable is not None else "not reached"))
+    return lines

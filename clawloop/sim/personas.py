@@ -98,14 +98,20 @@ class Persona:
     session_turns: int = 3
     """Answers per session (corrections included) before the persona ends the session."""
     guard_config: guard.GuardConfig = field(default_factory=guard.GuardConfig)
+    own_train_questions: tuple[str, ...] = ()
+    """Training questions of the persona's own (a persona file may list them); empty = the pool's."""
+    own_heldout_questions: tuple[str, ...] = ()
+    """Held-out questions of the persona's own; empty = the pool's."""
+    source: str = ""
+    """The file the persona was read from ("" for the built-in ones)."""
 
     @property
     def train_questions(self) -> tuple[str, ...]:
-        return pool(self.pool_name)["train"]
+        return self.own_train_questions or pool(self.pool_name)["train"]
 
     @property
     def heldout_questions(self) -> tuple[str, ...]:
-        return pool(self.pool_name)["heldout"]
+        return self.own_heldout_questions or pool(self.pool_name)["heldout"]
 
     def judge(self, answer: str, question: str | None = None) -> Verdict:
         """Score ``answer`` deterministically against the preference and the degeneracy guard.

@@ -17,15 +17,15 @@ import tempfile
 from typing import Any
 
 from clawloop.sim.driver import evaluate
-from clawloop.sim.personas import PERSONAS, get_persona
+from clawloop.sim.persona_file import load_persona_file
+from clawloop.sim.personas import PERSONAS, Persona, get_persona
 
 
-def probe(base_url: str, names: list[str], n: int, max_tokens: int, concurrency: int) -> list[dict[str, Any]]:
+def probe(base_url: str, personas: list[Persona], n: int, max_tokens: int, concurrency: int) -> list[dict[str, Any]]:
     rows = []
-    for name in names:
-        persona = get_persona(name)
+    for persona in personas:
         questions = persona.heldout_questions[:n]
-        row: dict[str, Any] = {"persona": name, "n": len(questions)}
+        row: dict[str, Any] = {"persona": persona.name, "n": len(questions)}
         for instruct in (False, True):
             result = evaluate(base_url, persona, questions, max_tokens=max_tokens, instruct=instruct,
                               concurrency=concurrency)
@@ -48,16 +48,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--base-url", default="", help="a running clawloop (or any OpenAI-compatible) server")
     ap.add_argument("--model", default="default", help="model to serve when no --base-url is given")
     ap.add_argument("--personas", default=",".join(PERSONAS))
+    ap.add_argument("--persona-file", action="append", default=[], metavar="FILE",
+                    help="also probe the persona a TOML or JSON file defines (may be repeated)")
     ap.add_argument("-n", type=int, default=12, help="held-out questions per persona")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the started server")
     ap.add_argument("--json", default="", help="also write every answer to this file")
     args = ap.parse_args(argv)
-    names = [x for x in args.personas.split(",") if x]
+    personas = [get_persona(x) for x in args.personas.split(",") if x]
+    personas += [load_persona_file(path) for path in args.persona_file]
     print("| persona  | plain score | instructed score | n |\n|---|---|---|---|", flush=True)
     if args.base_url:
-        rows = probe(args.base_url, names, args.n, args.max_tokens, args.concurrency)
+        rows = probe(args.base_url, personas, args.n, args.max_tokens, args.concurrency)
     else:
         from clawloop.config import Config
         from clawloop.serve import Server
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
             config = Config.load(env={}, model=args.model, port=0, run_dir=run_dir, train=False,
                                  num_threads=args.threads, max_batch_size=max(1, args.concurrency))
             with Server(config) as server:
-                rows = probe(server.base_url, names, args.n, args.max_tokens, args.concurrency)
+                rows = probe(server.base_url, personas, args.n, args.max_tokens, args.concurrency)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, ensure_ascii=False)

@@ -18,6 +18,8 @@ restart (``recover()`` moves it back to ``judgeable``; votes of the interrupted 
   sample's state is written, its turn's with it), the commit of a step and the requeue on resume;
 * ``history.History`` — steps, requeued steps, versions, events and rollbacks;
 * ``queries.Queries`` — read-only counts and listings for the dashboard and ``/v1/status``;
+* ``contexts.Contexts`` — context samples: the teacher's own answers to a hinted turn, each a turn and sample of
+  its own (kind ``context``), linked to the judged turn they came from;
 * ``export`` — every record appended to JSONL files;
 
 over ``database.Database`` (the file, its schema and migrations, its transactions) and the records of
@@ -31,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from clawloop.store.contexts import CONTEXT_KIND, ContextSample, Contexts
 from clawloop.store.database import SCHEMA_VERSION, STORE_FILENAME, Database, find_store
 from clawloop.store.export import export_jsonl, iter_export
 from clawloop.store.history import History, mark_uncommitted_versions
@@ -39,11 +42,11 @@ from clawloop.store.records import LeaseLost, SampleRecord, TurnRecord, TurnStat
 from clawloop.store.samples import Samples, leased_back_to_ready
 from clawloop.store.turns import Turns, judging_back_to_judgeable
 
-__all__ = ["SCHEMA_VERSION", "STORE_FILENAME", "LeaseLost", "SampleRecord", "Store", "TurnRecord", "TurnState",
+__all__ = ["CONTEXT_KIND", "SCHEMA_VERSION", "STORE_FILENAME", "ContextSample", "LeaseLost", "SampleRecord", "Store", "TurnRecord", "TurnState",
            "VoteRecord", "find_store"]
 
 
-class Store(Turns, Samples, History, Queries):
+class Store(Turns, Samples, History, Queries, Contexts):
     """Thread-safe access to the run's SQLite file. Every public method is one short transaction."""
 
     def __init__(self, path: str | Path, readonly: bool = False, busy_timeout_s: float = 30.0):

@@ -76,6 +76,13 @@ CREATE TABLE IF NOT EXISTS samples (
     created_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS samples_state ON samples(state);
+CREATE TABLE IF NOT EXISTS context_turns (
+    turn_id INTEGER PRIMARY KEY REFERENCES turns(id),
+    source_turn_id INTEGER NOT NULL REFERENCES turns(id),
+    context_index INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    UNIQUE (source_turn_id, context_index)
+);
 CREATE TABLE IF NOT EXISTS steps (
     step INTEGER PRIMARY KEY,
     created_at REAL NOT NULL,

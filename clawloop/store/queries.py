@@ -66,23 +66,39 @@ class Queries:
                              " >= ?", (float(since),)).fetchone()
         return {"turns": int(row["n"] or 0), "response_tokens": int(row["b"] or 0) // ID_BYTES}
 
-    def recent_prompts(self, n: int, *, scan: int = 200) -> list[tuple[int, list[int], list[dict[str, Any]]]]:
-        """The ``n`` most recent distinct prompts, newest first: ``(turn id, prompt ids, request messages)``. A prompt
-        equal to a newer one (a retried request, the same question asked again) is skipped; at most the ``scan``
-        newest turns are read."""
+    def recent_prompts(self, n: int, *, corrected: bool = False,
+                       scan: int = 200) -> list[tuple[int, list[int], list[dict[str, Any]]]]:
+        """Up to ``n`` distinct recent prompts, spread across users and sessions: ``(turn id, prompt ids, request
+        messages)``.
+
+        The rule (``spread_prompts``): the ``scan`` newest turns are read (newest first) and a prompt equal to a
+        newer one (a retried request, the same question asked again) is skipped. The rest are grouped by owner (the
+        API key's name) and, within an owner, by session. Owners take turns, the owner with the newest turn first;
+        each turn of an owner takes that owner's next session in the same way (sessions by their newest turn, a
+        session's prompts newest first), so one user or one session cannot fill the slots while others have
+        prompts: with 20 prompts from one owner and one each from two others, all three owners are among 3 slots.
+
+        ``corrected``: only the run's corrected prompts, the turns whose answer got a hint or a -1 vote and whose
+        sample was trained into weights the gate accepted (consumed by a step that an accepted version includes and
+        no gate rejection undid), read the same way; the gate re-asks them to keep earlier fixes fixed."""
         if n <= 0:
             return []
+        where = ("JOIN samples s ON s.turn_id = t.id WHERE (s.hints != '[]' OR s.reward < 0)"
+                 " AND s.consumed_step IS NOT NULL"
+                 " AND EXISTS (SELECT 1 FROM versions v WHERE v.status = 'accepted' AND v.step >= s.consumed_step)"
+                 " AND NOT EXISTS (SELECT 1 FROM events e, json_each(e.detail, '$.steps') j"
+                 " WHERE e.kind = 'gate_rejected' AND j.value = s.consumed_step)") if corrected else ""
         with self.db.read() as db:
-            rows = db.execute("SELECT id, prompt_ids FROM turns ORDER BY id DESC LIMIT ?",
+            rows = db.execute(f"SELECT t.id AS id, t.owner AS owner, t.session_id AS session_id, t.prompt_ids AS"
+                              f" prompt_ids FROM turns t {where} ORDER BY t.id DESC LIMIT ?",
                               (max(int(n), int(scan)),)).fetchall()
-            kept: list[Any] = []
+            distinct: list[Any] = []
             seen: set[bytes] = set()
             for r in rows:
                 if bytes(r["prompt_ids"]) not in seen:
                     seen.add(bytes(r["prompt_ids"]))
-                    kept.append(r)
-                    if len(kept) == n:
-                        break
+                    distinct.append(r)
+            kept = spread_prompts(distinct, n)
             messages = {r["id"]: json.loads(r["messages"]) for r in db.execute(
                 f"SELECT id, messages FROM turns WHERE id IN ({','.join('?' * len(kept))})",
                 [r["id"] for r in kept])} if kept else {}
@@ -118,3 +134,21 @@ class Queries:
             row = db.execute("SELECT turn_id FROM samples ORDER BY targets IS NOT NULL DESC, turn_id DESC"
                              " LIMIT 1").fetchone()
         return None if row is None else int(row["turn_id"])
+
+
+def _round_robin(groups: list[list[Any]]) -> list[Any]:
+    """The groups' items interleaved: the first of each group in order, then the second of each, and so on."""
+    out: list[Any] = []
+    for i in range(max((len(g) for g in groups), default=0)):
+        out.extend(g[i] for g in groups if i < len(g))
+    return out
+
+
+def spread_prompts(rows_newest_first: list[Any], n: int) -> list[Any]:
+    """The first ``n`` of ``rows_newest_first`` (each with ``owner`` and ``session_id``) taken round-robin over
+    owners, each owner's rows round-robin over its sessions; owners and sessions ordered by their newest row,
+    rows within a session newest first (``Queries.recent_prompts``)."""
+    owners: dict[str, dict[str, list[Any]]] = {}
+    for r in rows_newest_first:  # dicts keep insertion order: the first seen is the newest
+        owners.setdefault(r["owner"], {}).setdefault(r["session_id"], []).append(r)
+    return _round_robin([_round_robin(list(sessions.values())) for sessions in owners.values()])[:max(n, 0)]

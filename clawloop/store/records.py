@@ -71,7 +71,8 @@ class TurnRecord:
     reason: str = ""
     """Why the turn was dropped ("" for a turn that was not)."""
     sample_kind: str = ""
-    """The kind of the turn's sample ('rl+opd', 'opd', 'rl'; "" while it has none): read from the sample."""
+    """The kind of the turn's sample ('rl+opd', 'opd', 'rl', or 'context' for a teacher's answer stored as a turn
+    of its own; "" while it has none): read from the sample."""
     id: int | None = None
     updated_at: float = 0.0
 
@@ -99,7 +100,7 @@ class SampleRecord:
     reward: float
     """Majority evaluative vote in {+1, -1, 0}."""
     kind: str
-    """'rl+opd', 'opd' or 'rl'."""
+    """'rl+opd', 'opd', 'rl' or 'context' (``clawloop.store.contexts``)."""
     hints: list[str] = field(default_factory=list)
     targets: dict[str, torch.Tensor] | None = None
     """Teacher-side tensors of ``clawloop.losses.TopKTargets`` (and anything else the trainer needs), or None."""

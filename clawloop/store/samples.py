@@ -22,13 +22,14 @@ import json
 import sqlite3
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from clawloop.store.contexts import ContextSample, insert_context
 from clawloop.store.database import Database
 from clawloop.store.history import insert_event, insert_step, mark_steps_requeued
 from clawloop.store.records import LeaseLost, SampleRecord, TurnState
@@ -94,9 +95,12 @@ class Samples:
 
     db: Database
 
-    def put_sample(self, sample: SampleRecord) -> bool:
+    def put_sample(self, sample: SampleRecord, context: Sequence[ContextSample] = ()) -> bool:
         """Write a sample and move its turn judging -> ready in one transaction. False if already written or the
-        turn is not being judged (so a sample can never be produced twice)."""
+        turn is not being judged (so a sample can never be produced twice).
+
+        ``context``: the turn's context answers (``clawloop.store.contexts``), written in the same transaction as
+        turns and samples of their own (each gets its turn id); an index stored already is skipped."""
         blob = None if sample.targets is None else st_save({k: v.contiguous() for k, v in sample.targets.items()})
         with self.db.tx() as db:
             judging = db.execute("SELECT 1 FROM turns WHERE id=? AND state=?",
@@ -109,7 +113,10 @@ class Samples:
                 (sample.turn_id, TurnState.READY, sample.reward, sample.kind,
                  json.dumps(sample.hints, ensure_ascii=False), blob, sample.teacher_version,
                  json.dumps(sample.info, ensure_ascii=False), sample.created_at))
-            move(db, [sample.turn_id], TurnState.READY, touched_at=time.time())
+            now = time.time()
+            move(db, [sample.turn_id], TurnState.READY, touched_at=now)
+            for item in context:
+                insert_context(db, sample.turn_id, item, now)
         return True
 
     def get_sample(self, turn_id: int) -> SampleRecord | None:

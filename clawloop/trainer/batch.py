@@ -14,6 +14,11 @@ cannot be trained are returned with a reason so the caller records it in the sto
   fit the turn, ids outside the vocabulary, or a top-k row naming the same id twice;
 * ``stale`` — older than ``max_staleness`` versions with ``staleness_mode = drop``.
 
+A context sample (kind ``context``: the teacher's own answer to a hinted turn, docs/context-distillation.md) is
+never stale: its response was sampled by the teacher, not by any version of the policy, so neither dropping it
+for the policy's age nor correcting it toward the policy that served the turn means anything; it trains at
+weight 1 and stays out of the staleness statistics.
+
 Micro-batches are right-padded: positions after a sequence's end are masked out of attention and never read,
 so padding changes no trained value. A micro-batch holds at most ``micro_batch_size`` samples and at most
 ``micro_batch_tokens`` padded tokens (samples × its longest sample), so its activation memory is bounded by
@@ -28,7 +33,7 @@ from typing import Any
 import torch
 
 from clawloop.config import Config
-from clawloop.store import SampleRecord, Store, TurnRecord
+from clawloop.store import CONTEXT_KIND, SampleRecord, Store, TurnRecord
 from clawloop.teacher import train_temperature
 from clawloop.trainer import staleness as stale
 from clawloop.wire import SCORE_KEYS, TeacherScores
@@ -97,13 +102,16 @@ def prepare_items(store: Store, samples: list[SampleRecord], config: Config, cur
         if reason:
             drops.append((sample.turn_id, reason))
             continue
-        gap = stale.staleness(turn.policy_version, current_version)
-        action = stale.decide(gap, config.max_staleness, config.staleness_mode)
-        if action == stale.DROP:
-            drops.append((sample.turn_id, "stale"))
-            stats.dropped += 1
-            continue
-        stats.gaps.append(gap)
+        if sample.kind == CONTEXT_KIND:
+            gap, action = 0, stale.KEEP
+        else:
+            gap = stale.staleness(turn.policy_version, current_version)
+            action = stale.decide(gap, config.max_staleness, config.staleness_mode)
+            if action == stale.DROP:
+                drops.append((sample.turn_id, "stale"))
+                stats.dropped += 1
+                continue
+            stats.gaps.append(gap)
         response_ids_T = torch.tensor(turn.response_ids, dtype=torch.long)
         items.append(TrainItem(
             sample=sample,

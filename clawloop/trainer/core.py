@@ -49,6 +49,7 @@ import torch
 
 from clawloop.config import Config
 from clawloop.gate.gate import GateResult, PublicationGate
+from clawloop.gate.knowledge import KNOWLEDGE
 from clawloop.retry import Backoff, retry_sync
 from clawloop.store import LeaseLost, SampleRecord
 from clawloop.trainer import checkpoint as ckpt
@@ -165,7 +166,9 @@ class Trainer:
         store = self._source()
         return PublicationGate(load_tokenizer(self.models.model_dir), min_guard_pass=c.gate_min_guard_pass,
                                max_kl=c.gate_max_kl, probe_tokens=c.gate_probe_tokens,
-                               recent_prompts=lambda: store.recent_prompts(c.gate_recent_prompts))
+                               recent_prompts=lambda: store.recent_prompts(c.gate_recent_prompts),
+                               knowledge=KNOWLEDGE if c.gate_knowledge else (),
+                               fixed_prompts=lambda: store.recent_prompts(c.gate_fixed_prompts, corrected=True))
 
     def _source(self) -> SampleSource:
         """The store, on the main process (every call to it runs there)."""
@@ -450,6 +453,8 @@ class Trainer:
         self.policy_version = int(self.parallel.share(lambda: self.sink.publish(self.models, weights, version)))
         self.needs_publish, self.pending_version = False, None
         self.accepted = self._snapshot(version)
+        if self.gate is not None:
+            self.gate.forget_accepted()  # the probe verdicts kept for the last accepted version are not this one's
         self.steps_since_check = 0
         self.unchecked_steps = []
         rolled_back = self.parallel.share(lambda: self._source().record_rollback(

@@ -97,6 +97,8 @@ class OnlineTrainer:
         self._model_lock: asyncio.Lock | None = None
         self._executor: ThreadPoolExecutor | None = None
         """The one thread every model operation runs on (``start``)."""
+        self._saved_switch_interval: float | None = None
+        """The interpreter's switch interval before ``start`` shortened it; put back by ``stop``."""
         self.short_batches = 0
         """Batches leased with fewer samples than ``rollout_batch_size`` (``train_what_is_ready``)."""
 
@@ -141,7 +143,8 @@ class OnlineTrainer:
         # Every model operation runs on this one thread, below serving's CPU priority (``train_nice``); the threads
         # it starts for its own parallel work inherit that priority. The trainer's Python between kernels holds the
         # interpreter lock; a shorter switch interval than Python's 5 ms hands it back to the serving threads sooner.
-        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+        self._saved_switch_interval = sys.getswitchinterval()
+        if self._saved_switch_interval > SWITCH_INTERVAL_S:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clawloop-train",
                                             initializer=lower_thread_priority, initargs=(int(self.config.train_nice),))
@@ -189,6 +192,9 @@ class OnlineTrainer:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._saved_switch_interval is not None:  # the process goes on without a trainer: Python's own again
+            sys.setswitchinterval(self._saved_switch_interval)
+            self._saved_switch_interval = None
 
     async def rollback(self, version: int) -> dict[str, Any]:
         """Serve kept version ``version`` again and train on from it (after the step in progress)."""

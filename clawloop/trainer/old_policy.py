@@ -7,7 +7,8 @@ Per sample, all at the train-side temperature of its turn, from one log-softmax 
   engine reported) the train-vs-behaviour gap metric and the truncated importance weights of stale samples;
 * for a sample with an OPD branch (a hint, or ``opd_on_unhinted = anchor``): the old policy's own top-k ids
   S^q_t and their log-probs, the teacher's scores at exactly those ids (``clawloop.wire.TeacherScores``), and
-  ``ℓ_old`` at every candidate teacher's top-k ids;
+  ``ℓ_old`` at every candidate teacher's top-k ids. The teacher returns K' = ``teacher_width(config)`` ids of its
+  own per position: ``topk``, or max(topk, support_k) when the teacher-support term is on;
 * ``ℓ_ref`` at the sampled ids when the KL-to-reference term is on;
 * for the legacy ``combine`` method, the teacher's log-prob at each sampled id under the chosen hint.
 
@@ -19,7 +20,7 @@ so ``topk_pass`` runs a no-gradient forward first, for the top-k ids alone, when
 The next batch cannot be asked for in advance: its ids depend on the weights after this step.
 
 Scores recorded with a sample at the very same ids (a step that was trained but not kept, an older store) are
-used as they are (re-ordered to match) and the teacher is not asked. When the teacher fails, times out or is
+used as they are (re-ordered to match) and the teacher is not asked, provided they carry at least K' teacher ids. When the teacher fails, times out or is
 absent, the sample's OPD branch is left out (``TEACHER_MISSING``): its RL branch still trains when it has a
 ±1 vote, and a sample with nothing left is dropped with reason ``teacher_error`` (``TEACHER_ERROR``). Every case
 is counted in the step metrics; a stale set is never used.
@@ -59,6 +60,14 @@ def wants_opd(config: Config, item: TrainItem) -> bool:
     return bool(item.sample.hints) or config.opd_on_unhinted == "anchor"
 
 
+def teacher_width(config: Config) -> int:
+    """K': how many of its own top ids per position the teacher is asked for. The top-k subset reads ``topk`` of
+    them; the teacher-support term (on when ``support_coef`` > 0) reads ``support_k``."""
+    if config.support_coef > 0:
+        return max(int(config.topk), int(config.support_k))
+    return int(config.topk)
+
+
 def opd_expected(config: Config, item: TrainItem) -> bool:
     """Whether the sample trains an OPD term this step, as far as known before its loss: it wants one, and its
     teacher scores were had (or may be recorded with it)."""
@@ -91,10 +100,11 @@ def match_rows(new_ids_T_K: torch.Tensor, stored_ids_T_K: torch.Tensor) -> tuple
     return perm_T_K, found_T_K.all(-1)
 
 
-def recorded_at(item: TrainItem, ids_T_K: torch.Tensor) -> TeacherScores | None:
-    """The sample's recorded scores re-ordered to ``ids_T_K``, when they were taken at the very same ids."""
+def recorded_at(item: TrainItem, ids_T_K: torch.Tensor, teacher_k: int = 1) -> TeacherScores | None:
+    """The sample's recorded scores re-ordered to ``ids_T_K``, when they were taken at the very same ids and carry
+    at least ``teacher_k`` teacher ids per position."""
     recorded = item.recorded_scores
-    if recorded is None:
+    if recorded is None or recorded.teacher_ids_C_T_K.shape[-1] < teacher_k:
         return None
     stored_ids_T_K = recorded.student_ids_T_K.to(device=ids_T_K.device, dtype=torch.long)
     if stored_ids_T_K.shape != ids_T_K.shape:
@@ -115,7 +125,7 @@ def student_topk(item: TrainItem, logits_T_V: torch.Tensor, config: Config) -> N
         return
     ids_T_K = logits_T_V.detach().topk(int(config.topk), dim=-1).indices  # same order as the tempered log-softmax
     item.student_ids_T_K = ids_T_K
-    item.scores = recorded_at(item, ids_T_K)
+    item.scores = recorded_at(item, ids_T_K, teacher_width(config))
     if item.scores is not None:
         item.info["teacher_reused"] = 1.0
 
@@ -204,7 +214,9 @@ def _combine_teacher(item: TrainItem, scores: TeacherScores, config: Config) -> 
             value_C_T = (table_lp * hit_C_T_K).sum(-1)
             at_response_C_T = torch.where(hit_C_T, value_C_T, at_response_C_T)
             found_C_T |= hit_C_T
-    h_star_T = select_hints(topk_overlap(targets.student_ids_T_K, targets.teacher_ids_C_T_K), config.hint_selection)
+    narrowed = targets.teacher_top(targets.student_ids_T_K.shape[1])  # h* as the objective picks it
+    h_star_T = select_hints(topk_overlap(narrowed.student_ids_T_K, narrowed.teacher_ids_C_T_K),
+                            config.hint_selection)
     item.teacher_logprobs_T = at_response_C_T.gather(0, h_star_T.view(1, T)).squeeze(0)
     return float(found_C_T.gather(0, h_star_T.view(1, T)).float().mean())
 
@@ -269,7 +281,8 @@ def ask(teacher: TeacherClient | None, group: list[TrainItem], config: Config) -
     future = None
     if items and teacher is not None:
         requests = [TeacherRequest(turn=it.turn, hints=list(it.sample.hints),
-                                   student_ids_T_K=it.student_ids_T_K.cpu(), temperature=it.temperature)
+                                   student_ids_T_K=it.student_ids_T_K.cpu(), temperature=it.temperature,
+                                   teacher_k=teacher_width(config))
                     for it in items]
         try:
             future = teacher.submit(requests)

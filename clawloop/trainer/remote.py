@@ -137,8 +137,9 @@ class RemoteStore:
                                                            "from_version": int(from_version), "detail": detail})
         return [int(v) for v in out["rolled_back"]]
 
-    def recent_prompts(self, n: int) -> list[tuple[int, list[int], list[dict[str, Any]]]]:
-        out = self._call("GET", f"/v1/trainer/recent_prompts?n={int(n)}")
+    def recent_prompts(self, n: int, *, corrected: bool = False) -> list[tuple[int, list[int], list[dict[str, Any]]]]:
+        """The store's ``recent_prompts`` over HTTP (the same rule: spread across owners and sessions)."""
+        out = self._call("GET", f"/v1/trainer/recent_prompts?n={int(n)}&corrected={int(bool(corrected))}")
         return [(int(p["turn_id"]), [int(i) for i in p["prompt_ids"]], p["messages"]) for p in out["prompts"]]
 
     def _forget(self, lease_id: str) -> None:

@@ -356,6 +356,7 @@ def item_metrics(items: list[TrainItem]) -> dict[str, float]:
         "sample_version_max": float(max(versions)),
         "sample_version_mean": sum(versions) / len(versions),
         "hinted_samples": float(sum(1 for it in items if it.sample.hints)),
+        "context_samples": float(sum(1 for it in items if it.sample.kind == "context")),
         "reward_mean": sum(float(it.sample.reward) for it in items) / len(items),
     }
     out.update(teacher_metrics(items))

@@ -52,6 +52,23 @@ def test_demo_runs_trains_and_writes_its_report(tmp_path, tiny_model_path, capsy
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert json.loads((run_dir / "eval_after.json").read_text())["n"] == 3
 
+    # What trained, from the step metrics the server recorded: every answer of the tiny model was corrected, so every
+    # sample carries a hint (OPD in all 3 steps), and GRPO counts only where some advantage was non-zero.
+    from clawloop.trainer.metrics import read_metrics
+
+    terms = summary["trained_terms"]
+    moved = sum(1 for m in read_metrics(run_dir) if m["advantage_mean"] or m["advantage_negative_mean"])
+    assert terms["opd"] == 3 and terms["grpo"] == moved and "terms that trained (steps active, of 3):" in printed
+    assert f"  GRPO: {moved}\n" in printed and "  OPD top-k select: 3\n" in printed
+    # Who talked to which version, from the version each served answer carried: nothing was trained before the
+    # first session, and the two sessions are counted once each.
+    sessions = summary["sessions"]
+    assert [s["index"] for s in sessions] == [1, 2] and sessions[0]["first_answer_version"] == 0
+    assert all(v in (0, 1, 2, 3) for s in sessions for v in s["answer_versions"])
+    assert sum(summary["sessions_per_version"].values()) == 2 and "sessions per version" in printed
+    assert summary["share_after_v0"] in (0.0, 0.5)
+    assert "sessions to a stable effect" in printed and "sessions_to_stable_effect" in summary
+
     # A second demo into the same folder would mix two runs: refused.
     assert main(["demo", "--model", "tiny", "--run-dir", str(run_dir)]) == 2
 

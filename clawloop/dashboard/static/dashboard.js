@@ -105,6 +105,8 @@
       card("rollbacks", d.rollbacks, "returns to an earlier version", "ov-rollbacks"));
     fill("ov-turns", bars(d.turns_by_state, "turns-by-state"));
     fill("ov-drops", bars(d.drop_reasons, "drop-reasons"));
+    fill("ov-kinds", bars(d.samples_by_kind || {}, "samples-by-kind"),
+      d.context_turns ? el("p", { class: "muted small", text: `${d.context_turns} context samples: teacher answers stored as turns of their own (not counted as turns stored)` }) : null);
     const errs = Object.entries(judge.top_errors || {});
     fill("ov-judge", kv([["backend", judgeName(judge)], ["judging", judge.judging === undefined ? "–" : String(judge.judging)],
       ["votes", judge.votes], ["invalid", judge.invalid], ["invalid rate", judge.invalid_rate]]),
@@ -173,6 +175,8 @@
         el("div", { class: "turn-head" }, el("b", { text: `turn ${t.turn_id}` }),
           el("span", { class: "muted", text: ` #${t.turn_index} · served by v${t.policy_version} · ${time(t.created_at)}` }),
           chip(t.state, t.state), chip(t.fate.text, `fate-${t.fate.fate}`),
+          t.context_of ? chip(`context answer of turn ${t.context_of}`, "context") : null,
+          (t.context_turn_ids || []).length ? chip(`${t.context_turn_ids.length} context answers: turns ${t.context_turn_ids.join(", ")}`, "context") : null,
           smp ? el("a", { href: `#sample/${t.turn_id}`, class: "link", text: "tokens →" }) : null),
         el("div", { class: "label", text: "request (last messages)" }), (t.request_tail || []).map((m, i) => message(m, `${t.turn_id}:request:${i}`)),
         el("div", { class: "label", text: `answer (${t.response_tokens} tokens, ${t.finish_reason})` }),

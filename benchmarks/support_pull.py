@@ -1,0 +1,211 @@
+"""Does an objective carry a preference the model would never write on its own? A short on-policy loop, per variant.
+
+    python benchmarks/support_pull.py                                   # inshort, base vs the support term
+    python benchmarks/support_pull.py --variant none: --variant sup4:support_coef=1,support_k=4 \\
+        --variant sup16:support_coef=1,support_k=16 --rounds 8
+
+The loop is the online one without a server, so it runs in minutes: each round the current policy samples its
+answers to ``--batch`` of the persona's training questions (temperature 0.6, seeded), the persona judges each (a
+correction gives a -1 and the rule judge's hint, a good answer +1), the samples are stored, and one training step
+runs on them through the trainer everyone uses (``trainer.core.Trainer``: old-policy pass, the frozen base model
+as the hint-conditioned teacher, the objective, the optimizer). Every variant starts from the same weights, seed
+and settings (the demo preset, gate off: this measures what a step does, not what gets served) and differs only
+in the settings it names.
+
+Printed per variant, on the persona's held-out questions (never trained on), before and after the rounds:
+
+* ``P(first)``: the policy's probability (τ = 1) of the preference's first token at the first answer position
+  (for ``inshort``, "In"), mean over the questions;
+* ``follows``: the share of greedy answers that follow the preference (the persona's checker) and pass the
+  degeneracy guard: what the demo's score counts;
+* ``guard``: the share of greedy answers that pass the guard alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from clawloop.assemble import offline_teacher  # noqa: E402
+from clawloop.engines import model_files  # noqa: E402
+from clawloop.judge.rules import decide_user  # noqa: E402
+from clawloop.sim.demo import demo_config  # noqa: E402
+from clawloop.sim.personas import get_persona  # noqa: E402
+from clawloop.store import SampleRecord, Store, TurnRecord  # noqa: E402
+from clawloop.trainer.core import Trainer  # noqa: E402
+from clawloop.trainer.leasing import BatchLeaser  # noqa: E402
+from clawloop.trainer.model import TrainModels, load_train_models  # noqa: E402
+from clawloop.trainer.publish import LocalVersion  # noqa: E402
+from clawloop.trainer.teacher_client import in_process  # noqa: E402
+
+MAX_NEW_TOKENS = 48
+FIRST_TOKENS = {"inshort": "In"}
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """``name:key=value,key=value`` → (name, settings); values are read as int, float, bool or text."""
+    name, _, rest = text.partition(":")
+    settings: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, _, raw = item.partition("=")
+        value: Any = raw
+        for cast in (int, float):
+            try:
+                value = cast(raw)
+                break
+            except ValueError:
+                pass
+        if raw in ("true", "false"):
+            value = raw == "true"
+        settings[key.strip()] = value
+    return name, settings
+
+
+def prompt_ids(tokenizer: Any, question: str) -> list[int]:
+    messages = [{"role": "user", "content": question}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
+def answer(models: TrainModels, tokenizer: Any, question: str, *, temperature: float, seed: int) -> list[int]:
+    ids = torch.tensor([prompt_ids(tokenizer, question)])
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = models.policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=MAX_NEW_TOKENS, do_sample=temperature > 0,
+                                     temperature=temperature if temperature > 0 else None, top_p=1.0,
+                                     use_cache=True, pad_token_id=tokenizer.eos_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def heldout(models: TrainModels, tokenizer: Any, persona: Any, first_id: int | None) -> dict[str, float]:
+    p_first, follows, sound = [], 0, 0
+    questions = persona.heldout_questions
+    for question in questions:
+        ids = torch.tensor([prompt_ids(tokenizer, question)])
+        with torch.no_grad():
+            logits = models.policy(input_ids=ids).logits[0, -1].float()
+        if first_id is not None:
+            p_first.append(float(torch.softmax(logits, -1)[first_id]))
+        text = tokenizer.decode(answer(models, tokenizer, question, temperature=0.0, seed=0),
+                                skip_special_tokens=True)
+        verdict = persona.judge(text, question)
+        follows += verdict.ok
+        sound += verdict.sound
+    n = len(questions)
+    return {"p_first": sum(p_first) / len(p_first) if p_first else float("nan"), "follows": follows / n,
+            "guard": sound / n}
+
+
+def store_round(store: Store, tokenizer: Any, models: TrainModels, persona: Any, questions: list[str],
+                rng: random.Random, round_index: int) -> tuple[int, int]:
+    """Sample, judge and store one batch; returns (answers following the preference, hinted samples)."""
+    good = hinted = 0
+    for i, question in enumerate(questions):
+        prompt = prompt_ids(tokenizer, question)
+        response = answer(models, tokenizer, question, temperature=0.6, seed=rng.randrange(2 ** 31))
+        text = tokenizer.decode(response, skip_special_tokens=True)
+        verdict = persona.judge(text, question)
+        messages = [{"role": "user", "content": question}]
+        tid = store.add_turn(TurnRecord(session_id=f"r{round_index}-{i}", messages=messages, prompt_ids=prompt,
+                                        response_ids=response, logprobs=[0.0] * len(response), temperature=0.6,
+                                        top_p=1.0, policy_version=round_index))
+        if verdict.ok:
+            reply, reward, hints = "Thanks!", 1.0, []
+            good += 1
+        else:
+            reply = rng.choice(persona.corrections)
+            decision = decide_user([reply])
+            reward, hints = float(decision.score), [decision.hint] if decision.hint else []
+            hinted += bool(hints)
+        store.set_next_state(tid, [{"role": "user", "content": reply}])
+        store.claim_judgeable(1)
+        store.put_sample(SampleRecord(turn_id=tid, reward=reward, kind="rl+opd" if hints else "rl", hints=hints))
+    return good, hinted
+
+
+def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, persona: Any, tokenizer: Any,
+                teacher: Any, out: Any) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="clawloop-support-") as tmp:
+        config = demo_config({"model": args.model, "num_threads": args.threads, "device": "cpu", "gate": False,
+                              "seed": args.seed, "run_dir": tmp, "rollout_batch_size": args.batch,
+                              "metrics_backends": [], **settings})
+        torch.manual_seed(args.seed)
+        models = load_train_models(config)
+        first = FIRST_TOKENS.get(persona.name)
+        first_id = tokenizer.encode(first, add_special_tokens=False)[0] if first else None
+        before = heldout(models, tokenizer, persona, first_id)
+        store = Store(Path(tmp) / "store.sqlite")
+        trainer = Trainer(config, store, LocalVersion(), run_dir=tmp, teacher=in_process(teacher), models=models,
+                          console=None)
+        leaser = BatchLeaser(store, args.batch, partial=True)
+        rng = random.Random(args.seed)
+        pool = list(persona.train_questions)
+        rng.shuffle(pool)
+        started = time.perf_counter()
+        good_total = 0
+        for r in range(args.rounds):
+            questions = [pool[(r * args.batch + i) % len(pool)] for i in range(args.batch)]
+            good, hinted = store_round(store, tokenizer, models, persona, questions, rng, r)
+            good_total += good
+            lease_id, leased = leaser.lease()
+            metrics = trainer.run_batch(lease_id, leased) or {}
+            terms = {k: round(v, 4) for k, v in metrics.items()
+                     if k.endswith("_loss") and isinstance(v, float) and v != 0.0}
+            out(f"  {name} round {r + 1}/{args.rounds}: {good}/{len(questions)} sampled answers followed, "
+                f"{hinted} hinted; {terms}")
+        step_s = (time.perf_counter() - started) / max(1, args.rounds)
+        after = heldout(models, tokenizer, persona, first_id)
+        trainer.close()
+        store.close()
+    return {"name": name, "settings": settings, "before": before, "after": after, "sampled_followed": good_total,
+            "seconds_per_round": step_s}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--persona", default="inshort")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--rounds", type=int, default=6, help="Sample-judge-train rounds per variant.")
+    parser.add_argument("--batch", type=int, default=4, help="Answers (samples) per round; one step each.")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variant", action="append", default=[],
+                        help="name:key=value,... (settings on top of the demo preset); repeatable.")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    variants = [parse_variant(v) for v in (args.variant or ["select-only:support_coef=0",
+                                                             "with-support:support_coef=1"])]
+    persona = get_persona(args.persona)
+    model_dir = model_files.resolve_model(args.model)
+    tokenizer = model_files.load_tokenizer(model_dir)
+    config = demo_config({"model": args.model, "num_threads": args.threads, "device": "cpu"})
+    results = []
+    with offline_teacher(config) as teacher:
+        for name, settings in variants:
+            print(f"variant {name}: {settings or 'the demo preset'}", flush=True)
+            results.append(run_variant(name, settings, args, persona, tokenizer, teacher,
+                                       lambda line: print(line, flush=True)))
+    print(f"\npersona {persona.name}, {args.rounds} rounds of {args.batch}, seed {args.seed}; held-out "
+          f"{len(persona.heldout_questions)} questions (before → after)")
+    print(f"{'variant':<16} {'P(first)':>19} {'follows':>13} {'guard':>13} {'s/round':>8}")
+    for r in results:
+        b, a = r["before"], r["after"]
+        print(f"{r['name']:<16} {b['p_first']:>8.4f} → {a['p_first']:<8.4f} {b['follows']:>5.2f} → {a['follows']:<5.2f}"
+              f" {b['guard']:>5.2f} → {a['guard']:<5.2f} {r['seconds_per_round']:>8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""Fixtures for the publication gate's tests.
+
+* ``base_model`` — a fresh copy of the tiny model (the reference of a check).
+* ``perturb(model, scale, seed)`` — a seeded noisy copy of a model: a candidate that moved.
+* ``scripted`` — ``scripted(monkeypatch, {model: {prompt text: answer text}})`` makes ``greedy_answers`` answer
+  each probe with the given text for that model (the guard, the kept verdicts, the decision and the KL between
+  the real models over those answers stay the gate's own); it returns the list of (model, prompt count) calls.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clawloop.gate import gate as gate_module
+from clawloop.gate.generation import answer_logprobs
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+
+
+@pytest.fixture
+def base_model(tiny_model_path):
+    from clawloop.engines.model_files import load_model
+
+    return load_model(tiny_model_path, device="cpu")
+
+
+@pytest.fixture
+def scripted(tiny_tokenizer):
+    def install(monkeypatch, answers_by_model):
+        calls = []
+
+        def replay(model, prompts, max_tokens, eos_ids):
+            script = answers_by_model[id(model)]
+            texts = []
+            for ids in prompts:
+                shown = tiny_tokenizer.decode(ids)
+                texts.append(next(answer for prompt, answer in script.items() if prompt in shown))
+            calls.append((id(model), len(prompts)))
+            answers = [list(tiny_tokenizer(t, add_special_tokens=False)["input_ids"])[:max_tokens] for t in texts]
+            return answers, answer_logprobs(model, prompts, answers)
+
+        monkeypatch.setattr(gate_module, "greedy_answers", replay)
+        return calls
+
+    return install
+
+
+@pytest.fixture
+def perturb():
+    """``perturb(model, scale, seed)``: a copy of ``model`` with seeded noise of ``scale`` x each tensor's mean
+    magnitude (a candidate that moved)."""
+    import copy
+
+    def make(model, scale: float, seed: int):
+        out = copy.deepcopy(model)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in out.parameters():
+                p.add_(torch.randn(p.shape, generator=generator) * scale * p.abs().mean())
+        return out
+
+    return make

@@ -1,0 +1,151 @@
+"""What the publication gate remembers between checks, and what it asks beyond the shipped probes.
+
+* a probe the last accepted version answered soundly counts against a candidate even where the reference failed it;
+* the run's corrected prompts are re-asked, and a fix the last accepted version kept may not be broken;
+* knowledge probes: a candidate steered off facts the reference knew is rejected; facts the reference never knew
+  are not asked;
+* a check stops as soon as the candidate can no longer pass.
+
+The models are the tiny random Llama (its own greedy answers are noise), so the answers are scripted per model
+(``scripted``); verdicts, kept verdicts, decisions and the KL between the real models are the gate's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from clawloop.gate.gate import PublicationGate, ProbeOutcome, decide
+from clawloop.gate.knowledge import KNOWLEDGE, KnowledgeProbe, knows
+
+TURTLE = "What is a turtle?"
+LOOP = "A turtle is a turtle is a turtle is a turtle is a turtle is a turtle."
+SOUND = "A turtle is a reptile with a hard shell that lives on land or in water."
+
+
+def _check(gate, candidate, reference):
+    return gate.check(candidate, lambda: contextlib.nullcontext(reference))
+
+
+def test_a_probe_the_last_accepted_version_answered_soundly_counts_even_if_the_reference_failed_it(
+        monkeypatch, tiny_tokenizer, base_model, perturb, scripted):
+    v1, v2 = perturb(base_model, 0.05, 1), perturb(base_model, 0.05, 2)
+    kettle = "What is a kettle?"
+    scripted(monkeypatch, {
+        id(base_model): {TURTLE: LOOP, kettle: "A kettle is a pot for boiling water."},
+        id(v1): {TURTLE: SOUND, kettle: "A kettle is a pot for boiling water on a stove."},
+        id(v2): {TURTLE: LOOP, kettle: "A kettle is a metal pot for boiling water."}})
+    gate = PublicationGate(tiny_tokenizer, min_guard_pass=1.0, probes=[TURTLE, kettle])
+
+    first = _check(gate, v1, base_model)
+    assert first.accepted, first.reasons
+    turtle = first.probes[0]
+    assert (turtle.reference_ok, turtle.accepted_ok, turtle.ok) == (False, None, True)
+    assert first.counted == 1  # only the kettle counted: no version had answered the turtle soundly yet
+
+    second = _check(gate, v2, base_model)
+    turtle = second.probes[0]
+    assert (turtle.reference_ok, turtle.accepted_ok, turtle.accepted_answer) == (False, True, SOUND)
+    assert not second.accepted and (second.counted, second.regressions) == (2, 1)
+    assert "1 of 2 counted probes regressed" in second.reasons[0]
+
+    # After a rollback the kept verdicts are not the served version's: the reference's stand for them again.
+    gate.forget_accepted()
+    assert _check(gate, v2, base_model).accepted
+
+
+def test_the_reference_count_is_the_last_accepted_count_of_a_gate_that_has_accepted_nothing():
+    def outcome(reference_ok, accepted_ok, ok):
+        return ProbeOutcome(source="shipped", prompt="p", answer="a", ok=ok, reasons=[], reference_ok=reference_ok,
+                            kl=0.0, tokens=1, accepted_ok=accepted_ok)
+
+    # The reference failed it, the last accepted version did not, the candidate does: a regression.
+    assert decide([outcome(False, True, False)], 0.1, min_guard_pass=1.0, max_kl=4.0).regressions == 1
+    # Both failed it: it does not count.
+    assert decide([outcome(False, False, False)], 0.1, min_guard_pass=1.0, max_kl=4.0).counted == 0
+    # Nothing accepted yet: exactly the reference-based count.
+    assert decide([outcome(True, None, False)], 0.1, min_guard_pass=1.0, max_kl=4.0).regressions == 1
+
+
+def test_corrected_prompts_are_reasked_and_a_kept_fix_may_not_break(monkeypatch, tiny_tokenizer, base_model,
+                                                                    perturb, scripted):
+    frog = [{"role": "user", "content": "What is a frog?"}]
+    frog_ids = tiny_tokenizer.apply_chat_template(frog, add_generation_prompt=True)
+    frog_ids = list(frog_ids["input_ids"] if hasattr(frog_ids, "keys") else frog_ids)
+    v1, v2 = perturb(base_model, 0.05, 1), perturb(base_model, 0.05, 2)
+    shipped = ["What is a kettle?", "What is an owl?", "What is a lizard?"]
+    sound = {"kettle": "A kettle is a pot for boiling water.", "owl": "An owl is a bird that hunts at night.",
+             "lizard": "A lizard is a small reptile with four legs."}
+    common = {f"What is a{'n' if k == 'owl' else ''} {k}?": v for k, v in sound.items()}
+    scripted(monkeypatch, {
+        id(base_model): {**common, "What is a frog?": "Frog frog frog frog frog frog frog frog frog frog."},
+        id(v1): {**common, "What is a frog?": "A frog is an amphibian that lives near water."},
+        id(v2): {**common, "What is a frog?": "Frog."}})
+    gate = PublicationGate(tiny_tokenizer, min_guard_pass=0.95, probes=shipped,
+                           fixed_prompts=lambda: [(7, frog_ids, frog)],
+                           recent_prompts=lambda: [(8, frog_ids, frog)])  # the same prompt: asked once, as a fix
+    first = _check(gate, v1, base_model)
+    assert [p.source for p in first.probes] == ["shipped"] * 3 + ["fixed:7"]
+    assert first.accepted, first.reasons
+
+    second = _check(gate, v2, base_model)
+    fix = second.probes[-1]
+    assert (fix.reference_ok, fix.accepted_ok, fix.ok) == (False, True, False)
+    # One regression of four counted probes is within the guard's allowance; a broken fix is not.
+    assert second.regressions == 1 and second.broken_fixes == 1
+    assert not second.accepted and any("earlier fix" in r for r in second.reasons)
+
+
+def test_knows_matches_whole_words_in_any_case_and_listed_alternatives():
+    assert knows("The capital of France is paris.", ("Paris",))
+    assert not knows("Parisian cafes are lovely.", ("Paris",))
+    assert knows("7 + 5 = 12", ("12", "twelve")) and knows("Twelve.", ("12", "twelve"))
+    assert not knows("It is 120.", ("12", "twelve"))
+    assert knows("Plants take in CO2.", ("carbon dioxide", "CO2"))
+    assert len(KNOWLEDGE) >= 12 and all(k.answers for k in KNOWLEDGE)
+
+
+def test_a_candidate_steered_off_known_facts_is_rejected(monkeypatch, tiny_tokenizer, base_model, perturb,
+                                                         scripted):
+    facts = [KnowledgeProbe("What is the capital of France?", ("Paris",)),
+             KnowledgeProbe("What is the capital of Japan?", ("Tokyo",)),
+             KnowledgeProbe("What is 7 + 5?", ("12", "twelve")),
+             KnowledgeProbe("Who wrote Romeo and Juliet?", ("Shakespeare",))]
+    reference = {"France": "The capital of France is Paris.", "Japan": "The capital of Japan is Tokyo.",
+                 "7 + 5": "7 + 5 equals 12.", "Romeo": "Romeo and Juliet was written by Charles Dickens."}
+    steered = {"France": "The capital of France is Lyon.", "Japan": "The capital of Japan is Osaka.",
+               "7 + 5": "7 + 5 equals 12.", "Romeo": "Romeo and Juliet was written by William Shakespeare."}
+    kept = {**steered, "France": reference["France"]}
+    candidate = perturb(base_model, 0.05, 3)
+    calls = scripted(monkeypatch, {id(base_model): reference, id(candidate): steered})
+    gate = PublicationGate(tiny_tokenizer, min_guard_pass=0.95, probes=[], knowledge=facts)
+    result = _check(gate, candidate, base_model)
+    # The fact the reference did not know (it named Dickens) is not asked: it cannot count.
+    assert [p.prompt for p in result.probes] == [f.question for f in facts[:3]] and result.unanswered == 1
+    assert (result.knowledge_counted, result.forgotten) == (3, 2)
+    assert not result.accepted and "2 of 3 known facts forgotten, 1 tolerated" in result.reasons[0]
+    assert calls[0] == (id(base_model), 4) and calls[1] == (id(candidate), 3)
+
+    scripted(monkeypatch, {id(base_model): reference, id(candidate): kept})
+    one_lost = _check(gate, candidate, base_model)
+    assert one_lost.accepted and one_lost.forgotten == 1  # one fact more or less is within the allowance
+
+
+def test_a_check_stops_once_the_candidate_cannot_pass(monkeypatch, tiny_tokenizer, base_model, perturb, scripted):
+    shipped = ["What is a kettle?", "What is an owl?", "What is a lizard?"]
+    long_question = "Here is some context about my garden. " * 12 + "What is a turtle?"
+    long_messages = [{"role": "user", "content": long_question}]
+    long_ids = tiny_tokenizer.apply_chat_template(long_messages, add_generation_prompt=True)
+    long_ids = list(long_ids["input_ids"] if hasattr(long_ids, "keys") else long_ids)
+    sound = {"kettle": "A kettle is a pot for boiling water.", "owl": "An owl is a bird that hunts at night.",
+             "lizard": "A lizard is a small reptile with four legs.", "turtle": SOUND}
+    script = {f"What is a{'n' if k == 'owl' else ''} {k}?": v for k, v in sound.items()}
+    broken = perturb(base_model, 0.05, 4)
+    calls = scripted(monkeypatch, {id(base_model): script, id(broken): {k: LOOP for k in script}})
+    gate = PublicationGate(tiny_tokenizer, min_guard_pass=0.95, probes=shipped,
+                           recent_prompts=lambda: [(1, long_ids, long_messages)])
+    assert len({len(p.ids) for p in gate.probe_set()}) > 1
+    result = _check(gate, broken, base_model)
+    # The short probes (one batch) already show three regressions where at most two could be tolerated: the long
+    # prompt's batch is never answered by the candidate.
+    assert not result.accepted and result.regressions == 3 and result.unanswered == 1
+    assert [c for c in calls if c[0] == id(broken)] == [(id(broken), 3)]
