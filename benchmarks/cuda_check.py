@@ -10,6 +10,7 @@ What it runs, in one process, and prints as JSON (``--out`` also writes it):
 * the trainer (``Trainer.run_batch``, fp32 master weights as on CPU) on hybrid-method samples of real chat
   prompts, LoRA and full fine-tuning, with teacher scores made up at the asked ids (``benchmarks/synthetic.py``)
   or, for ``lora+teacher``, asked of the served engine: seconds per step, the loss, and the GPU's peak memory.
+  ``+support`` adds the teacher-support term with the teacher's top-16 (``support_coef = 1``, ``support_k = 16``).
   The trainer publishes into the same engine, so the hand-over to serving runs too; the publication gate is on
   and checks each step on the GPU.
 
@@ -94,7 +95,7 @@ async def engine_rates(engine, prompts: list[list[int]], new_tokens: int) -> dic
 
 
 def train(model_dir: Path, engine, lora: bool, samples: int, tokens: int, steps: int, device: str,
-          real_teacher: bool = False) -> dict:
+          real_teacher: bool = False, support: bool = False) -> dict:
     from clawloop.config import Config
     from clawloop.engines.model_files import load_tokenizer
     from clawloop.store import Store
@@ -104,7 +105,8 @@ def train(model_dir: Path, engine, lora: bool, samples: int, tokens: int, steps:
     with tempfile.TemporaryDirectory() as tmp:
         config = Config.from_dict(dict(model=str(model_dir), device=device, run_dir=tmp, method="hybrid",
                                        lora=lora, rollout_batch_size=samples, micro_batch_size=samples,
-                                       metrics_backends=["jsonl"], gate_every=1))
+                                       metrics_backends=["jsonl"], gate_every=1,
+                                       support_coef=1.0 if support else 0.0, support_k=16 if support else 4))
         store = Store(Path(tmp) / "store.sqlite")
         write_samples(store, tokenizer, samples * steps, tokens)
         if torch.cuda.is_available():
@@ -132,7 +134,8 @@ def train(model_dir: Path, engine, lora: bool, samples: int, tokens: int, steps:
                          "published": metrics["published"], "policy_version": metrics["policy_version"],
                          "teacher_asked": metrics.get("teacher_asked", 0.0),
                          "teacher_wait_s": round(metrics.get("time_teacher_wait_s", 0.0), 2)})
-        result = {"variant": ("lora" if lora else "full") + ("+teacher" if real_teacher else ""),
+        result = {"variant": ("lora" if lora else "full") + ("+teacher" if real_teacher else "")
+                  + ("+support" if support else ""),
                   "samples_per_step": samples, "response_tokens": tokens,
                   "trainable_params": sum(p.numel() for p in trainer.models.trainable_parameters()),
                   "gpu_gib_after_load": round(loaded_gib, 2),
@@ -152,7 +155,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--variants", default="lora,full,lora+teacher",
-                        help="lora, full; '+teacher' asks the served engine as the teacher instead of made-up scores")
+                        help="lora, full; '+teacher' asks the served engine as the teacher instead of made-up scores; "
+                        "'+support' adds the teacher-support term at K' = 16")
     parser.add_argument("--out", default="")
     parser.add_argument("--device", default="cuda", help="cpu runs the same code for a quick check of the script")
     args = parser.parse_args()
@@ -182,7 +186,8 @@ def main() -> int:
             try:
                 report["trainer"].append(train(model_dir, engine, variant.startswith("lora"), args.samples,
                                                args.tokens, args.steps, args.device,
-                                               real_teacher=variant.endswith("+teacher")))
+                                               real_teacher="+teacher" in variant,
+                                               support="+support" in variant))
             except Exception as exc:  # noqa: BLE001 - report the failure, run the next variant
                 report["trainer"].append({"variant": variant, "error": f"{type(exc).__name__}: {exc}"})
             print(json.dumps(report["trainer"][-1]), flush=True)

@@ -203,10 +203,11 @@ class MethodSettings:
                               "teacher on the un-hinted prompt, as the original).")
     kl_coef: float = _f(0.0, "Weight of the k3 KL to the reference (base) model.")
     entropy_coef: float = _f(0.0, "Weight of the entropy bonus.")
-    support_coef: float = _f(0.0, "Weight of the teacher-support term added to the OPD branch on hinted turns: "
+    support_coef: float = _f(1.0, "Weight of the teacher-support term added to the OPD branch on hinted turns: "
                              "forward KL from the chosen hint's teacher top-K plus a tail bin to the student, "
                              "which lifts a token the teacher wants even when the student gives it almost no "
-                             "probability. 0 = off; > 0 needs method hybrid or opd with w_opd > 0.")
+                             "probability (docs/method.md). 0 = off, the original objective; methods without a "
+                             "top-k select OPD branch (rl, combine, topk_kl, w_opd = 0) do not use it.")
     support_k: int = _f(4, "Teacher top-K ids per position the support term uses (may differ from topk; the "
                          "teacher is asked for max(topk, support_k) ids when support_coef > 0).")
     support_positions: str = _f("all", "Where the support term applies: all, outside (only where a teacher "

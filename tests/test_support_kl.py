@@ -321,10 +321,6 @@ def test_the_term_follows_the_opd_branch_rule_for_unhinted_samples_and_the_metho
     (dict(support_k=0), "support_k"),
     (dict(support_positions="some"), "support_positions"),
     (dict(support_min_entropy=-1.0), "support_min_entropy"),
-    (dict(support_coef=1.0, method="rl"), "support_coef.*hybrid or opd"),
-    (dict(support_coef=1.0, method="combine"), "support_coef.*hybrid or opd"),
-    (dict(support_coef=1.0, method="topk_kl"), "support_coef.*hybrid or opd"),
-    (dict(support_coef=1.0, method="hybrid", w_opd=0.0), "support_coef.*w_opd"),
 ])
 def test_settings_are_checked_with_the_setting_named(bad, match):
     from clawloop.config import Config, ConfigError
@@ -333,6 +329,24 @@ def test_settings_are_checked_with_the_setting_named(bad, match):
         L.ObjectiveSettings(**bad).validate()
     with pytest.raises(ConfigError, match=match):
         Config.from_dict(bad)
+
+
+@pytest.mark.parametrize("method,w_opd", [("rl", None), ("combine", None), ("topk_kl", None), ("hybrid", 0.0)])
+def test_methods_without_a_select_branch_leave_the_term_out(method, w_opd):
+    """The default weight is on; a method that trains no top-k select OPD branch is accepted and unchanged by it."""
+    from clawloop.config import Config
+
+    settings = L.ObjectiveSettings(method=method, w_opd=w_opd, support_coef=1.0).validate()
+    assert not L.support_active(settings)
+    config = Config.from_dict(dict(method=method, **({} if w_opd is None else {"w_opd": w_opd})))
+    assert config.support_coef == 1.0 and not L.support_active(config)
+
+
+def test_the_config_turns_the_term_on_for_hybrid_and_opd():
+    from clawloop.config import Config
+
+    assert L.support_active(Config()) and L.support_active(Config.from_dict(dict(method="opd")))
+    assert not L.support_active(Config.from_dict(dict(support_coef=0.0)))
 
 
 def test_the_config_section_carries_the_settings_into_the_objective():
@@ -344,4 +358,6 @@ def test_the_config_section_carries_the_settings_into_the_objective():
     assert (settings.support_coef, settings.support_k, settings.support_positions,
             settings.support_min_entropy) == (0.25, 8, "entropy", 1.5)
     assert config.objective.support_k == 8
-    assert Config.from_dict({}).support_coef == L.ObjectiveSettings().support_coef
+    # The loss layer's own default is the original objective (no term); the product's config turns it on.
+    assert L.ObjectiveSettings().support_coef == 0.0
+    assert L.ObjectiveSettings.from_config(Config.from_dict({})).support_coef == 1.0

@@ -32,7 +32,7 @@ from clawloop.losses.objective import (MetricsAccumulator, ObjectiveConfig, Obje
                                        SampleObjective, sample_objective)
 from clawloop.losses.presets import (ADVANTAGE_MODES, HINT_SELECTIONS, METHOD_WEIGHTS, METHODS, OPD_ON_UNHINTED,
                                      SUBSET_MODES, SUPPORT_METHODS, SUPPORT_POSITIONS, ObjectiveChoices,
-                                     check_objective, method_weights)
+                                     check_objective, method_weights, support_active)
 from clawloop.losses.support import (support_metrics, support_positions, support_targets, teacher_entropy,
                                      teacher_support_kl)
 from clawloop.losses.surrogates import (combine_token_loss, grpo_token_loss, k3_kl, masked_token_mean,
@@ -42,7 +42,7 @@ from clawloop.losses.topk import (TopKSubset, TopKTargets, select_hints, tail_kl
 
 __all__ = [
     "ADVANTAGE_MODES", "HINT_SELECTIONS", "METHODS", "METHOD_WEIGHTS", "OPD_ON_UNHINTED", "SUBSET_MODES",
-    "SUPPORT_METHODS", "SUPPORT_POSITIONS",
+    "SUPPORT_METHODS", "SUPPORT_POSITIONS", "support_active",
     "MetricsAccumulator", "ObjectiveChoices", "ObjectiveConfig", "ObjectiveSample", "ObjectiveSettings",
     "SampleObjective", "TopKSubset", "TopKTargets", "check_objective", "combine_token_loss",
     "group_normalized_rewards", "grpo_token_loss", "k3_kl", "logprobs_and_entropy", "logprobs_at",

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from clawloop.losses.logsoftmax import logprobs_and_entropy
-from clawloop.losses.presets import check_objective, method_weights
+from clawloop.losses.presets import check_objective, method_weights, support_active
 from clawloop.losses.support import support_metrics, support_positions, support_targets, teacher_support_kl
 from clawloop.losses.surrogates import combine_token_loss, grpo_token_loss, k3_kl, masked_token_mean
 from clawloop.losses.topk import TopKTargets, tail_kl_metrics, topk_select_loss, topk_subset, topk_tail_kl
@@ -93,8 +93,9 @@ class ObjectiveSettings:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus; non-zero needs ``logits_T_V``."""
     support_coef: float = 0.0
-    """Weight of the teacher-support KL inside the OPD branch (``clawloop.losses.support``); 0 = off. Non-zero
-    needs method hybrid or opd with w_opd > 0."""
+    """Weight of the teacher-support KL inside the OPD branch (``clawloop.losses.support``). 0 here is the original
+    system's objective, which the pinned loss tests compare against; clawloop's config turns the term on
+    (``support_coef`` there). Only methods with a top-k select OPD branch use it (``support_active``)."""
     support_k: int = 4
     """Teacher ids per position the support term reads: the k most likely of the K' the targets carry (all of
     them when K' <= support_k)."""
@@ -224,7 +225,7 @@ def sample_objective(sample: ObjectiveSample, settings: ObjectiveSettings) -> Sa
     subset = None
     kl_ids_T_K = kl_teacher_T_K = None
     support_ids_T_S = support_teacher_T_S = support_cur_T_S = None
-    use_support = settings.support_coef != 0.0 and method != "topk_kl"
+    use_support = support_active(settings)
     columns = [response_ids_T.view(T, 1)]
     if use_targets:
         vocab = sample.logits_T_V.shape[1] if sample.logits_T_V is not None else None

@@ -95,8 +95,8 @@ def check_objective(settings: ObjectiveChoices) -> None:
 
 
 def check_support(settings: ObjectiveChoices) -> None:
-    """The teacher-support settings. A non-zero ``support_coef`` is refused where there is no top-k select OPD
-    branch to add it to (methods rl, combine, topk_kl, or w_opd = 0) rather than silently doing nothing."""
+    """The teacher-support settings. The term belongs to the top-k select OPD branch: where a method trains none
+    (rl, combine, topk_kl, or w_opd = 0) it has nothing to add to and stays out, like the other OPD settings."""
     check_choice("support_positions", settings.support_positions, SUPPORT_POSITIONS)
     coef = settings.support_coef
     if not (math.isfinite(coef) and coef >= 0.0):
@@ -106,9 +106,10 @@ def check_support(settings: ObjectiveChoices) -> None:
         raise ValueError(f"support_k={settings.support_k!r} must be an integer >= 1")
     if not (math.isfinite(settings.support_min_entropy) and settings.support_min_entropy >= 0.0):
         raise ValueError(f"support_min_entropy={settings.support_min_entropy!r} must be a finite number >= 0.0")
-    if coef > 0.0:
-        _, w_opd = method_weights(settings.method, settings.w_rl, settings.w_opd)
-        if settings.method not in SUPPORT_METHODS or w_opd == 0.0:
-            raise ValueError(
-                f"support_coef={coef!r} adds to the top-k select OPD branch, which method={settings.method!r} "
-                f"with w_opd={w_opd!r} does not train; use method hybrid or opd with w_opd > 0, or support_coef=0")
+
+
+def support_active(settings: ObjectiveChoices) -> bool:
+    """Whether the teacher-support term trains: a non-zero weight and a top-k select OPD branch to add it to."""
+    if settings.support_coef == 0.0 or settings.method not in SUPPORT_METHODS:
+        return False
+    return method_weights(settings.method, settings.w_rl, settings.w_opd)[1] != 0.0

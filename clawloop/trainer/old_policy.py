@@ -37,7 +37,8 @@ import torch
 
 from clawloop.config import Config
 from clawloop.temperature import effective_temperature
-from clawloop.losses import TopKTargets, logprobs_at, select_hints, topk_overlap, truncated_importance_weights
+from clawloop.losses import (TopKTargets, logprobs_at, select_hints, support_active, topk_overlap,
+                             truncated_importance_weights)
 from clawloop.trainer.batch import TrainItem, micro_batches
 from clawloop.trainer.model import TrainModels
 from clawloop.trainer.runner import LocalRunner, ResponseLogits, Runner
@@ -62,8 +63,8 @@ def wants_opd(config: Config, item: TrainItem) -> bool:
 
 def teacher_width(config: Config) -> int:
     """K': how many of its own top ids per position the teacher is asked for. The top-k subset reads ``topk`` of
-    them; the teacher-support term (on when ``support_coef`` > 0) reads ``support_k``."""
-    if config.support_coef > 0:
+    them; the teacher-support term (``support_active``: a weight and a top-k select OPD branch) reads ``support_k``."""
+    if support_active(config):
         return max(int(config.topk), int(config.support_k))
     return int(config.topk)
 
