@@ -345,11 +345,13 @@ class PublicationGate:
 
     # ---- the check ------------------------------------------------------------------------------------------
     def _verdict(self, p: _Probe, ids: list[int]) -> tuple[bool, list[str]]:
-        """The guard's verdict on an answer (question rules where the question is known); a knowledge probe's
-        answer must also hold one of its right answers (``forgot`` otherwise), and may be all digits ("10 + 10 =
-        20." is a sound answer to a sum, though the text rules call it ``empty`` and ``non_letters``)."""
+        """The guard's verdict on an answer (question rules where the question is known). A knowledge probe's
+        answer must hold one of its right answers (``forgot`` otherwise) and pass the text rules only: the fact is
+        what it checks, so "The answer is 3." to the sides of a triangle is right, though the question rules would
+        call it off topic; and it may be all digits ("10 + 10 = 20." is a sound answer to a sum, though the text
+        rules call it ``empty`` and ``non_letters``)."""
         text = self._text(ids)
-        verdict = guard_check(text, question=p.question)
+        verdict = guard_check(text, question=None if p.answers else p.question)
         reasons = [r for r in verdict.reasons if not (p.answers and r in ("empty", "non_letters"))]
         if p.answers and not knows(text, p.answers):
             reasons.append("forgot")

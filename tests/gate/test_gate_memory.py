@@ -149,3 +149,21 @@ def test_a_check_stops_once_the_candidate_cannot_pass(monkeypatch, tiny_tokenize
     # prompt's batch is never answered by the candidate.
     assert not result.accepted and result.regressions == 3 and result.unanswered == 1
     assert [c for c in calls if c[0] == id(broken)] == [(id(broken), 3)]
+
+
+def test_a_right_fact_counts_whatever_the_question_rules_say(monkeypatch, tiny_tokenizer, base_model, perturb,
+                                                            scripted):
+    """A knowledge probe checks the fact: a short right answer that never names the question's topic ("The answer
+    is 3.") still knows it, and a fluent answer without the fact does not."""
+    facts = [KnowledgeProbe("How many sides does a triangle have?", ("3", "three")),
+             KnowledgeProbe("Which planet is known as the Red Planet?", ("Mars",))]
+    reference = {"triangle": "A triangle has three sides.", "Red Planet": "Mars is known as the Red Planet."}
+    terse = {"triangle": "The answer is 3.", "Red Planet": "Mars."}
+    vague = {"triangle": "The answer is 3.", "Red Planet": "The Red Planet is a planet in the habitable zone."}
+    candidate = perturb(base_model, 0.05, 3)
+    scripted(monkeypatch, {id(base_model): reference, id(candidate): terse})
+    gate = PublicationGate(tiny_tokenizer, min_guard_pass=1.0, probes=[], knowledge=facts)
+    result = _check(gate, candidate, base_model)
+    assert result.accepted and (result.knowledge_counted, result.forgotten) == (2, 0)
+    scripted(monkeypatch, {id(base_model): reference, id(candidate): vague})
+    assert _check(gate, candidate, base_model).forgotten == 1
