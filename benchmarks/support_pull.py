@@ -39,6 +39,7 @@ import torch  # noqa: E402
 
 from clawloop.assemble import offline_teacher  # noqa: E402
 from clawloop.engines import model_files  # noqa: E402
+from clawloop.gate.knowledge import KNOWLEDGE, KNOWLEDGE_TOKENS, knows  # noqa: E402
 from clawloop.judge.rules import decide_user  # noqa: E402
 from clawloop.sim.demo import demo_config  # noqa: E402
 from clawloop.sim.personas import get_persona  # noqa: E402
@@ -78,12 +79,13 @@ def prompt_ids(tokenizer: Any, question: str) -> list[int]:
                                               return_dict=True)["input_ids"])
 
 
-def answer(models: TrainModels, tokenizer: Any, question: str, *, temperature: float, seed: int) -> list[int]:
+def answer(models: TrainModels, tokenizer: Any, question: str, *, temperature: float, seed: int,
+           max_new_tokens: int = MAX_NEW_TOKENS) -> list[int]:
     ids = torch.tensor([prompt_ids(tokenizer, question)])
     torch.manual_seed(seed)
     with torch.no_grad():
         out = models.policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                     max_new_tokens=MAX_NEW_TOKENS, do_sample=temperature > 0,
+                                     max_new_tokens=max_new_tokens, do_sample=temperature > 0,
                                      temperature=temperature if temperature > 0 else None, top_p=1.0,
                                      use_cache=True, pad_token_id=tokenizer.eos_token_id)
     return out[0, ids.shape[1]:].tolist()
@@ -104,8 +106,11 @@ def heldout(models: TrainModels, tokenizer: Any, persona: Any, first_id: int | N
         follows += verdict.ok
         sound += verdict.sound
     n = len(questions)
+    facts = [knows(tokenizer.decode(answer(models, tokenizer, k.question, temperature=0.0, seed=0,
+                                           max_new_tokens=KNOWLEDGE_TOKENS), skip_special_tokens=True), k.answers)
+             for k in KNOWLEDGE]
     return {"p_first": sum(p_first) / len(p_first) if p_first else float("nan"), "follows": follows / n,
-            "guard": sound / n}
+            "guard": sound / n, "facts": facts}
 
 
 def store_round(store: Store, tokenizer: Any, models: TrainModels, persona: Any, questions: list[str],
@@ -136,7 +141,9 @@ def store_round(store: Store, tokenizer: Any, models: TrainModels, persona: Any,
 
 
 def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, persona: Any, tokenizer: Any,
-                teacher: Any, out: Any) -> dict[str, Any]:
+                teacher: Any, out: Any, before: dict[str, Any]) -> dict[str, Any]:
+    """One variant's rounds from the starting weights; ``before`` is their held-out scores (the same for every
+    variant: same weights, same seed), filled by the first variant."""
     with tempfile.TemporaryDirectory(prefix="clawloop-support-") as tmp:
         config = demo_config({"model": args.model, "num_threads": args.threads, "device": "cpu", "gate": False,
                               "seed": args.seed, "run_dir": tmp, "rollout_batch_size": args.batch,
@@ -145,7 +152,8 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
         models = load_train_models(config)
         first = FIRST_TOKENS.get(persona.name)
         first_id = tokenizer.encode(first, add_special_tokens=False)[0] if first else None
-        before = heldout(models, tokenizer, persona, first_id)
+        if not before:
+            before.update(heldout(models, tokenizer, persona, first_id))
         store = Store(Path(tmp) / "store.sqlite")
         trainer = Trainer(config, store, LocalVersion(), run_dir=tmp, teacher=in_process(teacher), models=models,
                           console=None)
@@ -169,7 +177,7 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
         after = heldout(models, tokenizer, persona, first_id)
         trainer.close()
         store.close()
-    return {"name": name, "settings": settings, "before": before, "after": after, "sampled_followed": good_total,
+    return {"name": name, "settings": settings, "before": dict(before), "after": after, "sampled_followed": good_total,
             "seconds_per_round": step_s}
 
 
@@ -192,18 +200,21 @@ def main() -> int:
     tokenizer = model_files.load_tokenizer(model_dir)
     config = demo_config({"model": args.model, "num_threads": args.threads, "device": "cpu"})
     results = []
+    before: dict[str, Any] = {}
     with offline_teacher(config) as teacher:
         for name, settings in variants:
             print(f"variant {name}: {settings or 'the demo preset'}", flush=True)
             results.append(run_variant(name, settings, args, persona, tokenizer, teacher,
-                                       lambda line: print(line, flush=True)))
+                                       lambda line: print(line, flush=True), before))
     print(f"\npersona {persona.name}, {args.rounds} rounds of {args.batch}, seed {args.seed}; held-out "
           f"{len(persona.heldout_questions)} questions (before → after)")
-    print(f"{'variant':<16} {'P(first)':>19} {'follows':>13} {'guard':>13} {'s/round':>8}")
+    print(f"{'variant':<16} {'P(first)':>19} {'follows':>13} {'guard':>13} {'facts kept':>11} {'s/round':>8}")
     for r in results:
         b, a = r["before"], r["after"]
+        known = [i for i, k in enumerate(b["facts"]) if k]
+        kept = sum(a["facts"][i] for i in known)
         print(f"{r['name']:<16} {b['p_first']:>8.4f} → {a['p_first']:<8.4f} {b['follows']:>5.2f} → {a['follows']:<5.2f}"
-              f" {b['guard']:>5.2f} → {a['guard']:<5.2f} {r['seconds_per_round']:>8.1f}")
+              f" {b['guard']:>5.2f} → {a['guard']:<5.2f} {kept:>5}/{len(known):<5} {r['seconds_per_round']:>8.1f}")
     return 0
 
 

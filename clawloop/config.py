@@ -203,7 +203,7 @@ class MethodSettings:
                               "teacher on the un-hinted prompt, as the original).")
     kl_coef: float = _f(0.0, "Weight of the k3 KL to the reference (base) model.")
     entropy_coef: float = _f(0.0, "Weight of the entropy bonus.")
-    support_coef: float = _f(1.0, "Weight of the teacher-support term added to the OPD branch on hinted turns: "
+    support_coef: float = _f(0.3, "Weight of the teacher-support term added to the OPD branch on hinted turns: "
                              "forward KL from the chosen hint's teacher top-K plus a tail bin to the student, "
                              "which lifts a token the teacher wants even when the student gives it almost no "
                              "probability (docs/method.md). 0 = off, the original objective; methods without a "

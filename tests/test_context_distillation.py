@@ -18,6 +18,7 @@ from clawloop.teacher import HINT_PREFIX, Teacher
 from clawloop.wire import TeacherRequest
 
 from pipeline_support import CaseJudge, add_judgeable_turn
+from tests.test_pipeline import run_until_drained
 
 HINT_TEXT = "Give the temperature in Fahrenheit."
 
@@ -61,17 +62,6 @@ def make_pipeline(store, config, teacher_engine, tokenizer):
     teacher = Teacher(teacher_engine, chat_render_fn(tokenizer), config)
     return Pipeline(store, config, judge=Judge(client, JudgeSettings.from_config(config)), poll_interval_s=0.1,
                     teacher=teacher)
-
-
-def run_until_drained(pipeline, timeout_s=60.0):
-    async def go():
-        await pipeline.start()
-        pipeline.notify()
-        drained = await pipeline.drain(timeout_s=timeout_s)
-        await pipeline.stop()
-        return drained
-
-    return asyncio.run(go())
 
 
 def context_samples(store):

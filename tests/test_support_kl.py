@@ -339,7 +339,7 @@ def test_methods_without_a_select_branch_leave_the_term_out(method, w_opd):
     settings = L.ObjectiveSettings(method=method, w_opd=w_opd, support_coef=1.0).validate()
     assert not L.support_active(settings)
     config = Config.from_dict(dict(method=method, **({} if w_opd is None else {"w_opd": w_opd})))
-    assert config.support_coef == 1.0 and not L.support_active(config)
+    assert config.support_coef > 0 and not L.support_active(config)
 
 
 def test_the_config_turns_the_term_on_for_hybrid_and_opd():
@@ -360,4 +360,4 @@ def test_the_config_section_carries_the_settings_into_the_objective():
     assert config.objective.support_k == 8
     # The loss layer's own default is the original objective (no term); the product's config turns it on.
     assert L.ObjectiveSettings().support_coef == 0.0
-    assert L.ObjectiveSettings.from_config(Config.from_dict({})).support_coef == 1.0
+    assert L.ObjectiveSettings.from_config(Config.from_dict({})).support_coef == Config().support_coef > 0
