@@ -224,10 +224,11 @@ def test_resumed_trainer_continues_weights_optimizer_and_counters(make_config, b
     for i in range(6):
         add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i % 2 else -1.0,
                    hints=["Answer in one word."] if i in (0, 4) else ())
-    # advantage_mode raw: this test is about what a resume carries over; with the balanced mode's scaled
-    # negatives more parameters get near-cancelling gradients, whose last bits follow the ranks' summation order.
+    # advantage_mode raw and no teacher-support term: this test is about what a resume carries over; with the
+    # balanced mode's scaled negatives, or the term's extra pull, more parameters get near-cancelling gradients,
+    # whose last bits follow the ranks' summation order (and Adam's normalised update turns them into ±lr).
     settings = dict(rollout_batch_size=3, micro_batch_size=2, lr=1e-2, grad_clip=1.0, gate=False, kl_coef=0.5,
-                    checkpoint_every=1, advantage_mode="raw")
+                    checkpoint_every=1, advantage_mode="raw", support_coef=0.0)
     config = make_config(**settings)
 
     # The uninterrupted run, in process: batches are leased oldest first, 3 at a time.
