@@ -106,7 +106,7 @@ class Pipeline:
         self.config = config
         self.judge = judge
         self.teacher = teacher
-        self.context_samples = int(getattr(config, "context_samples", 0))
+        self.context_samples = int(config.context_samples)
         if self.context_samples > 0 and teacher is None:
             log.warning("clawloop pipeline: context_samples=%d but no teacher is at hand; no context samples "
                         "are made", self.context_samples)
