@@ -1,6 +1,8 @@
 """The judge -> sample pipeline on a real store, a real local judge server and the tiny model."""
 
 import asyncio
+import itertools
+import json
 import os
 import signal
 import subprocess
@@ -308,23 +310,31 @@ def test_kill_9_while_judging_then_restart(tmp_path, tiny_tokenizer):
     store_path = tmp_path / "run.db"
     store = Store(store_path)
     cases = ["good", "rl_only", "hint_only", "nothing", "good", "rl_only", "good", "hint_only"]
-    ids = [add_judgeable_turn(store, tiny_tokenizer, c, session=f"s{i}") for i, c in enumerate(cases)]
-    slow = CaseJudge()
+    held = 4  # this turn's judge calls after its first are held, so the kill finds it judging with one vote
+    ids = [add_judgeable_turn(store, tiny_tokenizer, c, session=f"s{i}",
+                              next_state=[{"role": "user", "content": "In Fahrenheit please. hold-this-turn"}]
+                              if i == held else None)
+           for i, c in enumerate(cases)]
+    scripted = CaseJudge()
+    release = threading.Event()
+    held_calls = itertools.count()
 
-    def slow_judge(body):
-        time.sleep(0.4)  # slow enough that the kill lands while turns are being judged
-        return slow(body)
+    def judge(body):
+        time.sleep(0.1)
+        if "hold-this-turn" in json.dumps(body) and next(held_calls) > 0:
+            release.wait(60)  # answered only after the kill (or never, if the worker is gone)
+        return scripted(body)
 
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     cmd = [sys.executable, str(HERE / "pipeline_crash_worker.py"), str(store_path)]
-    with ScriptedJudgeServer(slow_judge) as server:
+    with ScriptedJudgeServer(judge) as server:
         first = subprocess.Popen(cmd + [server.url], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             deadline = time.monotonic() + 240
             killed_while_judging = False
             while time.monotonic() < deadline and first.poll() is None:
-                judging = store.turns(state=TurnState.JUDGING)
-                if store.count_samples() and any(store.votes(t.id) for t in judging):
+                if (store.count_samples() and store.get_turn(ids[held]).state == TurnState.JUDGING
+                        and store.votes(ids[held])):
                     first.send_signal(signal.SIGKILL)
                     killed_while_judging = True
                     break
@@ -333,6 +343,7 @@ def test_kill_9_while_judging_then_restart(tmp_path, tiny_tokenizer):
         finally:
             if first.poll() is None:
                 first.kill()
+            release.set()
         assert killed_while_judging, first.stderr.read().decode()[-3000:]
         assert first.returncode == -signal.SIGKILL
         interrupted = {t.id: store.votes(t.id) for t in store.turns(state=TurnState.JUDGING)}
