@@ -9,8 +9,10 @@ the KL forward pass), and their ratio. The first check also answers every probe 
 verdicts are kept), so it is slower than the steady state. Before the gate's own check, the same candidate is
 checked by a plain gate (on unless ``--no-plain``: shipped and recent probes only, without the knowledge probes
 and the run's corrected prompts), so the two times are measured side by side on the same weights; the line
-also says whether both decided alike and how many of their common answers are equal. A last line times the greedy
-answers to probes of mixed lengths in one padded batch and in the gate's length groups, side by side.
+also says whether both decided alike and how many of their common answers are equal. The last lines time the greedy
+answers to probes of mixed lengths in one padded batch and in the gate's length groups, side by side, then the
+gate's decoding (rows leave the batch as they end) against one ``generate`` call per group, as the candidate
+answers and with most answers cut short.
 
     .venv/bin/python benchmarks/gate.py                    # 3 steps of 4 samples x 64 tokens, 1 thread
     .venv/bin/python benchmarks/gate.py --threads 2 --probe-tokens 16
@@ -153,7 +155,46 @@ def compare_batching(trainer, tokenizer, probe_tokens: int) -> None:
           f" one batch {timings['one batch']:.2f}s | length groups {groups} {timings['length groups']:.2f}s | "
           f"speed-up {timings['one batch'] / timings['length groups']:.2f}x | same answers: "
           f"{sum(a == b for a, b in zip(outputs['one batch'], outputs['length groups']))}/{len(prompts)}")
+    compare_decoding(model, prompts, probe_tokens, eos)
 
+
+def compare_decoding(model, prompts: list[list[int]], probe_tokens: int, eos: list[int]) -> None:
+    """The gate's decoding (rows leave the batch as they end) against one ``generate`` call per length group, which
+    decodes every row until the group's last one ends, on the same prompts and weights: once as the model answers,
+    and once with three answers in four cut short (an extra end-of-turn id: a token each of those answers wrote
+    early), the mix a candidate that learnt to answer briefly gives, with a few answers still long."""
+    from clawloop.gate.gate import greedy_answers, length_buckets
+
+    groups = length_buckets([len(p) for p in prompts])
+    for label in ("as answered", "3 in 4 cut short"):
+        t0 = time.perf_counter()
+        ours, _ = greedy_answers(model, prompts, probe_tokens, eos)
+        ours_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        theirs = {i: a for g in groups for i, a in zip(g, generate_group(model, [prompts[i] for i in g],
+                                                                        probe_tokens, eos))}
+        generate_s = time.perf_counter() - t0
+        lengths = sorted(len(a) for a in ours)
+        print(f"decoding {len(prompts)} probes {label}, answers of {lengths[0]}-{lengths[-1]} tokens (median "
+              f"{lengths[len(lengths) // 2]}): rows leave as they end {ours_s:.2f}s | generate per group "
+              f"{generate_s:.2f}s | speed-up {generate_s / ours_s:.2f}x | same answers: "
+              f"{sum(ours[i] == theirs[i] for i in range(len(prompts)))}/{len(prompts)}")
+        early = {a[min(len(a) - 1, 4)] for i, a in enumerate(ours) if a and i % 4 != 3}
+        eos = eos + sorted(early - {t for a in ours[3::4] for t in a} - set(eos))
+
+
+def generate_group(model, prompts: list[list[int]], max_tokens: int, eos: list[int]) -> list[list[int]]:
+    """Greedy answers from one left-padded ``generate`` call: every row is decoded until the last one ends."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[eos[0]] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos[0], temperature=None, top_p=None, top_k=None)
+    rows = out[:, width:].tolist()
+    return [row[:next((j for j, t in enumerate(row) if t in eos), len(row))] for row in rows]
 
 if __name__ == "__main__":
     main()

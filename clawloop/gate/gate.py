@@ -14,7 +14,8 @@ A check:
    what the guard judges the answer against; a probe equal to an earlier one is asked once;
 2. has the reference answer each probe once, the first time it appears, and keeps its verdict;
 3. finds the candidate's greedy answer to each probe (``probe_tokens`` at most, ``knowledge_tokens`` for the
-   knowledge probes; probes of similar length batched together, ``length_buckets``);
+   knowledge probes; probes of similar length batched together whatever their cap, ``length_buckets``, each row
+   leaving the batch when its answer ends);
 4. runs the degeneracy guard on every answer: the text rules everywhere (empty, symbol soup, loops, low
    diversity) and, where the question is known (the shipped probes, and a recent prompt whose last user message
    ends in a wh-question, ``question_of``),
@@ -385,18 +386,16 @@ class PublicationGate:
         missing = [p for p in probe_set if _key(p) not in self._reference_ok]
         if missing:  # the reference answers each probe once, the first time it appears
             with reference() as ref:
-                for cap, group in self._by_cap(missing):
-                    ref_answers, _ = greedy_answers(ref, [p.ids for p in group], cap, eos)
-                    for p, ans in zip(group, ref_answers):
-                        self._reference_ok[_key(p)] = self._verdict(p, ans)[0]
+                ref_answers, _ = greedy_answers(ref, [p.ids for p in missing], [self._cap(p) for p in missing], eos)
+                for p, ans in zip(missing, ref_answers):
+                    self._reference_ok[_key(p)] = self._verdict(p, ans)[0]
         probes = [p for p in probe_set if self._worth_asking(p)]
         unasked = len(probe_set) - len(probes)
         answered: list[tuple[_Probe, list[int], torch.Tensor]] = []
         outcomes: list[ProbeOutcome] = []
-        batches = [(cap, [group[i] for i in idx]) for cap, group in self._by_cap(probes)
-                   for idx in length_buckets([len(p.ids) for p in group])]
-        for n, (cap, batch) in enumerate(batches):
-            answers, logprobs = self._answer(candidate, batch, cap, eos)
+        batches = [[probes[i] for i in idx] for idx in length_buckets([len(p.ids) for p in probes])]
+        for n, batch in enumerate(batches):
+            answers, logprobs = self._answer(candidate, batch, eos)
             for p, ans, lp in zip(batch, answers, logprobs):
                 ok, reasons = self._verdict(p, ans)
                 known = self._accepted.get(_key(p))
@@ -405,7 +404,7 @@ class PublicationGate:
                                              reasons=reasons, reference_ok=self._reference_ok[_key(p)], kl=0.0,
                                              tokens=len(ans), accepted_ok=None if known is None else known[0],
                                              accepted_answer=None if known is None else known[1]))
-            pending = [p for _, rest in batches[n + 1:] for p in rest]
+            pending = [p for rest in batches[n + 1:] for p in rest]
             if pending and certain_rejection(outcomes, sum(p.source != "knowledge" for p in pending),
                                              sum(p.source == "knowledge" for p in pending),
                                              min_guard_pass=self.min_guard_pass):
@@ -442,16 +441,14 @@ class PublicationGate:
                           knowledge_counted=decision.knowledge_counted, forgotten=decision.forgotten,
                           broken_fixes=decision.broken_fixes, unanswered=unasked)
 
-    def _answer(self, model: torch.nn.Module, batch: list[_Probe], cap: int,
+    def _answer(self, model: torch.nn.Module, batch: list[_Probe],
                 eos: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
         """Greedy answers to ``batch`` and their log-softmax rows (for the KL)."""
-        return greedy_answers(model, [p.ids for p in batch], cap, eos)
+        return greedy_answers(model, [p.ids for p in batch], [self._cap(p) for p in batch], eos)
 
-    def _by_cap(self, probes: Sequence[_Probe]) -> list[tuple[int, list[_Probe]]]:
-        """The knowledge probes (answered in ``knowledge_tokens``) first, then the others (``probe_tokens``)."""
-        facts = [p for p in probes if p.source == "knowledge"]
-        rest = [p for p in probes if p.source != "knowledge"]
-        return [(cap, group) for cap, group in ((self.knowledge_tokens, facts), (self.probe_tokens, rest)) if group]
+    def _cap(self, p: _Probe) -> int:
+        """Most tokens of a probe's answer: ``knowledge_tokens`` for a knowledge probe, else ``probe_tokens``."""
+        return self.knowledge_tokens if p.source == "knowledge" else self.probe_tokens
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

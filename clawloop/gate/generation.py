@@ -1,7 +1,7 @@
 """Greedy answers to the gate's probes and the log-probabilities the KL needs, batched by prompt length.
 
 ``greedy_answers`` answers a list of prompts with a KV cache, one left-padded batch per group of similar lengths
-(``length_buckets``), and returns the model's log-softmax at every answer position from the generation's own logits;
+(``length_buckets``) from which each row leaves as soon as its answer ends, and returns the model's log-softmax at every answer position from the generation's own logits;
 ``answer_logprobs`` scores given answers under another model (the reference) in one forward per group.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+
+from clawloop.engines.hf import cache_kwargs
 
 
 def length_buckets(lengths: Sequence[int], *, ratio: float = 2.0, slack: int = 32) -> list[list[int]]:
@@ -28,42 +30,87 @@ def length_buckets(lengths: Sequence[int], *, ratio: float = 2.0, slack: int = 3
 
 
 @torch.no_grad()
-def greedy_answers(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, eos_ids: list[int], *,
+def greedy_answers(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int | Sequence[int],
+                   eos_ids: list[int], *,
                    batches: Callable[[Sequence[int]], list[list[int]]] = length_buckets,
                    ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy continuations of ``prompts`` (one left-padded batch with a KV cache per group of ``batches``, by
-    default ``length_buckets``), each cut before its first end-of-turn token or after ``max_tokens``, and the
+    default ``length_buckets``, decoded only for the rows still answering), each cut before its first end-of-turn
+    token or after ``max_tokens`` (one cap for all, or one per prompt), and the
     model's log-softmax ``[T, V]`` at each answer position (read from the generation's own logits, so no second
     forward is needed)."""
+    caps = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else [int(c) for c in max_tokens]
     answers: list[list[int]] = [[] for _ in prompts]
     logprobs: list[torch.Tensor] = [torch.zeros(0) for _ in prompts]
     for group in batches([len(p) for p in prompts]):
-        group_answers, group_logprobs = _greedy_batch(model, [prompts[i] for i in group], max_tokens, eos_ids)
+        group_answers, group_logprobs = _greedy_batch(model, [prompts[i] for i in group], [caps[i] for i in group],
+                                                      eos_ids)
         for i, a, lp in zip(group, group_answers, group_logprobs):
             answers[i], logprobs[i] = a, lp
     return answers, logprobs
 
 
-def _greedy_batch(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int,
+def _greedy_batch(model: torch.nn.Module, prompts: list[list[int]], caps: list[int],
                   eos_ids: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """One left-padded prefill, then one forward per token for the rows still answering: a row that wrote an
+    end-of-turn token (or its cap of tokens) leaves the batch and its KV cache at once, and leading cache columns
+    that are padding for every row left are dropped. On a CPU a decoding step costs nearly the same for 8 rows as
+    for 28 (the weights are read once per step either way), so probes with different caps share one batch rather
+    than each cap paying for its own steps; rows leaving early save the rest."""
+    from transformers import DynamicCache
+
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
+    eos = set(eos_ids)
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
     pad = eos_ids[0] if eos_ids else 0
-    ids_B_L = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
-    mask_B_L = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        ids_B_L[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask_B_L[i, width - len(p):] = 1
-    out = model.generate(input_ids=ids_B_L, attention_mask=mask_B_L, max_new_tokens=max_tokens, do_sample=False,
-                         num_beams=1, use_cache=True, eos_token_id=eos_ids, pad_token_id=pad, temperature=None,
-                         top_p=None, top_k=None, output_logits=True, return_dict_in_generate=True)
-    logits_B_N_V = torch.stack(out.logits, dim=1)
-    answers, logprobs = [], []
-    for i, row in enumerate(out.sequences[:, width:].tolist()):
-        cut = next((j for j, t in enumerate(row) if t in eos_ids), len(row))
-        answers.append(row[:cut])
-        logprobs.append(torch.log_softmax(logits_B_N_V[i, :cut].float(), dim=-1))
+    ids_B_L = torch.tensor([[pad] * (width - n) + p for p, n in zip(prompts, lengths)], dtype=torch.long,
+                           device=device)
+    mask_B_L = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], dtype=torch.long, device=device)
+    pos_B_L = (mask_B_L.cumsum(dim=1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    answers: list[list[int]] = [[] for _ in prompts]
+    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))  # prompt index of each row of the running batch
+    logits_B_V = model(input_ids=ids_B_L, attention_mask=mask_B_L, position_ids=pos_B_L, logits_to_keep=1,
+                       **cache_kwargs(model, cache)).logits[:, -1, :]
+    pos_B = torch.tensor(lengths, dtype=torch.long, device=device)
+    for _ in range(max(caps, default=0)):
+        logprobs_B_V = torch.log_softmax(logits_B_V.float(), dim=-1)
+        next_B = logprobs_B_V.argmax(dim=-1)
+        keep = []
+        for b, (i, token) in enumerate(zip(live, next_B.tolist())):
+            if token in eos or len(answers[i]) >= caps[i]:
+                continue
+            answers[i].append(token)
+            rows[i].append(logprobs_B_V[b])
+            if len(answers[i]) < caps[i]:
+                keep.append(b)
+        if not keep:
+            break
+        if len(keep) < len(live):
+            keep_B = torch.tensor(keep, dtype=torch.long, device=device)
+            cache.batch_select_indices(keep_B)
+            mask_B_L, pos_B, next_B = mask_B_L[keep_B], pos_B[keep_B], next_B[keep_B]
+            live = [live[b] for b in keep]
+            first = int(mask_B_L.any(dim=0).nonzero()[0])
+            if first > 0:  # columns that are padding for every row left
+                _drop_columns(cache, first)
+                mask_B_L = mask_B_L[:, first:]
+        mask_B_L = torch.nn.functional.pad(mask_B_L, (0, 1), value=1)
+        logits_B_V = model(input_ids=next_B[:, None], attention_mask=mask_B_L, position_ids=pos_B[:, None],
+                           **cache_kwargs(model, cache)).logits[:, -1, :]
+        pos_B = pos_B + 1
+    vocab = int(logits_B_V.shape[-1])
+    logprobs = [torch.stack(r) if r else torch.zeros((0, vocab)) for r in rows]
     return answers, logprobs
+
+
+def _drop_columns(cache: object, first: int) -> None:
+    """Drop the first ``first`` positions of every layer's keys and values."""
+    for layer in cache.layers:  # type: ignore[attr-defined]
+        layer.keys = layer.keys[:, :, first:, :]
+        layer.values = layer.values[:, :, first:, :]
 
 
 @torch.no_grad()

@@ -40,7 +40,9 @@ def scripted(tiny_tokenizer):
                 shown = tiny_tokenizer.decode(ids)
                 texts.append(next(answer for prompt, answer in script.items() if prompt in shown))
             calls.append((id(model), len(prompts)))
-            answers = [list(tiny_tokenizer(t, add_special_tokens=False)["input_ids"])[:max_tokens] for t in texts]
+            caps = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+            answers = [list(tiny_tokenizer(t, add_special_tokens=False)["input_ids"])[:cap]
+                       for t, cap in zip(texts, caps)]
             return answers, answer_logprobs(model, prompts, answers)
 
         monkeypatch.setattr(gate_module, "greedy_answers", replay)

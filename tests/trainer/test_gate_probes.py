@@ -95,6 +95,29 @@ def test_greedy_answers_in_buckets_equal_each_prompt_answered_alone(base_model, 
         torch.testing.assert_close(lp, again, atol=1e-4, rtol=1e-4)
 
 
+def test_rows_that_end_early_leave_the_batch_without_changing_any_answer(base_model, tiny_tokenizer):
+    """The gate decodes only the rows still answering; every answer and its log-softmax rows equal those of the
+    model's own ``generate`` on that prompt alone, also when the rows end at different steps."""
+    torch.manual_seed(1)
+    prompts = [[1] + [int(t) for t in torch.randint(3, 200, (n,))] for n in (9, 14, 6, 11)]
+    eos = [tiny_tokenizer.eos_token_id]
+    free, _ = greedy_answers(base_model, prompts, 12, eos)
+    # End-of-turn ids chosen from the free answers, so that the rows end after 1, 3 and 6 tokens, and one never.
+    stops = {free[0][1], free[1][3], free[2][6]} - set(free[3])
+    eos = eos + sorted(stops)
+    answers, logprobs = greedy_answers(base_model, prompts, 12, eos, batches=lambda n: [list(range(len(n)))])
+    assert len({len(a) for a in answers}) >= 3  # the rows did end at different steps
+    for p, a, lp in zip(prompts, answers, logprobs):
+        out = base_model.generate(input_ids=torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=eos,
+                                  pad_token_id=eos[0], temperature=None, top_p=None, top_k=None, output_logits=True,
+                                  return_dict_in_generate=True)
+        row = out.sequences[0, len(p):].tolist()
+        cut = next((j for j, t in enumerate(row) if t in eos), len(row))
+        assert a == row[:cut]
+        expected = torch.log_softmax(torch.stack(out.logits, dim=1)[0, :cut].float(), dim=-1)
+        torch.testing.assert_close(lp, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_a_question_asked_again_costs_the_reference_no_second_answer(tmp_path, tiny_tokenizer, base_model,
                                                                       monkeypatch):
     store = Store(tmp_path / "store.sqlite")
