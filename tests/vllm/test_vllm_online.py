@@ -56,8 +56,10 @@ def served_gap(model: torch.nn.Module, turn) -> float:
 def test_one_online_step_with_policy_judge_and_teacher_on_vllm(vllm_fleet, tmp_path):
     torch.set_num_threads(2)
     _, fleet_config = vllm_fleet
+    # A small step: at lr 1e-3 one step of SmolLM2 on two samples often loses facts the gate's knowledge probes ask
+    # for and is rejected (docs/publication-gate.md), and this test needs a published version to check vLLM serves it.
     config = fleet_config.replace(
-        run_dir=str(tmp_path / "run"), port=0, method="hybrid", rollout_batch_size=2, lr=1e-3, prm_m=1,
+        run_dir=str(tmp_path / "run"), port=0, method="hybrid", rollout_batch_size=2, lr=1e-4, prm_m=1,
         judge_max_tokens=96, judge_retries=1, judge_timeout_s=300.0,
         judge_extra_body={"structured_outputs": {"regex": JUDGE_REGEX}}, checkpoint_every=1000, num_threads=2,
         device="cpu", admin_key=ADMIN_KEY)
