@@ -91,6 +91,18 @@ def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     return {_cache_kwarg_of(type(model)): cache, "use_cache": True}
 
 
+def trim_padding(cache: Any, mask_B_L: torch.Tensor) -> torch.Tensor:
+    """Drop the leading KV-cache columns that are padding for every row (dead weight in every decoding step) and
+    return the mask without them."""
+    first = int(mask_B_L.any(dim=0).nonzero()[0])
+    if first > 0:
+        for layer in cache.layers:
+            layer.keys = layer.keys[:, :, first:, :]
+            layer.values = layer.values[:, :, first:, :]
+        mask_B_L = mask_B_L[:, first:]
+    return mask_B_L
+
+
 SWAP_MODES = ("double_buffer", "drain")
 Weights = Mapping[str, torch.Tensor] | Callable[[torch.nn.Module], Any] | torch.nn.Module
 
@@ -649,7 +661,7 @@ class HFEngine:
             batch.pos_B = torch.cat([batch.pos_B, pos_N])
             batch.next_B = torch.cat([batch.next_B, next_N])
         batch.seqs.extend(seqs[i] for i in keep)
-        self._trim_padding(batch)
+        batch.mask_B_L = trim_padding(batch.cache, batch.mask_B_L)
 
     def _decode_step(self, batch: _Batch) -> None:
         try:
@@ -689,17 +701,7 @@ class HFEngine:
             batch.mask_B_L = batch.mask_B_L[keep_B]
             batch.pos_B = batch.pos_B[keep_B]
             batch.next_B = batch.next_B[keep_B]
-            self._trim_padding(batch)
-
-    @staticmethod
-    def _trim_padding(batch: _Batch) -> None:
-        """Drop leading cache columns that are padding for every sequence (dead weight in every step)."""
-        first = int(batch.mask_B_L.any(dim=0).nonzero()[0])
-        if first > 0:
-            for layer in batch.cache.layers:
-                layer.keys = layer.keys[:, :, first:, :]
-                layer.values = layer.values[:, :, first:, :]
-            batch.mask_B_L = batch.mask_B_L[:, first:]
+            batch.mask_B_L = trim_padding(batch.cache, batch.mask_B_L)
 
     def _sample_and_append(self, seqs: list[_Seq], logits_B_V: torch.Tensor) -> list[int]:
         """Sample one token per sequence, record it, deliver events/results; returns the sampled ids."""

@@ -1,7 +1,8 @@
 """Greedy answers to the gate's probes and the log-probabilities the KL needs, batched by prompt length.
 
 ``greedy_answers`` answers a list of prompts with a KV cache, one left-padded batch per group of similar lengths
-(``length_buckets``) from which each row leaves as soon as its answer ends, and returns the model's log-softmax at every answer position from the generation's own logits;
+(``length_buckets``) from which each row leaves as soon as its answer ends, and returns the model's log-softmax at
+every answer position from the generation's own logits;
 ``answer_logprobs`` scores given answers under another model (the reference) in one forward per group.
 """
 
@@ -11,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from clawloop.engines.hf import cache_kwargs
+from clawloop.engines.hf import cache_kwargs, trim_padding
 
 
 def length_buckets(lengths: Sequence[int], *, ratio: float = 2.0, slack: int = 32) -> list[list[int]]:
@@ -93,10 +94,7 @@ def _greedy_batch(model: torch.nn.Module, prompts: list[list[int]], caps: list[i
             cache.batch_select_indices(keep_B)
             mask_B_L, pos_B, next_B = mask_B_L[keep_B], pos_B[keep_B], next_B[keep_B]
             live = [live[b] for b in keep]
-            first = int(mask_B_L.any(dim=0).nonzero()[0])
-            if first > 0:  # columns that are padding for every row left
-                _drop_columns(cache, first)
-                mask_B_L = mask_B_L[:, first:]
+            mask_B_L = trim_padding(cache, mask_B_L)
         mask_B_L = torch.nn.functional.pad(mask_B_L, (0, 1), value=1)
         logits_B_V = model(input_ids=next_B[:, None], attention_mask=mask_B_L, position_ids=pos_B[:, None],
                            **cache_kwargs(model, cache)).logits[:, -1, :]
@@ -104,13 +102,6 @@ def _greedy_batch(model: torch.nn.Module, prompts: list[list[int]], caps: list[i
     vocab = int(logits_B_V.shape[-1])
     logprobs = [torch.stack(r) if r else torch.zeros((0, vocab)) for r in rows]
     return answers, logprobs
-
-
-def _drop_columns(cache: object, first: int) -> None:
-    """Drop the first ``first`` positions of every layer's keys and values."""
-    for layer in cache.layers:  # type: ignore[attr-defined]
-        layer.keys = layer.keys[:, :, first:, :]
-        layer.values = layer.values[:, :, first:, :]
 
 
 @torch.no_grad()
