@@ -20,7 +20,13 @@ Printed side by side:
    averaged over the held-out questions, per correction;
 2. unless ``--no-follow``: for every persona, how often the teacher's greedy answer under each hint follows the
    preference (the persona's own checker), i.e. how often the distillation target shows the student the
-   preferred behaviour.
+   preferred behaviour;
+3. unless ``--no-facts``: for every persona, how many of the gate's knowledge probes (``clawloop.gate.knowledge``)
+   the teacher still answers right under the imperative hint, of those the un-hinted model answers right, with
+   the lost ones. A student distilled toward that teacher is pulled toward the same losses, which the gate's
+   knowledge check then rejects.
+
+    python benchmarks/hint_wording.py --no-opening --no-follow      # the facts table alone, about a minute
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import torch  # noqa: E402
 
 from clawloop.config import Config  # noqa: E402
 from clawloop.engines import model_files  # noqa: E402
+from clawloop.gate.knowledge import KNOWLEDGE, KNOWLEDGE_TOKENS, knows  # noqa: E402
 from clawloop.judge.rules import as_instruction, decide, split_sentences  # noqa: E402
 from clawloop.renderers import chat_render_fn  # noqa: E402
 from clawloop.sim.personas import PERSONAS  # noqa: E402
@@ -70,7 +77,9 @@ def opening_stats(model: Any, render: Any, tokenizer: Any, question: str, hint: 
 
 @torch.no_grad()
 def greedy(model: Any, render: Any, tokenizer: Any, question: str, hint: str, max_tokens: int) -> str:
-    prompt_ids = render(inject_hint([{"role": "user", "content": question}], hint), None)
+    """The greedy answer to ``question`` with ``hint`` injected (none when ``hint`` is empty)."""
+    messages = [{"role": "user", "content": question}]
+    prompt_ids = render(inject_hint(messages, hint) if hint else messages, None)
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
                          pad_token_id=tokenizer.eos_token_id)
     return tokenizer.decode(out[0, len(prompt_ids):], skip_special_tokens=True)
@@ -87,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="Torch threads.")
     ap.add_argument("--no-follow", action="store_true", help="Skip the greedy follow-rate table.")
     ap.add_argument("--no-opening", action="store_true", help="Skip the \"In short,\" opening table.")
+    ap.add_argument("--no-facts", action="store_true", help="Skip the knowledge-probe table.")
     ap.add_argument("--max-tokens", type=int, default=48, help="Greedy answer length for the follow rate.")
     ap.add_argument("--follow-questions", type=int, default=4, help="Held-out questions per persona for the "
                     "follow rate (0 = all; every one costs a greedy answer per distinct hint).")
@@ -106,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         opening_table(model, render, tokenizer, questions(PERSONAS["inshort"]), k, args.model)
     if not args.no_follow:
         follow_table(model, render, tokenizer, args.follow_questions, args.max_tokens)
+    if not args.no_facts:
+        facts_table(model, render, tokenizer)
     return 0
 
 
@@ -159,6 +171,25 @@ def follow_table(model: Any, render: Any, tokenizer: Any, n_questions: int, max_
                     counts[key] += followed[(q, hint)]
         print(f"{name:10} | {counts['narrated'] / total:6.1%} ({counts['narrated']:3d}/{total:3d}) | "
               f"{counts['imperative'] / total:6.1%} ({counts['imperative']:3d}/{total:3d})", flush=True)
+
+
+def facts_table(model: Any, render: Any, tokenizer: Any) -> None:
+    print()
+    print(f"Knowledge probes the teacher answers right under the hint ({KNOWLEDGE_TOKENS} tokens, greedy), of those "
+          f"the un-hinted model answers right", flush=True)
+    known = [probe for probe in KNOWLEDGE
+             if knows(greedy(model, render, tokenizer, probe.question, "", KNOWLEDGE_TOKENS), probe.answers)]
+    print(f"un-hinted model: {len(known)} of {len(KNOWLEDGE)}", flush=True)
+    for name, persona in PERSONAS.items():
+        for hint in dict.fromkeys(imperative_hint(c) for c in persona.corrections):
+            lost = []
+            for probe in known:
+                answer = greedy(model, render, tokenizer, probe.question, hint, KNOWLEDGE_TOKENS)
+                if not knows(answer, probe.answers):
+                    lost.append(f"{probe.question} -> {answer.strip()[:70]!r}")
+            print(f"{name:10} | {len(known) - len(lost):2d}/{len(known)} kept | hint {hint!r}", flush=True)
+            for line in lost:
+                print(f"{'':10} |   lost: {line}", flush=True)
 
 
 if __name__ == "__main__":
