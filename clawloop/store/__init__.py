@@ -21,9 +21,11 @@ restart (``recover()`` moves it back to ``judgeable``; votes of the interrupted 
 * ``contexts.Contexts`` — context samples: the teacher's own answers to a hinted turn, each a turn and sample of
   its own (kind ``context``), linked to the judged turn they came from;
 * ``export`` — every record appended to JSONL files;
+* ``forget`` — one user's records deleted, and their text taken out of the file and its log;
 
 over ``database.Database`` (the file, its schema and migrations, its transactions) and the records of
-``records``. Nothing is ever deleted or truncated: the store is the record. Tables and columns are only ever
+``records``. Nothing is deleted or truncated except by an explicit ``forget_owner`` (one user's records, on
+request): otherwise the store is the record. Tables and columns are only ever
 added, so an older store opens as it is (``database`` has the details).
 """
 
@@ -36,14 +38,15 @@ from typing import Any
 from clawloop.store.contexts import CONTEXT_KIND, ContextSample, Contexts
 from clawloop.store.database import SCHEMA_VERSION, STORE_FILENAME, Database, find_store
 from clawloop.store.export import export_jsonl, iter_export
+from clawloop.store.forget import ForgetResult, forget_owner
 from clawloop.store.history import History, mark_uncommitted_versions
 from clawloop.store.queries import Queries
 from clawloop.store.records import LeaseLost, SampleRecord, TurnRecord, TurnState, VoteRecord
 from clawloop.store.samples import Samples, leased_back_to_ready
 from clawloop.store.turns import Turns, judging_back_to_judgeable
 
-__all__ = ["CONTEXT_KIND", "SCHEMA_VERSION", "STORE_FILENAME", "ContextSample", "LeaseLost", "SampleRecord", "Store", "TurnRecord", "TurnState",
-           "VoteRecord", "find_store"]
+__all__ = ["CONTEXT_KIND", "SCHEMA_VERSION", "STORE_FILENAME", "ContextSample", "ForgetResult", "LeaseLost",
+           "SampleRecord", "Store", "TurnRecord", "TurnState", "VoteRecord", "find_store"]
 
 
 class Store(Turns, Samples, History, Queries, Contexts):
@@ -91,6 +94,12 @@ class Store(Turns, Samples, History, Queries, Contexts):
             leased = leased_back_to_ready(db)
             mark_uncommitted_versions(db)
         return {"judging_to_judgeable": judged, "leased_to_ready": leased}
+
+    # ---- forgetting ------------------------------------------------------------------------------------
+    def forget_owner(self, owner: str, *, reader_wait_s: float = 30.0) -> ForgetResult:
+        """Delete every record of ``owner`` and leave none of their text in the file or its log
+        (``clawloop.store.forget``)."""
+        return forget_owner(self.db, owner, reader_wait_s=reader_wait_s)
 
     # ---- export ----------------------------------------------------------------------------------------
     def iter_export(self) -> Iterator[tuple[str, dict[str, Any]]]:

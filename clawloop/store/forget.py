@@ -1,0 +1,177 @@
+"""Forgetting one user: their records deleted from the store, and none of their text left in its files.
+
+What a user leaves in a run's store, and what ``forget_owner`` does with it, in one transaction:
+
+* their turns (``turns.owner``), with the context turns sampled from them (``context_turns``), the votes and hints
+  the judge wrote on them (``votes``) and their samples (``samples``): deleted;
+* the publication gate's evidence (``versions.evidence``, ``events.detail``): the probes it made of their prompts
+  (``recent:<turn id>`` and ``fixed:<turn id>``) keep their verdicts but lose their prompt and answers, and any
+  other string there that quotes one of those prompts (a reason such as "1 earlier fix broken (…)") has it cut;
+* the steps that trained on them (``steps.turn_ids``, ``requeued_steps.turn_ids``) hold ids only: kept, so the
+  record still says which steps and versions the deleted samples went into, and the receipt lists them.
+
+Deleting a row is not enough to take its text out of the files: SQLite leaves freed pages as they were, and in
+WAL mode the old page images stay in the ``-wal`` file until a checkpoint overwrites the database and the log is
+truncated. So the deletes run with ``PRAGMA secure_delete`` on (freed content is overwritten with zeros), and
+afterwards ``VACUUM`` rebuilds the file and ``PRAGMA wal_checkpoint(TRUNCATE)`` empties the log. Another process
+reading the store (a dashboard) can hold the log open; then the checkpoint cannot finish, and
+``ForgetResult.log_truncated`` says so: the caller reports it, and forgetting again once the reader has gone
+finishes the job (the deletes are already committed; a second run finds nothing more to delete and truncates).
+
+What the weights learnt from the deleted samples is not the store's business: the caller decides what the steps
+listed in ``ForgetResult.steps`` mean for the versions trained on them.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import dataclass, field
+from typing import Any
+
+from clawloop.store.database import Database
+
+CUT = "[forgotten]"
+"""What replaces a forgotten user's prompt where another record quoted it."""
+
+PROBE_SOURCES = ("recent", "fixed")
+"""Gate probe sources made from a stored turn: ``<source>:<turn id>``."""
+
+PROBE_TEXT_FIELDS = ("prompt", "answer", "accepted_answer")
+"""Fields of a probe outcome that hold a prompt or an answer to it."""
+
+
+@dataclass
+class ForgetResult:
+    """What ``forget_owner`` deleted and changed: counts and ids, never text."""
+
+    owner: str
+    turn_ids: list[int] = field(default_factory=list)
+    """Every deleted turn: the user's own and the context turns sampled from them."""
+    sessions: int = 0
+    votes: int = 0
+    samples: int = 0
+    context_turns: int = 0
+    steps: list[int] = field(default_factory=list)
+    """Optimizer steps that trained on a deleted sample (committed or later requeued), in order."""
+    versions_scrubbed: list[int] = field(default_factory=list)
+    """Versions whose gate evidence quoted the user and was cut."""
+    events_scrubbed: int = 0
+    log_truncated: bool = False
+    """Whether the WAL file was checkpointed and truncated to zero bytes (False: a reader held it)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"owner": self.owner, "turn_ids": list(self.turn_ids), "sessions": self.sessions,
+                "votes": self.votes, "samples": self.samples, "context_turns": self.context_turns,
+                "steps": list(self.steps), "versions_scrubbed": list(self.versions_scrubbed),
+                "events_scrubbed": self.events_scrubbed, "log_truncated": self.log_truncated}
+
+
+def forget_owner(database: Database, owner: str, *, reader_wait_s: float = 30.0) -> ForgetResult:
+    """Delete every record of ``owner`` (a ``turns.owner`` value, never "") and cut their text from the gate's
+    evidence; then rebuild the file and truncate its log so that no byte of it is left, waiting up to
+    ``reader_wait_s`` for readers of the log to finish. Idempotent: forgetting an owner with nothing left
+    deletes nothing and only compacts."""
+    if not owner:
+        raise ValueError("an owner is needed: turns served without per-user keys have none, and forgetting them "
+                         "would forget everyone")
+    if database.readonly:
+        raise ValueError(f"{database.path} is open read-only")
+    result = ForgetResult(owner=owner)
+    with database.lock:
+        connection = database.connection
+        connection.execute("PRAGMA secure_delete=ON")
+        try:
+            with database.tx() as db:
+                _delete_records(db, owner, result)
+            connection.execute("VACUUM")
+            (timeout_ms,) = connection.execute("PRAGMA busy_timeout").fetchone()
+            connection.execute(f"PRAGMA busy_timeout={int(reader_wait_s * 1000)}")
+            try:
+                busy, _, _ = connection.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            finally:
+                connection.execute(f"PRAGMA busy_timeout={int(timeout_ms)}")
+            result.log_truncated = busy == 0
+        finally:
+            connection.execute("PRAGMA secure_delete=OFF")
+    return result
+
+
+def _delete_records(db: sqlite3.Connection, owner: str, result: ForgetResult) -> None:
+    result.sessions = int(db.execute("SELECT COUNT(DISTINCT session_id) FROM turns WHERE owner=?",
+                                     (owner,)).fetchone()[0])
+    # The ids go in a temporary table rather than in bound parameters: a long-time user's turns can outnumber
+    # what one statement may bind.
+    db.execute("CREATE TEMP TABLE IF NOT EXISTS forget_ids (id INTEGER PRIMARY KEY)")
+    db.execute("DELETE FROM forget_ids")
+    db.execute("INSERT INTO forget_ids SELECT id FROM turns WHERE owner=?", (owner,))
+    db.execute("INSERT OR IGNORE INTO forget_ids SELECT turn_id FROM context_turns "
+               "WHERE source_turn_id IN (SELECT id FROM forget_ids)")
+    ids = {int(r["id"]) for r in db.execute("SELECT id FROM forget_ids")}
+    result.turn_ids = sorted(ids)
+    if ids:
+        chosen = "IN (SELECT id FROM forget_ids)"
+        result.votes = db.execute(f"DELETE FROM votes WHERE turn_id {chosen}").rowcount
+        result.context_turns = db.execute(
+            f"DELETE FROM context_turns WHERE turn_id {chosen} OR source_turn_id {chosen}").rowcount
+        result.samples = db.execute(f"DELETE FROM samples WHERE turn_id {chosen}").rowcount
+        db.execute(f"DELETE FROM turns WHERE id {chosen}")
+    db.execute("DROP TABLE forget_ids")
+    if not ids:
+        return
+    steps: set[int] = set()
+    for table in ("steps", "requeued_steps"):
+        for row in db.execute(f"SELECT step, turn_ids FROM {table}"):
+            if ids.intersection(int(t) for t in json.loads(row["turn_ids"])):
+                steps.add(int(row["step"]))
+    result.steps = sorted(steps)
+    sources = {f"{kind}:{turn_id}" for kind in PROBE_SOURCES for turn_id in ids}
+    for row in db.execute("SELECT version, evidence FROM versions").fetchall():
+        evidence = json.loads(row["evidence"])
+        if _scrub(evidence, sources):
+            db.execute("UPDATE versions SET evidence=? WHERE version=?", (json.dumps(evidence), row["version"]))
+            result.versions_scrubbed.append(int(row["version"]))
+    for row in db.execute("SELECT id, detail FROM events").fetchall():
+        detail = json.loads(row["detail"])
+        if _scrub(detail, sources):
+            db.execute("UPDATE events SET detail=? WHERE id=?", (json.dumps(detail), row["id"]))
+            result.events_scrubbed += 1
+
+
+def _scrub(record: Any, sources: set[str]) -> bool:
+    """Blank the text fields of every probe outcome in ``record`` whose source is in ``sources``, then cut what
+    those fields held from every other string. In place; True when anything changed."""
+    quoted: set[str] = set()
+
+    def blank(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("source") in sources:
+                for key in PROBE_TEXT_FIELDS:
+                    if isinstance(node.get(key), str) and node[key]:
+                        quoted.add(node[key])
+                        node[key] = CUT
+            for value in node.values():
+                blank(value)
+        elif isinstance(node, list):
+            for value in node:
+                blank(value)
+
+    blank(record)
+    if not quoted:
+        return False
+    longest_first = sorted((q for q in quoted if q != CUT), key=len, reverse=True)
+
+    def cut(node: Any) -> Any:
+        if isinstance(node, str):
+            for text in longest_first:
+                node = node.replace(text, CUT)
+            return node
+        if isinstance(node, dict):
+            for key, value in node.items():
+                node[key] = cut(value)
+        elif isinstance(node, list):
+            node[:] = [cut(value) for value in node]
+        return node
+
+    cut(record)
+    return True
