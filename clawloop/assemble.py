@@ -59,6 +59,7 @@ from clawloop.renderers import chat_render_fn
 from clawloop.run_folder import open_run_store, prepare_training_state
 from clawloop.store import Store
 from clawloop.teacher import Teacher
+from clawloop.trainer.forget import finish_pending_forget
 from clawloop.trainer.loop import OnlineTrainer
 
 log = logging.getLogger("clawloop.assemble")
@@ -174,6 +175,10 @@ def assemble(config: Config, *, learning: Learning | None = None, engine: Any = 
             recovered = store.recover()
             if any(recovered.values()):
                 log.warning("recovered interrupted work: %s", recovered)
+            finished = finish_pending_forget(store, config.run_dir)  # before any weights of the run are loaded
+            if finished is not None:
+                log.warning("finished forgetting %s, cut short earlier (receipt %s)", finished["owner"],
+                            finished["receipt_path"])
         if trains_here:
             assert learning is not None
             prepare_training_state(store, config.run_dir, resume=learning.resume, fresh=learning.fresh)

@@ -10,6 +10,7 @@
     clawloop openclaw-end SESSION [--run-dir DIR] [--openclaw-dir DIR]
     clawloop openclaw-config [--url http://127.0.0.1:30000] [--out ~/.openclaw/openclaw.json]
     clawloop rollback RUN_DIR --to N [--url http://127.0.0.1:30000] [--admin-key KEY]
+    clawloop forget RUN_DIR --user OWNER
     clawloop dashboard RUN_DIR [--host 127.0.0.1] [--port 30100] [--admin-key KEY]
 """
 
@@ -227,6 +228,26 @@ def cmd_openclaw_end(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_forget(args: argparse.Namespace) -> int:
+    from clawloop.trainer.forget import forget_command
+
+    owner = args.user
+    if args.key_file:
+        from clawloop.api.auth import owner_of
+
+        try:
+            lines = Path(args.key_file).read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            print(f"clawloop forget: cannot read {args.key_file}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        key = lines[0].strip() if lines else ""
+        if not key:
+            print(f"clawloop forget: {args.key_file} holds no key on its first line", file=sys.stderr)
+            return 2
+        owner = owner_of(key)
+    return forget_command(args.run_dir, owner)
+
+
 def cmd_rollback(args: argparse.Namespace) -> int:
     from clawloop.trainer.rollback import rollback_command
 
@@ -408,6 +429,22 @@ def build_parser() -> argparse.ArgumentParser:
     rollback.add_argument("--admin-key", default=None, help="Admin key of that server (default: the "
                           "CLAWLOOP_ADMIN_KEY environment variable).")
     rollback.set_defaults(func=cmd_rollback)
+
+    forget = sub.add_parser("forget", help="Delete one user's data from a stopped run, the weights trained on it "
+                            "included, and write a receipt.",
+                            description="Deletes the user's turns, votes, hints and samples from the run's store "
+                            "(leaving none of their text in the file or its log), retires every version trained on "
+                            "their samples with the checkpoints from that step on, takes their lines out of "
+                            "RUN_DIR/export, and writes RUN_DIR/receipts/forget-*.json (ids and counts only). The "
+                            "next start with --resume trains the other users' samples of those steps again. The "
+                            "run's server must be stopped.")
+    forget.add_argument("run_dir", metavar="RUN_DIR", help="The run folder (holding store.sqlite).")
+    who = forget.add_mutually_exclusive_group(required=True)
+    who.add_argument("--user", metavar="OWNER", help="The user's name in the run's records (k_…: the fingerprint "
+                     "of their per-user key, the 'owner' of their turns in the records export).")
+    who.add_argument("--key-file", metavar="FILE", help="A file whose first line is the user's key (read, never "
+                     "stored): the user is the key's fingerprint.")
+    forget.set_defaults(func=cmd_forget)
 
     dash = sub.add_parser("dashboard", help="Watch a finished or running run in the browser (read-only).",
                           description="Serve the dashboard of RUN_DIR (its store opened read-only) at "

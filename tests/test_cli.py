@@ -156,3 +156,26 @@ def test_train_asks_the_base_teacher_for_hinted_samples(tiny_tokenizer, tmp_path
     assert store.count_samples() == {"consumed": 1}
     assert store.get_sample(tid).targets is not None  # the scores it trained on are kept with it
     store.close()
+
+
+def test_forget_by_key_file_deletes_that_keys_turns_and_writes_a_receipt(tmp_path, capsys):
+    from clawloop.api.auth import owner_of
+
+    store = Store(tmp_path / "store.sqlite")
+    for owner, text in ((owner_of("alice-secret-key"), "Zanzibar-quartz"), (owner_of("bob-key"), "Kilimanjaro")):
+        store.add_turn(TurnRecord(session_id=owner, owner=owner, messages=[{"role": "user", "content": text}],
+                                  prompt_ids=[1], response_ids=[5, 2], logprobs=[-0.1, -0.2], temperature=1.0,
+                                  top_p=1.0, policy_version=0))
+    store.close()
+    key_file = tmp_path / "alice.key"
+    key_file.write_text("alice-secret-key\n")
+    assert main(["forget", str(tmp_path), "--key-file", str(key_file)]) == 0
+    receipt = json.loads(capsys.readouterr().out)
+    assert receipt["owner"] == owner_of("alice-secret-key") and receipt["turn_ids"] == [1]
+    assert "alice-secret-key" not in (tmp_path / "receipts").glob("*.json").__next__().read_text()
+    store = Store(tmp_path / "store.sqlite")
+    assert [t.owner for t in store.turns()] == [owner_of("bob-key")]
+    store.close()
+    assert main(["forget", str(tmp_path), "--key-file", str(tmp_path / "missing.key")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert main(["forget", str(tmp_path / "nowhere"), "--user", "k_x"]) == 2

@@ -3,7 +3,7 @@ SQLite file or its write-ahead log."""
 
 import pytest
 
-from clawloop.store import CONTEXT_KIND, ContextSample, SampleRecord, Store, TurnRecord, VoteRecord
+from clawloop.store import CONTEXT_KIND, ContextSample, SampleRecord, Store, StoreInUse, TurnRecord, VoteRecord
 
 ALICE, BOB = "fp-alice", "fp-bob"
 ALICE_TEXT, BOB_TEXT = "Zanzibar-quartz-71", "Kilimanjaro-opal-42"
@@ -131,4 +131,15 @@ def test_forgetting_needs_an_owner(tmp_path):
         store.forget_owner("")
     assert store.forget_owner("fp-nobody").turn_ids == []
     assert sorted(t.id for t in store.turns() if t.owner) != [] and len(store.turns()) == 5
+    store.close()
+
+
+def test_forgetting_is_refused_while_another_writer_has_the_store_open(tmp_path):
+    store, alice, _ = two_users(tmp_path)
+    server = Store(tmp_path / "store.sqlite")  # another writer: a running server, say
+    with pytest.raises(StoreInUse, match="open for writing elsewhere"):
+        store.forget_owner(ALICE)
+    assert {t.id for t in store.turns()} >= set(alice)  # nothing was deleted
+    server.close()
+    assert store.forget_owner(ALICE).samples == 3
     store.close()

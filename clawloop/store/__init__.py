@@ -31,12 +31,13 @@ added, so an older store opens as it is (``database`` has the details).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import sqlite3
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from clawloop.store.contexts import CONTEXT_KIND, ContextSample, Contexts
-from clawloop.store.database import SCHEMA_VERSION, STORE_FILENAME, Database, find_store
+from clawloop.store.database import SCHEMA_VERSION, STORE_FILENAME, Database, StoreInUse, find_store
 from clawloop.store.export import export_jsonl, iter_export
 from clawloop.store.forget import ForgetResult, forget_owner
 from clawloop.store.history import History, mark_uncommitted_versions
@@ -46,7 +47,7 @@ from clawloop.store.samples import Samples, leased_back_to_ready
 from clawloop.store.turns import Turns, judging_back_to_judgeable
 
 __all__ = ["CONTEXT_KIND", "SCHEMA_VERSION", "STORE_FILENAME", "ContextSample", "ForgetResult", "LeaseLost",
-           "SampleRecord", "Store", "TurnRecord", "TurnState", "VoteRecord", "find_store"]
+           "SampleRecord", "Store", "StoreInUse", "TurnRecord", "TurnState", "VoteRecord", "find_store"]
 
 
 class Store(Turns, Samples, History, Queries, Contexts):
@@ -96,10 +97,11 @@ class Store(Turns, Samples, History, Queries, Contexts):
         return {"judging_to_judgeable": judged, "leased_to_ready": leased}
 
     # ---- forgetting ------------------------------------------------------------------------------------
-    def forget_owner(self, owner: str, *, reader_wait_s: float = 30.0) -> ForgetResult:
+    def forget_owner(self, owner: str, *, reader_wait_s: float = 30.0,
+                     within: Callable[[sqlite3.Connection, ForgetResult], None] | None = None) -> ForgetResult:
         """Delete every record of ``owner`` and leave none of their text in the file or its log
         (``clawloop.store.forget``)."""
-        return forget_owner(self.db, owner, reader_wait_s=reader_wait_s)
+        return forget_owner(self.db, owner, reader_wait_s=reader_wait_s, within=within)
 
     # ---- export ----------------------------------------------------------------------------------------
     def iter_export(self) -> Iterator[tuple[str, dict[str, Any]]]:

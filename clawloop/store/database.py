@@ -10,10 +10,17 @@ columns (``ADDED_COLUMNS``, old rows get the default) and data moves recorded in
 written before the sample kind had its own place kept it in ``turns.reason``; it is read from ``samples.kind``
 and such a reason is cleared on open). A read-only handle (a dashboard beside the running server, or on a finished
 run) changes nothing: tables an older file lacks read as empty.
+
+Every writable handle holds a shared ``flock`` on a lock file beside the store (``<store>.lock``), released when
+it is closed or its process dies (kill -9 included). It stops nothing ordinary; it lets an operation that must be
+alone with the file (forgetting a user rewrites the whole file, ``exclusive``) find out that a server or another
+writer has it open, and refuse, instead of racing them.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -127,6 +134,15 @@ KIND_OUT_OF_REASON = "sample_kind_out_of_turn_reason"
 STORE_FILENAME = "store.sqlite"
 
 
+class StoreInUse(RuntimeError):
+    """An operation that must be alone with the store found another writer."""
+
+
+def lock_path(path: Path) -> Path:
+    """The lock file beside store ``path`` that every writable handle holds shared."""
+    return path.with_name(path.name + ".lock")
+
+
 def find_store(run_dir: str | Path) -> Path:
     """The run's SQLite store: ``RUN_DIR/store.sqlite``, or the only ``*.sqlite``/``*.db`` file there."""
     run_dir = Path(run_dir)
@@ -151,6 +167,7 @@ class Database:
         self.path = Path(path)
         self.readonly = readonly
         self.lock = threading.RLock()
+        self._lock_fd: int | None = None
         if readonly:
             # A reader beside the process that writes the run (or of a finished run): SQLite's read-only mode, no
             # schema or journal changes, and a lock of its own, so reads never queue behind the writer's lock.
@@ -160,8 +177,14 @@ class Database:
             self._stand_in_for_missing_tables()
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.connection = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
-                                          timeout=busy_timeout_s)
+        self._lock_fd = os.open(lock_path(self.path), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
+            self.connection = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
+                                              timeout=busy_timeout_s)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         self.connection.row_factory = sqlite3.Row
         self.connection.execute("PRAGMA journal_mode=WAL")
         # NORMAL in WAL mode survives a process crash (kill -9); only an OS crash can lose the last commits.
@@ -234,6 +257,29 @@ class Database:
         with self.lock:
             yield self.connection
 
+    @contextmanager
+    def exclusive(self, what: str) -> Iterator[None]:
+        """This handle alone has the file open for writing while the block runs; ``StoreInUse`` (and nothing
+        done) when another handle, in this process or another, has it open. ``what`` names the operation for
+        the message."""
+        if self._lock_fd is None:
+            raise StoreInUse(f"{self.path} is open read-only; {what} needs it open for writing")
+        with self.lock:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_SH)  # a failed conversion may have dropped the shared lock
+                raise StoreInUse(
+                    f"{self.path} is open for writing elsewhere (a running server or trainer of this run?); stop "
+                    f"it, then {what} again") from None
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
+
     def close(self) -> None:
         with self.lock:
             self.connection.close()
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the shared lock
+                self._lock_fd = None

@@ -18,6 +18,9 @@ reading the store (a dashboard) can hold the log open; then the checkpoint canno
 ``ForgetResult.log_truncated`` says so: the caller reports it, and forgetting again once the reader has gone
 finishes the job (the deletes are already committed; a second run finds nothing more to delete and truncates).
 
+It runs only while no other handle has the store open for writing (``Database.exclusive``: a running server
+makes it raise ``StoreInUse`` before anything is deleted); readers need not stop.
+
 What the weights learnt from the deleted samples is not the store's business: the caller decides what the steps
 listed in ``ForgetResult.steps`` mean for the versions trained on them.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,23 +71,25 @@ class ForgetResult:
                 "events_scrubbed": self.events_scrubbed, "log_truncated": self.log_truncated}
 
 
-def forget_owner(database: Database, owner: str, *, reader_wait_s: float = 30.0) -> ForgetResult:
+def forget_owner(database: Database, owner: str, *, reader_wait_s: float = 30.0,
+                 within: Callable[[sqlite3.Connection, ForgetResult], None] | None = None) -> ForgetResult:
     """Delete every record of ``owner`` (a ``turns.owner`` value, never "") and cut their text from the gate's
     evidence; then rebuild the file and truncate its log so that no byte of it is left, waiting up to
     ``reader_wait_s`` for readers of the log to finish. Idempotent: forgetting an owner with nothing left
-    deletes nothing and only compacts."""
+    deletes nothing and only compacts. ``within`` runs in the deleting transaction, after the deletes: what it
+    writes (a record of what is left to do outside the store) commits with them or not at all."""
     if not owner:
         raise ValueError("an owner is needed: turns served without per-user keys have none, and forgetting them "
                          "would forget everyone")
-    if database.readonly:
-        raise ValueError(f"{database.path} is open read-only")
     result = ForgetResult(owner=owner)
-    with database.lock:
+    with database.exclusive("forget the user"):
         connection = database.connection
         connection.execute("PRAGMA secure_delete=ON")
         try:
             with database.tx() as db:
                 _delete_records(db, owner, result)
+                if within is not None:
+                    within(db, result)
             connection.execute("VACUUM")
             (timeout_ms,) = connection.execute("PRAGMA busy_timeout").fetchone()
             connection.execute(f"PRAGMA busy_timeout={int(reader_wait_s * 1000)}")
@@ -125,20 +131,25 @@ def _delete_records(db: sqlite3.Connection, owner: str, result: ForgetResult) ->
             if ids.intersection(int(t) for t in json.loads(row["turn_ids"])):
                 steps.add(int(row["step"]))
     result.steps = sorted(steps)
-    sources = {f"{kind}:{turn_id}" for kind in PROBE_SOURCES for turn_id in ids}
+    sources = probe_sources(ids)
     for row in db.execute("SELECT version, evidence FROM versions").fetchall():
         evidence = json.loads(row["evidence"])
-        if _scrub(evidence, sources):
+        if scrub_quotes(evidence, sources):
             db.execute("UPDATE versions SET evidence=? WHERE version=?", (json.dumps(evidence), row["version"]))
             result.versions_scrubbed.append(int(row["version"]))
     for row in db.execute("SELECT id, detail FROM events").fetchall():
         detail = json.loads(row["detail"])
-        if _scrub(detail, sources):
+        if scrub_quotes(detail, sources):
             db.execute("UPDATE events SET detail=? WHERE id=?", (json.dumps(detail), row["id"]))
             result.events_scrubbed += 1
 
 
-def _scrub(record: Any, sources: set[str]) -> bool:
+def probe_sources(turn_ids: Iterable[int]) -> set[str]:
+    """The gate probe sources made from these turns."""
+    return {f"{kind}:{int(turn_id)}" for kind in PROBE_SOURCES for turn_id in turn_ids}
+
+
+def scrub_quotes(record: Any, sources: set[str]) -> bool:
     """Blank the text fields of every probe outcome in ``record`` whose source is in ``sources``, then cut what
     those fields held from every other string. In place; True when anything changed."""
     quoted: set[str] = set()

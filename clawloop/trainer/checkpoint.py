@@ -108,6 +108,20 @@ def _prune(root: Path, keep_last: int, protect: str) -> None:
                 path.unlink(missing_ok=True)
 
 
+def remove_checkpoints_from(run_dir: str | Path, step: int) -> list[str]:
+    """Delete every checkpoint of step ``step`` or later (weights that trained on something that must go), and
+    the ``latest`` pointer when it names one of them, so that a resume starts from the newest one left (or from
+    the starting weights). Returns the removed folders' names; removing what is already gone is no error."""
+    root = checkpoints_dir(run_dir)
+    removed = [path.name for found, path in _step_folders(run_dir) if found >= int(step)]
+    pointer = root / LATEST
+    if pointer.is_file() and pointer.read_text().strip() in removed:
+        pointer.unlink()
+    for name in removed:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return sorted(removed, key=lambda name: _step_of_name(name) or 0)
+
+
 def latest_checkpoint_path(run_dir: str | Path) -> Path | None:
     root = checkpoints_dir(run_dir)
     pointer = root / LATEST

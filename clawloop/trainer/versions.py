@@ -105,6 +105,14 @@ def prune_versions(run_dir: str | Path, keep: int, *, newest: int, serving: int 
             drop_optimizer(path)
 
 
+def remove_version(run_dir: str | Path, version: int) -> bool:
+    """Delete version ``version``'s folder (its weights go for good). True when there was one."""
+    path = version_dir(run_dir, version)
+    found = path.exists()
+    shutil.rmtree(path, ignore_errors=True)
+    return found
+
+
 def drop_optimizer(path: Path) -> None:
     """Remove a version's optimizer state and say so in its ``version.json`` (the weights stay)."""
     optimizer = path / OPTIMIZER
