@@ -40,7 +40,7 @@ from clawloop.store.contexts import CONTEXT_KIND, ContextSample, Contexts
 from clawloop.store.database import SCHEMA_VERSION, STORE_FILENAME, Database, StoreInUse, find_store
 from clawloop.store.export import export_jsonl, iter_export
 from clawloop.store.forget import ForgetResult, forget_owner
-from clawloop.store.history import History, mark_uncommitted_versions
+from clawloop.store.history import History, mark_uncommitted_versions, put_meta
 from clawloop.store.queries import Queries
 from clawloop.store.records import LeaseLost, SampleRecord, TurnRecord, TurnState, VoteRecord
 from clawloop.store.samples import Samples, leased_back_to_ready
@@ -72,8 +72,7 @@ class Store(Turns, Samples, History, Queries, Contexts):
 
     def set_meta(self, key: str, value: str) -> None:
         with self.db.tx() as db:
-            db.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-                       (key, value))
+            put_meta(db, key, value)
 
     # ---- crash recovery --------------------------------------------------------------------------------
     def recover(self) -> dict[str, int]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from clawloop.store.database import Database
@@ -65,10 +65,7 @@ class ForgetResult:
     """Whether the WAL file was checkpointed and truncated to zero bytes (False: a reader held it)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"owner": self.owner, "turn_ids": list(self.turn_ids), "sessions": self.sessions,
-                "votes": self.votes, "samples": self.samples, "context_turns": self.context_turns,
-                "steps": list(self.steps), "versions_scrubbed": list(self.versions_scrubbed),
-                "events_scrubbed": self.events_scrubbed, "log_truncated": self.log_truncated}
+        return asdict(self)
 
 
 def forget_owner(database: Database, owner: str, *, reader_wait_s: float = 30.0,

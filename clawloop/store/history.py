@@ -26,6 +26,20 @@ def insert_event(db: sqlite3.Connection, kind: str, detail: dict[str, Any], step
                (time.time(), kind, step, version, json.dumps(detail, default=str)))
 
 
+def put_meta(db: sqlite3.Connection, key: str, value: str) -> None:
+    """Set ``meta[key]`` in the caller's transaction."""
+    db.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value", (key, value))
+
+
+def retire_versions_from(db: sqlite3.Connection, step: int, status: str) -> list[int]:
+    """Mark every version of step ``step`` or later (version 0, the starting weights, never) with ``status``, in
+    the caller's transaction; returns them in order."""
+    retired = [int(r["version"]) for r in db.execute(
+        "SELECT version FROM versions WHERE step >= ? AND version > 0 ORDER BY version", (int(step),))]
+    db.execute("UPDATE versions SET status=? WHERE step >= ? AND version > 0", (status, int(step)))
+    return retired
+
+
 def insert_step(db: sqlite3.Connection, step: int, now: float, policy_version: int, metrics: dict[str, Any],
                 turn_ids: list[int]) -> None:
     db.execute("INSERT INTO steps (step, created_at, policy_version, metrics, turn_ids) VALUES (?,?,?,?,?)",

@@ -39,7 +39,8 @@ from typing import Any
 from clawloop.atomic import write_text_atomically
 from clawloop.store import ForgetResult, Store, StoreInUse, find_store
 from clawloop.store.forget import probe_sources, scrub_quotes
-from clawloop.trainer.checkpoint import remove_checkpoints_from
+from clawloop.store.history import put_meta, retire_versions_from
+from clawloop.trainer.checkpoint import list_checkpoints, remove_checkpoints_from
 from clawloop.trainer.versions import remove_version
 
 FORGET_PENDING = "forget_pending"
@@ -61,15 +62,10 @@ def forget_user(store: Store, run_dir: str | Path, owner: str) -> dict[str, Any]
 
     def journal(db: sqlite3.Connection, result: ForgetResult) -> None:
         first = min(result.steps) if result.steps else None
-        retired: list[int] = []
-        if first is not None:
-            retired = [int(r["version"]) for r in db.execute(
-                "SELECT version FROM versions WHERE step >= ? AND version > 0 ORDER BY version", (first,))]
-            db.execute("UPDATE versions SET status=? WHERE step >= ? AND version > 0", (RETIRED, first))
+        retired = retire_versions_from(db, first, RETIRED) if first is not None else []
         entry = {"owner": owner, "forgotten_at": time.time(), "first_step": first, "retired_versions": retired,
                  **{k: v for k, v in result.as_dict().items() if k not in ("owner", "log_truncated")}}
-        db.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-                   (FORGET_PENDING, json.dumps(entry)))
+        put_meta(db, FORGET_PENDING, json.dumps(entry))
 
     result = store.forget_owner(owner, within=journal)
     receipt = finish_pending_forget(store, run_dir, compact=False)
@@ -106,8 +102,7 @@ def finish_pending_forget(store: Store, run_dir: str | Path, *, compact: bool = 
             checkpoints += [f"{ARCHIVE_DIR}/{archived.name}/{name}"
                             for name in remove_checkpoints_from(archived, int(first))]
     export_lines = _scrub_export(run_dir / EXPORT_DIR, set(entry["turn_ids"]))
-    left = sorted((p.name for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir()),
-                  key=lambda name: int(name.split("_", 1)[1]) if name.split("_", 1)[1].isdigit() else -1)
+    left = list_checkpoints(run_dir)  # newest first
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(entry["forgotten_at"]))
     receipt = {
         "receipt": "clawloop forget",
@@ -116,7 +111,7 @@ def finish_pending_forget(store: Store, run_dir: str | Path, *, compact: bool = 
         "version_folders_removed": sorted(set(removed_versions)),
         "checkpoints_removed": checkpoints,
         "export_lines_removed": export_lines,
-        "training_resumes_from": left[-1] if left else "the starting weights",
+        "training_resumes_from": left[0].name if left else "the starting weights",
         "note": "ids and counts only; the next start with --resume serves the version of the checkpoint it "
                 "resumes from and trains the other users' samples of the retired steps again",
     }
