@@ -129,3 +129,87 @@ def test_the_command_refuses_while_the_run_is_open_for_writing(run, capsys):
     assert forget_command(run_dir, ALICE) == 0
     receipt = json.loads(capsys.readouterr().out)
     assert receipt["retired_versions"] == [2, 3] and receipt["log_truncated"]
+
+
+KILLER = """
+import os, signal, sys
+from pathlib import Path
+from clawloop.trainer import forget as f
+
+def killed_after(fn, when=lambda *a: True):
+    def wrapped(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if when(*args):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+    return wrapped
+
+point = sys.argv[1]
+if point == "in the store's transaction":  # the journal written, the transaction not committed
+    f.put_meta = killed_after(f.put_meta)
+elif point == "between versions and checkpoints":
+    f.remove_version = killed_after(f.remove_version)
+elif point == "after the receipt":  # the receipt on disk, the journal not cleared
+    f.write_text_atomically = killed_after(f.write_text_atomically, lambda path, *_: Path(path).parent.name == "receipts")
+sys.exit(f.forget_command(sys.argv[2], sys.argv[3]))
+"""
+
+
+def forget_in_a_process(run_dir, point: str) -> int:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", KILLER, point, str(run_dir), ALICE], cwd=root, capture_output=True,
+                          text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    return done.returncode
+
+
+def run_state(run_dir) -> tuple:
+    """What a forget changes, receipts aside: the files of the run folder and the store's rows that matter."""
+    files = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")
+                   if p.is_file() and "receipts" not in p.parts and not p.name.startswith("store.sqlite"))
+    store = Store(run_dir / "store.sqlite")
+    try:
+        turns = sorted(t.id for t in store.turns())
+        versions = {v["version"]: v["status"] for v in store.versions()}
+        pending = store.get_meta(forget_module.FORGET_PENDING)
+    finally:
+        store.close()
+    return files, turns, versions, pending
+
+
+@pytest.mark.parametrize("point", ["in the store's transaction", "between versions and checkpoints",
+                                   "after the receipt"])
+def test_a_forget_killed_with_sigkill_leaves_the_old_state_whole_or_is_finished_at_the_next_start(run, tmp_path,
+                                                                                                    point):
+    """``clawloop forget`` in its own process, killed by SIGKILL at a fixed point; the next start of the run
+    (``finish_pending_forget``, as ``clawloop serve`` does first) either finds nothing pending and the run as it
+    was, or finishes the forget into exactly the state of one never interrupted."""
+    run_dir, store, ids = run
+    store.close()
+    untouched = tmp_path / "untouched"
+    shutil.copytree(run_dir, untouched)
+    before = run_state(untouched)
+    whole = tmp_path / "whole"
+    shutil.copytree(run_dir, whole)
+    assert forget_in_a_process(whole, "never") == 0
+    after = run_state(whole)
+    assert after[1] == [t for t in before[1] if t not in ids["alice"]]
+
+    assert forget_in_a_process(run_dir, point) == -9  # SIGKILL: no cleanup ran
+    reopened = Store(run_dir / "store.sqlite")
+    try:
+        receipt = finish_pending_forget(reopened, run_dir)
+    finally:
+        reopened.close()
+    if point == "in the store's transaction":
+        assert receipt is None and run_state(run_dir) == before
+        assert ALICE_TEXT.encode() in every_byte(run_dir)  # nothing of the forget happened: it can be asked again
+        assert forget_in_a_process(run_dir, "never") == 0
+    else:
+        assert receipt is not None and receipt["retired_versions"] == [2, 3]
+    assert run_state(run_dir) == after
+    assert ALICE_TEXT.encode() not in every_byte(run_dir) and BOB_TEXT.encode() in every_byte(run_dir)
+    assert len(list((run_dir / "receipts").glob("forget-*.json"))) == 1
