@@ -8,8 +8,13 @@ distinct adapters; each variant runs ``--repeats`` times, interleaved, and the b
 prints generated tokens/s and the ratio to the merged model; the first line also checks that a row served from
 the slots computes the same logits as the merged model (the largest difference).
 
+The last lines do the same through the embedded engine (``clawloop.engines.hf.HFEngine``, continuous batching):
+``--rows`` concurrent greedy requests of ``--tokens`` tokens each (end-of-turn off, so every answer has that
+length), on an engine serving the merged model and on one with ``adapter_slots = 16`` whose requests name 1, 4 or
+16 distinct published adapters.
+
     .venv/bin/python benchmarks/multi_lora.py                 # 16 rows x 32 tokens, 2 threads
-    .venv/bin/python benchmarks/multi_lora.py --rows 4 --threads 1
+    .venv/bin/python benchmarks/multi_lora.py --rows 4 --threads 1 --no-engine
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-engine", dest="engine", action="store_false", help="Skip the embedded engine's lines.")
     args = parser.parse_args()
 
     import torch
@@ -50,7 +56,6 @@ def main() -> None:
     slots = MultiLoRA(copy.deepcopy(base), TARGETS, max_adapters=16, max_rank=args.rank)
     for i, adapter in enumerate(adapters):
         slots.load(f"user{i}", adapter, scaling)
-    del base
     torch.manual_seed(0)
     prompt_B_L = torch.randint(100, 30000, (args.rows, args.prompt_tokens))
 
@@ -79,6 +84,47 @@ def main() -> None:
     for name, seconds in best.items():
         print(f"{name}: {args.rows * args.tokens / seconds:.1f} tokens/s ({seconds:.2f}s) | "
               f"ratio to merged {reference / seconds:.2f}")
+    if args.engine:
+        del slots
+        engine_lines(base, merged_model, adapters, scaling, prompt_B_L.tolist(), args)
+
+
+def engine_lines(base, merged_model, adapters, scaling: float, prompts: list[list[int]], args) -> None:
+    """The same comparison through the embedded engine: concurrent requests, continuous batching."""
+    import asyncio
+
+    from clawloop.engines.base import SamplingParams
+    from clawloop.engines.hf import HFEngine
+    from clawloop.engines.model_files import default_model_dir, load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_dir())
+    common = dict(max_batch_size=args.rows, eos_token_ids=[], num_threads=args.threads)
+    plain = HFEngine(merged_model, tokenizer, **common)
+    slotted = HFEngine(copy.deepcopy(base), tokenizer, adapter_slots=16, adapter_rank=args.rank,
+                       adapter_targets=tuple(TARGETS), **common)
+    for i, adapter in enumerate(adapters):
+        slotted.publish_adapter_sync(f"user{i}", adapter, scaling)
+
+    async def answer_all(engine, names) -> float:
+        t0 = time.perf_counter()
+        await asyncio.gather(*[engine.generate(p, SamplingParams(temperature=0.0, max_tokens=args.tokens,
+                                                                 adapter=n)) for p, n in zip(prompts, names)])
+        return time.perf_counter() - t0
+
+    variants = {"engine, merged model": (plain, [None] * args.rows)}
+    for distinct in (1, 4, 16):
+        variants[f"engine, {distinct} distinct adapter{'s' if distinct > 1 else ''}"] = (
+            slotted, [f"user{b % distinct}" for b in range(args.rows)])
+    best = {name: float("inf") for name in variants}
+    for _ in range(args.repeats):
+        for name, (engine, names) in variants.items():
+            best[name] = min(best[name], asyncio.run(answer_all(engine, names)))
+    reference = best["engine, merged model"]
+    for name, seconds in best.items():
+        print(f"{name}: {args.rows * args.tokens / seconds:.1f} tokens/s ({seconds:.2f}s) | "
+              f"ratio to merged {reference / seconds:.2f}")
+    plain.close_sync()
+    slotted.close_sync()
 
 
 def decode(model, prompt_B_L, steps: int) -> float:

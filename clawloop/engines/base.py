@@ -43,6 +43,10 @@ class SamplingParams:
     """Seeds this request's own random generator: same seed, prompt and settings -> same tokens."""
     top_logprobs: int = 0
     """How many alternatives (id, log-prob) to report per generated token; 0 = none."""
+    adapter: str | None = None
+    """On an engine with adapter slots: the published LoRA adapter (by name) that writes this completion, at its
+    newest version when the request starts; ``Generation.policy_version`` is then that adapter's version. None:
+    the served model itself."""
 
 
 def check_sampling(params: SamplingParams) -> None:

@@ -31,6 +31,12 @@ Design choices (what a reader needs to trust the numbers it returns):
   their ``max_tokens``. Either way every request runs on one set of weights from start to end and
   ``policy_version`` goes up by one. ``publish`` takes a full state dict of the served architecture (LoRA
   adapters are merged by the trainer before publishing) or a callable that edits the model in place.
+* **Adapter slots** (``adapter_slots > 0``, ``clawloop.engines.multi_lora``): the base model stays fixed and
+  LoRA adapters are published by name (``publish_adapter``), each publication a new version of that name loaded
+  into a slot of its own at a step boundary. A request names its adapter (``SamplingParams.adapter``) and runs on
+  that adapter's newest version from start to end: requests of different adapters decode in one batch, each row
+  with its own adapter's delta, nothing merged. A slot is reused (least recently used first) only when no
+  running sequence uses it. Full-weight publication is refused on such an engine; scoring runs on the base.
 * **Scoring** runs on the worker between decode steps, in chunks of at most ``score_batch_tokens`` tokens
   (right-padded), taking the final hidden states and applying the output layer only at response positions,
   ``score_chunk_rows`` rows at a time, so the full ``[T, V]`` logits of a long prompt never exist.
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import copy
 import functools
 import inspect
@@ -73,6 +80,7 @@ from clawloop.engines.base import (
     TokenEvent,
 )
 from clawloop.engines.detok import IncrementalDetokenizer, StopStrings
+from clawloop.engines.multi_lora import MultiLoRA
 from clawloop.engines.sampling import choose_tokens, sampling_logprobs, top_alternatives
 from clawloop.memory import trim_heap
 from clawloop.priority import lower_thread_priority
@@ -137,6 +145,8 @@ class _PublishJob:
     """drain: applied in place by the worker once no sequence is running."""
     version: int | None = None
     """The version to publish as (None: current + 1)."""
+    adapter: tuple[str, Mapping[str, torch.Tensor], float] | None = None
+    """Adapter slots: (name, PEFT tensors, scaling) loaded as a new version of that name."""
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -147,10 +157,13 @@ class _Stop:
 class _Seq:
     """One running completion: its ids, log-probs, text and how much of it the client has seen."""
 
-    def __init__(self, req: _Request, tokenizer: Any, eos_ids: frozenset[int], version: int, device: torch.device):
+    def __init__(self, req: _Request, tokenizer: Any, eos_ids: frozenset[int], version: int, device: torch.device,
+                 slot: str | None = None):
         self.req = req
         self.params = req.params
         self.version = version
+        self.slot = slot
+        """The adapter slot (``name@version``) that writes this sequence; None: the model itself."""
         self.generator = torch.Generator(device=device)
         seed = self.params.seed if self.params.seed is not None else random.SystemRandom().randrange(2**62)
         self.generator.manual_seed(int(seed))
@@ -254,6 +267,10 @@ class HFEngine:
         initial_version: int = 0,
         model_name: str | None = None,
         worker_nice: int = 0,
+        adapter_slots: int = 0,
+        adapter_rank: int = 16,
+        adapter_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                            "down_proj"),
     ):
         if swap_mode not in SWAP_MODES:
             raise ValueError(f"swap_mode must be one of {SWAP_MODES}, not {swap_mode!r}")
@@ -288,6 +305,10 @@ class HFEngine:
         self.prefill_batch_tokens = prefill_batch_tokens
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_token_ids))
         self._check_cache_support()
+        self._adapters = MultiLoRA(self._model, adapter_targets, max_adapters=adapter_slots,
+                                   max_rank=adapter_rank) if adapter_slots > 0 else None
+        self._adapter_versions: dict[str, int] = {}
+        """Newest published version per adapter name (written by the worker)."""
 
         self._version = initial_version
         self._latest_model = self._model  # what the next double-buffer publication copies
@@ -383,6 +404,9 @@ class HFEngine:
         """Blocking ``publish`` for trainer threads. Never call it on the event loop's thread."""
         if self._closed:
             raise EngineError("engine is closed")
+        if self._adapters is not None:
+            raise EngineError("an engine with adapter slots serves a fixed base model: publish adapters "
+                              "(publish_adapter) instead of weights")
         if isinstance(weights, torch.nn.Module):
             weights = weights.state_dict()
         with self._publish_lock:
@@ -401,6 +425,32 @@ class HFEngine:
         return version
 
     load_state_dict = publish_sync
+
+    def publish_adapter_sync(self, name: str, adapter: Mapping[str, torch.Tensor], scaling: float, *,
+                             version: int | None = None, timeout_s: float | None = None) -> int:
+        """Publish ``adapter`` (PEFT tensors, ``base_model.model.<module>.lora_A.weight``; ``scaling`` =
+        alpha / r) as a new version of adapter ``name``, loaded at the next step boundary; returns that version
+        (``version``, or the name's last + 1, from 1). Requests already running keep the version they started
+        on. Blocking: never call it on the event loop's thread."""
+        if self._closed:
+            raise EngineError("engine is closed")
+        if self._adapters is None:
+            raise EngineError("this engine has no adapter slots (adapter_slots=0)")
+        if not name or "@" in name:
+            raise EngineError(f"adapter name {name!r}: non-empty, without '@'")
+        job = _PublishJob(adapter=(name, dict(adapter), float(scaling)), version=version)
+        self._inbox.put(job)
+        return self._wait_published(job, timeout_s)
+
+    async def publish_adapter(self, name: str, adapter: Mapping[str, torch.Tensor], scaling: float, *,
+                              version: int | None = None, timeout_s: float | None = None) -> int:
+        """``publish_adapter_sync`` off the event loop."""
+        return await asyncio.to_thread(functools.partial(self.publish_adapter_sync, name, adapter, scaling,
+                                                         version=version, timeout_s=timeout_s))
+
+    def adapter_version(self, name: str) -> int | None:
+        """The newest published version of adapter ``name``; None if it was never published."""
+        return self._adapter_versions.get(name)
 
     def _wait_published(self, job: _PublishJob, timeout_s: float | None) -> int:
         waited = 0.0
@@ -472,6 +522,9 @@ class HFEngine:
             raise EngineError("the prompt is empty")
         self._check_ids(prompt_ids, "the prompt")
         check_sampling(params)
+        if params.adapter is not None and params.adapter not in self._adapter_versions:
+            raise EngineError(f"no adapter named {params.adapter!r} is published"
+                              + ("" if self._adapters is not None else " (this engine has no adapter slots)"))
         if len(prompt_ids) + params.max_tokens > self._max_context:
             raise PromptTooLongError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
@@ -565,6 +618,13 @@ class HFEngine:
     def _apply_publications(self) -> None:
         while self._publications:
             job = self._publications[0]
+            if job.adapter is not None:
+                self._publications.popleft()
+                try:
+                    job.done.set_result(self._load_adapter(job))
+                except Exception as exc:  # noqa: BLE001 - handed to the publisher
+                    job.done.set_exception(EngineError(f"publishing adapter {job.adapter[0]!r} failed: {exc}"))
+                continue
             if job.model is not None:
                 self._current = job.model
             else:
@@ -579,6 +639,27 @@ class HFEngine:
             self._version = self._version + 1 if job.version is None else int(job.version)
             self._publications.popleft()
             job.done.set_result(self._version)
+
+    def _load_adapter(self, job: _PublishJob) -> int:
+        """Load a published adapter into a slot as ``name@version``; older versions of the name that no running
+        sequence uses are evicted, and no slot a running sequence uses is taken."""
+        assert self._adapters is not None and job.adapter is not None
+        name, tensors, scaling = job.adapter
+        version = int(job.version) if job.version is not None else self._adapter_versions.get(name, 0) + 1
+        in_use = {seq.slot for batch in self._batches for seq in batch.seqs if seq.slot}
+        slot = f"{name}@{version}"
+        self._adapters.load(slot, tensors, scaling, pinned=sorted(in_use))
+        for old in self._adapters.loaded:
+            if old != slot and old.rpartition("@")[0] == name and old not in in_use:
+                self._adapters.evict(old)
+        self._adapter_versions[name] = version
+        return version
+
+    def _rows(self, seqs: list[_Seq]) -> Any:
+        """The adapter context of a forward over ``seqs`` (a no-op without adapter slots)."""
+        if self._adapters is None:
+            return contextlib.nullcontext()
+        return self._adapters.rows([seq.slot for seq in seqs])
 
     def _admit(self) -> None:
         if any(job.apply is not None for job in self._publications):
@@ -620,7 +701,21 @@ class HFEngine:
 
         batch = self._current_batch()
         device = self.device
-        seqs = [_Seq(req, self.tokenizer, self.eos_token_ids, batch.version, device) for req in group]
+        unknown = [req for req in group if req.params.adapter is not None
+                   and req.params.adapter not in self._adapter_versions]
+        for req in unknown:
+            self._deliver(req, EngineError(f"no adapter named {req.params.adapter!r} is published"))
+        group = [req for req in group if req not in unknown]
+        if not group:
+            return
+        seqs = []
+        for req in group:
+            name = req.params.adapter
+            if name is None:
+                seqs.append(_Seq(req, self.tokenizer, self.eos_token_ids, batch.version, device))
+            else:
+                version = self._adapter_versions[name]
+                seqs.append(_Seq(req, self.tokenizer, self.eos_token_ids, version, device, slot=f"{name}@{version}"))
         lengths = [len(req.prompt_ids) for req in group]
         W = max(lengths)
         ids_N_W = torch.tensor([[self.pad_id] * (W - n) + req.prompt_ids for req, n in zip(group, lengths)],
@@ -628,12 +723,13 @@ class HFEngine:
         mask_N_W = torch.tensor([[0] * (W - n) + [1] * n for n in lengths], dtype=torch.long, device=device)
         cache = DynamicCache()
         t0 = time.perf_counter()
-        if len(group) == 1:  # no padding: the plain causal forward
-            out = batch.model(input_ids=ids_N_W, logits_to_keep=1, **cache_kwargs(batch.model, cache))
-        else:
-            pos_N_W = (mask_N_W.cumsum(dim=1) - 1).clamp(min=0)
-            out = batch.model(input_ids=ids_N_W, attention_mask=mask_N_W, position_ids=pos_N_W,
-                              logits_to_keep=1, **cache_kwargs(batch.model, cache))
+        with self._rows(seqs):
+            if len(group) == 1:  # no padding: the plain causal forward
+                out = batch.model(input_ids=ids_N_W, logits_to_keep=1, **cache_kwargs(batch.model, cache))
+            else:
+                pos_N_W = (mask_N_W.cumsum(dim=1) - 1).clamp(min=0)
+                out = batch.model(input_ids=ids_N_W, attention_mask=mask_N_W, position_ids=pos_N_W,
+                                  logits_to_keep=1, **cache_kwargs(batch.model, cache))
         self.stats["prefills"] += len(group)
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_s"] += time.perf_counter() - t0
@@ -667,12 +763,13 @@ class HFEngine:
         try:
             t0 = time.perf_counter()
             mask_B_L = F.pad(batch.mask_B_L, (0, 1), value=1)
-            out = batch.model(
-                input_ids=batch.next_B[:, None],
-                attention_mask=mask_B_L,
-                position_ids=batch.pos_B[:, None],
-                **cache_kwargs(batch.model, batch.cache),
-            )
+            with self._rows(batch.seqs):
+                out = batch.model(
+                    input_ids=batch.next_B[:, None],
+                    attention_mask=mask_B_L,
+                    position_ids=batch.pos_B[:, None],
+                    **cache_kwargs(batch.model, batch.cache),
+                )
             logits_B_V = out.logits[:, -1, :].float()
             t1 = time.perf_counter()
             batch.mask_B_L = mask_B_L

@@ -9,10 +9,10 @@ where ``a(b)`` is the adapter slot of row ``b`` and ``B`` already carries the ad
 
 Design choices:
 
-* **Nothing is merged per request.** Every target layer keeps its slots stacked along the rank: ``A_K_I`` and
-  ``B_O_K`` with ``K = N x R`` (``N`` slots, rank ``R`` the largest allowed; a smaller rank is padded with zeros,
-  which add nothing). For a mixed batch, each layer stacks the adapters its rows use (``D`` of them) once per
-  ``rows`` context, multiplies by their ``A`` at once, zeroes the columns that are not the row's own adapter's,
+* **Nothing is merged per request.** Every target layer keeps ``N`` slots, ``A_N_R_I`` and ``B_N_O_R`` (rank ``R``
+  the largest allowed; a smaller rank is padded with zeros, which add nothing). For a mixed batch, each layer
+  stacks the adapters its rows use (``D`` of them) along the rank, once for as long as the batch uses the same
+  ones and none is reloaded, multiplies by their ``A`` at once, zeroes the columns that are not the row's own adapter's,
   and multiplies by their ``B``: two matmuls per layer, so rows of different users share one pass over the base
   weights. A CPU decoding step is bound by the weights it reads, and this reads each adapter in use once per
   step: the base model plus ``D`` adapters. Gathering each row's own pair (``A[slot_B]``, then two batched
@@ -22,8 +22,8 @@ Design choices:
   gather); a batch of base rows only skips the delta.
 * **Slots are bounded** (``max_adapters``): loading into a full set evicts the adapter used least recently, never
   one the current batch uses.
-* The rows are set for one forward at a time (``MultiLoRA.rows``); the layers read them from one shared holder,
-  so the model's own forward code is unchanged.
+* The rows are set around a forward (``MultiLoRA.rows``); the layers read them from one shared holder, so the
+  model's own forward code is unchanged.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 PEFT_PREFIX = "base_model.model."
 """How a PEFT adapter file names a layer: ``base_model.model.<module>.lora_A.weight``."""
@@ -52,8 +53,9 @@ class _Rows:
         self.mask_B_K: torch.Tensor | None = None
         """For a mixed batch: 1 where column ``k`` of its slots' stacked ranks (``K = len(slots) x R``) belongs to
         row ``b``'s slot."""
-        self.generation = 0
-        """Counts ``MultiLoRA.rows`` contexts: a layer's stack of the batch's adapters is built once per context."""
+        self.epoch = 0
+        """Counts adapter loads and evictions: a layer's stack of a batch's adapters is kept while the batch uses
+        the same slots and no slot changed (decoding steps of one batch reuse it)."""
 
 
 class RowLoRALinear(torch.nn.Module):
@@ -64,22 +66,17 @@ class RowLoRALinear(torch.nn.Module):
         self.base = base
         self.rows = rows
         self.rank = rank
-        self._stack: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._stack: tuple[tuple[tuple[int, ...], int], torch.Tensor, torch.Tensor] | None = None
         w = base.weight
-        # Slot s holds rows s*rank .. (s+1)*rank of A_K_I and the same columns of B_O_K (K = slots * rank).
-        self.register_buffer("A_K_I", torch.zeros(slots * rank, w.shape[1], dtype=w.dtype, device=w.device),
+        # Each slot's pair is contiguous, in nn.Linear's layout ([out, in]), so that F.linear reads it as it is.
+        self.register_buffer("A_N_R_I", torch.zeros(slots, rank, w.shape[1], dtype=w.dtype, device=w.device),
                              persistent=False)
-        self.register_buffer("B_O_K", torch.zeros(w.shape[0], slots * rank, dtype=w.dtype, device=w.device),
+        self.register_buffer("B_N_O_R", torch.zeros(slots, w.shape[0], rank, dtype=w.dtype, device=w.device),
                              persistent=False)
 
     def slot_pair(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of slot ``slot``'s ``A`` (``[R, I]``) and scaled ``B`` (``[O, R]``)."""
-        cols = slice(slot * self.rank, (slot + 1) * self.rank)
-        return self.A_K_I[cols], self.B_O_K[:, cols]
-
-    def drop_stack(self) -> None:
-        """Free the copy of the batch's adapters (``MultiLoRA.rows`` ends)."""
-        self._stack = None
+        """Slot ``slot``'s ``A`` (``[R, I]``) and scaled ``B`` (``[O, R]``), as views."""
+        return self.A_N_R_I[slot], self.B_N_O_R[slot]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -88,17 +85,18 @@ class RowLoRALinear(torch.nn.Module):
             if single == 0:
                 return y
             a_R_I, b_O_R = self.slot_pair(single)
-            return y + (x @ a_R_I.T) @ b_O_R.T
+            return y + F.linear(F.linear(x, a_R_I), b_O_R)
         if mask_B_K is None:
             return y
-        if self._stack is None or self._stack[0] != self.rows.generation:
+        key = (tuple(self.rows.slots), self.rows.epoch)
+        if self._stack is None or self._stack[0] != key:
             pairs = [self.slot_pair(slot) for slot in self.rows.slots]
-            self._stack = (self.rows.generation, torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs], 1))
+            self._stack = (key, torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs], 1))
         _, a_K_I, b_O_K = self._stack
         # The batch's adapters' A at once, each row keeping only its own adapter's columns, then their B: two
         # matmuls, nothing gathered per row.
-        xa = (x @ a_K_I.T) * (mask_B_K if x.dim() == 2 else mask_B_K.unsqueeze(1))
-        return y + xa @ b_O_K.T
+        xa = F.linear(x, a_K_I) * (mask_B_K if x.dim() == 2 else mask_B_K.unsqueeze(1))
+        return y + F.linear(xa, b_O_K)
 
 
 class MultiLoRA:
@@ -162,6 +160,7 @@ class MultiLoRA:
                 a_slot[:r] = a_R_I.to(a_slot.dtype)
                 b_slot[:, :r] = b_O_R.to(b_slot.dtype) * scaling
         self._slot_of[name] = slot
+        self._rows.epoch += 1
         return slot
 
     def load_folder(self, name: str, adapter_dir: str | Path, *, pinned: Sequence[str] = ()) -> int:
@@ -186,6 +185,7 @@ class MultiLoRA:
         for layer in self.layers.values():
             for part in layer.slot_pair(slot):
                 part.zero_()
+        self._rows.epoch += 1
 
     def _free_slot(self, pinned: Sequence[str]) -> int:
         used = set(self._slot_of.values())
@@ -217,16 +217,13 @@ class MultiLoRA:
         else:
             used = sorted(set(slots) - {0})
             r = self.max_rank
-            mask_B_K = torch.zeros(len(slots), len(used) * r, dtype=layer.A_K_I.dtype, device=layer.A_K_I.device)
+            mask_B_K = torch.zeros(len(slots), len(used) * r, dtype=layer.A_N_R_I.dtype, device=layer.A_N_R_I.device)
             for b, slot in enumerate(slots):
                 if slot:
                     at = used.index(slot) * r
                     mask_B_K[b, at:at + r] = 1
             self._rows.slots, self._rows.mask_B_K = used, mask_B_K
-            self._rows.generation += 1
         try:
             yield
         finally:
             self._rows.single, self._rows.slots, self._rows.mask_B_K = None, [], None
-            for layer in self.layers.values():
-                layer.drop_stack()
