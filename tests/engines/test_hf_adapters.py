@@ -11,31 +11,7 @@ import torch
 from clawloop.engines.base import EngineError, SamplingParams
 from clawloop.engines.hf import HFEngine
 from clawloop.engines.model_files import load_model
-from clawloop.engines.multi_lora import PEFT_PREFIX
-
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def random_adapter(model, rank: int, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in TARGETS:
-            out_f, in_f = module.weight.shape
-            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) * 0.3
-            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.3
-    return out
-
-
-@torch.no_grad()
-def merged(model, adapter, scaling):
-    out = copy.deepcopy(model)
-    for key, a in adapter.items():
-        if key.endswith(".lora_A.weight"):
-            b = adapter[key.replace("lora_A", "lora_B")]
-            out.get_submodule(key[len(PEFT_PREFIX):-len(".lora_A.weight")]).weight += scaling * (b @ a)
-    return out
-
+from tests.engines.adapters import merged, random_adapter
 
 @torch.no_grad()
 def assert_written_by(model, prompt, generation):
@@ -61,7 +37,7 @@ def engine(base, tiny_tokenizer):
 
 
 def test_users_adapters_share_a_batch_and_each_row_is_its_own_adapters_answer(engine, base):
-    ann, bo = random_adapter(base, 8, 1), random_adapter(base, 4, 2)
+    ann, bo = random_adapter(base, 8, 1, scale=0.3), random_adapter(base, 4, 2, scale=0.3)
     assert engine.publish_adapter_sync("ann", ann, 2.0) == 1
     assert engine.publish_adapter_sync("bo", bo, 1.0) == 1
     prompt = [1, 17, 33, 95, 140, 7]
@@ -84,7 +60,7 @@ def test_users_adapters_share_a_batch_and_each_row_is_its_own_adapters_answer(en
 
 
 def test_an_answer_keeps_the_adapter_version_it_started_on_when_its_adapter_is_republished(engine, base):
-    first, second = random_adapter(base, 8, 3), random_adapter(base, 8, 4)
+    first, second = random_adapter(base, 8, 3, scale=0.3), random_adapter(base, 8, 4, scale=0.3)
     engine.publish_adapter_sync("ann", first, 1.0)
     prompt = [1, 5, 9, 200, 31]
 
@@ -113,7 +89,7 @@ def test_unknown_adapters_and_weight_publication_are_refused(engine, base):
     with pytest.raises(EngineError, match="publish adapters"):
         engine.publish_sync(base.state_dict())
     with pytest.raises(EngineError, match="without '@'"):
-        engine.publish_adapter_sync("a@1", random_adapter(base, 2, 5), 1.0)
+        engine.publish_adapter_sync("a@1", random_adapter(base, 2, 5, scale=0.3), 1.0)
     with pytest.raises(EngineError, match="rank 16"):  # above the slots' rank: refused, nothing loaded
-        engine.publish_adapter_sync("wide", random_adapter(base, 16, 6), 1.0)
+        engine.publish_adapter_sync("wide", random_adapter(base, 16, 6, scale=0.3), 1.0)
     assert engine.adapter_version("wide") is None

@@ -8,37 +8,14 @@ import pytest
 import torch
 
 from clawloop.engines.model_files import load_model
-from clawloop.engines.multi_lora import PEFT_PREFIX, MultiLoRA
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from clawloop.engines.multi_lora import MultiLoRA
+from tests.engines.adapters import TARGETS, merged, random_adapter
 
 
 @pytest.fixture
 def base(tiny_model_path):
     torch.manual_seed(0)
     return load_model(tiny_model_path, device="cpu").eval()
-
-
-def random_adapter(model, rank: int, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in TARGETS:
-            out_f, in_f = module.weight.shape
-            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) * 0.2
-            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.2
-    return out
-
-
-def merged(model, adapter, scaling):
-    copy_ = copy.deepcopy(model)
-    with torch.no_grad():
-        for key, a in adapter.items():
-            if key.endswith(".lora_A.weight"):
-                module = key[len(PEFT_PREFIX):-len(".lora_A.weight")]
-                b = adapter[key.replace("lora_A", "lora_B")]
-                copy_.get_submodule(module).weight += scaling * (b @ a)
-    return copy_
 
 
 @torch.no_grad()
