@@ -29,9 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=16, help="Requests decoded together.")
@@ -46,14 +43,14 @@ def main() -> None:
     import torch
 
     from clawloop.engines.model_files import default_model_dir, load_model
-    from clawloop.engines.multi_lora import PEFT_PREFIX, MultiLoRA
+    from clawloop.engines.multi_lora import LORA_TARGETS, PEFT_PREFIX, MultiLoRA
 
     torch.set_num_threads(args.threads)
     base = load_model(default_model_dir(), device="cpu").eval()
     adapters = [random_adapter(base, args.rank, seed, PEFT_PREFIX) for seed in range(16)]
     scaling = 2.0
     merged_model = merge(base, adapters[0], scaling, PEFT_PREFIX)
-    slots = MultiLoRA(copy.deepcopy(base), TARGETS, max_adapters=16, max_rank=args.rank)
+    slots = MultiLoRA(copy.deepcopy(base), LORA_TARGETS, max_adapters=16, max_rank=args.rank)
     for i, adapter in enumerate(adapters):
         slots.load(f"user{i}", adapter, scaling)
     torch.manual_seed(0)
@@ -65,7 +62,7 @@ def main() -> None:
         diff = float((ours - merged_model(input_ids=prompt_B_L[:1]).logits).abs().max())
 
     variants = {"merged model, one adapter": (merged_model, None)}
-    for distinct in (1, 4, 16):
+    for distinct in sorted({min(d, args.rows) for d in (1, 4, 16)}):
         names = [f"user{b % distinct}" for b in range(args.rows)]
         variants[f"adapter slots, {distinct} distinct adapter{'s' if distinct > 1 else ''}"] = (slots.model, names)
     best = {name: float("inf") for name in variants}
@@ -78,7 +75,7 @@ def main() -> None:
                     seconds = decode(model, prompt_B_L, args.tokens)
             best[name] = min(best[name], seconds)
     print(f"multi-adapter serving: SmolLM2-135M-Instruct, {args.rows} rows x {args.prompt_tokens} prompt + "
-          f"{args.tokens} generated tokens, rank {args.rank} on {len(TARGETS)} projections, {args.threads} "
+          f"{args.tokens} generated tokens, rank {args.rank} on {len(LORA_TARGETS)} projections, {args.threads} "
           f"thread(s), best of {args.repeats}; a slot row vs the merged model: max |logit diff| {diff:.1e}")
     reference = best["merged model, one adapter"]
     for name, seconds in best.items():
@@ -100,8 +97,7 @@ def engine_lines(base, merged_model, adapters, scaling: float, prompts: list[lis
     tokenizer = load_tokenizer(default_model_dir())
     common = dict(max_batch_size=args.rows, eos_token_ids=[], num_threads=args.threads)
     plain = HFEngine(merged_model, tokenizer, **common)
-    slotted = HFEngine(copy.deepcopy(base), tokenizer, adapter_slots=16, adapter_rank=args.rank,
-                       adapter_targets=tuple(TARGETS), **common)
+    slotted = HFEngine(copy.deepcopy(base), tokenizer, adapter_slots=16, adapter_rank=args.rank, **common)
     for i, adapter in enumerate(adapters):
         slotted.publish_adapter_sync(f"user{i}", adapter, scaling)
 
@@ -112,7 +108,7 @@ def engine_lines(base, merged_model, adapters, scaling: float, prompts: list[lis
         return time.perf_counter() - t0
 
     variants = {"engine, merged model": (plain, [None] * args.rows)}
-    for distinct in (1, 4, 16):
+    for distinct in sorted({min(d, args.rows) for d in (1, 4, 16)}):
         variants[f"engine, {distinct} distinct adapter{'s' if distinct > 1 else ''}"] = (
             slotted, [f"user{b % distinct}" for b in range(args.rows)])
     best = {name: float("inf") for name in variants}
@@ -147,10 +143,12 @@ def decode(model, prompt_B_L, steps: int) -> float:
 def random_adapter(model, rank: int, seed: int, prefix: str):
     import torch
 
+    from clawloop.engines.multi_lora import LORA_TARGETS
+
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in TARGETS:
+        if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in LORA_TARGETS:
             out_f, in_f = module.weight.shape
             out[f"{prefix}{name}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) / in_f ** 0.5
             out[f"{prefix}{name}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.01

@@ -35,8 +35,9 @@ Design choices (what a reader needs to trust the numbers it returns):
   LoRA adapters are published by name (``publish_adapter``), each publication a new version of that name loaded
   into a slot of its own at a step boundary. A request names its adapter (``SamplingParams.adapter``) and runs on
   that adapter's newest version from start to end: requests of different adapters decode in one batch, each row
-  with its own adapter's delta, nothing merged. A slot is reused (least recently used first) only when no
-  running sequence uses it. Full-weight publication is refused on such an engine; scoring runs on the base.
+  with its own adapter's delta, nothing merged. Publishing a version evicts the name's older versions that no
+  running sequence uses; otherwise a slot is reused (least recently used first) only when no running sequence
+  uses it. Full-weight publication is refused on such an engine; scoring runs on the base.
 * **Scoring** runs on the worker between decode steps, in chunks of at most ``score_batch_tokens`` tokens
   (right-padded), taking the final hidden states and applying the output layer only at response positions,
   ``score_chunk_rows`` rows at a time, so the full ``[T, V]`` logits of a long prompt never exist.
@@ -80,7 +81,7 @@ from clawloop.engines.base import (
     TokenEvent,
 )
 from clawloop.engines.detok import IncrementalDetokenizer, StopStrings
-from clawloop.engines.multi_lora import MultiLoRA
+from clawloop.engines.multi_lora import LORA_TARGETS, MultiLoRA
 from clawloop.engines.sampling import choose_tokens, sampling_logprobs, top_alternatives
 from clawloop.memory import trim_heap
 from clawloop.priority import lower_thread_priority
@@ -269,8 +270,7 @@ class HFEngine:
         worker_nice: int = 0,
         adapter_slots: int = 0,
         adapter_rank: int = 16,
-        adapter_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                            "down_proj"),
+        adapter_targets: tuple[str, ...] = LORA_TARGETS,
     ):
         if swap_mode not in SWAP_MODES:
             raise ValueError(f"swap_mode must be one of {SWAP_MODES}, not {swap_mode!r}")
@@ -701,16 +701,9 @@ class HFEngine:
 
         batch = self._current_batch()
         device = self.device
-        unknown = [req for req in group if req.params.adapter is not None
-                   and req.params.adapter not in self._adapter_versions]
-        for req in unknown:
-            self._deliver(req, EngineError(f"no adapter named {req.params.adapter!r} is published"))
-        group = [req for req in group if req not in unknown]
-        if not group:
-            return
         seqs = []
         for req in group:
-            name = req.params.adapter
+            name = req.params.adapter  # published (``_submit`` checked), and a name is never unpublished
             if name is None:
                 seqs.append(_Seq(req, self.tokenizer, self.eos_token_ids, batch.version, device))
             else:

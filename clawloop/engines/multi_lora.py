@@ -41,6 +41,21 @@ import torch.nn.functional as F
 PEFT_PREFIX = "base_model.model."
 """How a PEFT adapter file names a layer: ``base_model.model.<module>.lora_A.weight``."""
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections the engine gives adapter slots to by default: those the trainer adapts by default (the config's
+``lora_target_modules``; the config does not import torch-level modules, so the list is written there too)."""
+
+
+def plain_lora_scaling(adapter_config: Mapping[str, object]) -> float | None:
+    """``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA) for a PEFT ``adapter_config.json`` whose adapter is plain
+    LoRA, so that ``W + scaling · B A`` is all it does; None for DoRA, per-layer ranks or alphas, transposed
+    weights or extra trained modules, which that formula does not cover."""
+    if any(adapter_config.get(k) for k in ("use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern",
+                                            "modules_to_save")):
+        return None
+    r, alpha = int(adapter_config["r"]), float(adapter_config["lora_alpha"])  # type: ignore[arg-type]
+    return alpha / math.sqrt(r) if adapter_config.get("use_rslora") else alpha / r
+
 
 class _Rows:
     """The adapters of the forward in progress, set by ``MultiLoRA.rows``."""
@@ -170,13 +185,10 @@ class MultiLoRA:
         from safetensors.torch import load_file
 
         adapter_dir = Path(adapter_dir)
-        config = json.loads((adapter_dir / "adapter_config.json").read_text())
-        unsupported = [k for k in ("use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "modules_to_save")
-                       if config.get(k)]
-        if unsupported:
-            raise ValueError(f"{adapter_dir}: adapters with {', '.join(unsupported)} cannot share a batch")
-        r, alpha = int(config["r"]), float(config["lora_alpha"])
-        scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        scaling = plain_lora_scaling(json.loads((adapter_dir / "adapter_config.json").read_text()))
+        if scaling is None:
+            raise ValueError(f"{adapter_dir}: only plain LoRA adapters can share a batch (no DoRA, per-layer ranks "
+                             "or alphas, or extra trained modules)")
         return self.load(name, load_file(str(adapter_dir / "adapter_model.safetensors")), scaling, pinned=pinned)
 
     def evict(self, name: str) -> None:

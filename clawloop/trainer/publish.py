@@ -34,13 +34,13 @@ import copy
 import inspect
 import json
 import logging
-import math
 import shutil
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from clawloop.engines.multi_lora import PEFT_PREFIX, plain_lora_scaling
 from clawloop.trainer.contracts import PublishingEngine
 from clawloop.trainer.model import TrainModels
 from clawloop.weight_folder import unshared_tensors, write_weight_folder
@@ -75,18 +75,11 @@ def merged_state_dict(models: TrainModels) -> dict[str, torch.Tensor]:
     return out
 
 
-_PEFT_PREFIX = "base_model.model."
-
-
 def _direct_merge_scaling(adapter_config: dict[str, Any], adapter_keys: list[str]) -> float | None:
-    """``lora_alpha / r`` (or ``/ sqrt(r)`` with rsLoRA) when the plain formula is the whole merge, else None."""
-    if adapter_config.get("use_dora") or adapter_config.get("fan_in_fan_out") or adapter_config.get("rank_pattern") \
-            or adapter_config.get("alpha_pattern") or adapter_config.get("modules_to_save"):
+    """``plain_lora_scaling`` when the file holds nothing but LoRA pairs, else None."""
+    if any(not (k.startswith(PEFT_PREFIX) and k.endswith((".lora_A.weight", ".lora_B.weight"))) for k in adapter_keys):
         return None
-    if any(not (k.startswith(_PEFT_PREFIX) and k.endswith((".lora_A.weight", ".lora_B.weight"))) for k in adapter_keys):
-        return None
-    r, alpha = int(adapter_config["r"]), float(adapter_config["lora_alpha"])
-    return alpha / math.sqrt(r) if adapter_config.get("use_rslora") else alpha / r
+    return plain_lora_scaling(adapter_config)
 
 
 @torch.no_grad()
@@ -112,8 +105,8 @@ def merge_adapter_folder(adapter_dir: str | Path, base_model_dir: str | Path) ->
     for key, a_R_In in adapter.items():
         if not key.endswith(".lora_A.weight"):
             continue
-        module = key[len(_PEFT_PREFIX):-len(".lora_A.weight")]
-        b_Out_R = adapter[f"{_PEFT_PREFIX}{module}.lora_B.weight"]
+        module = key[len(PEFT_PREFIX):-len(".lora_A.weight")]
+        b_Out_R = adapter[f"{PEFT_PREFIX}{module}.lora_B.weight"]
         weight = f"{module}.weight"
         if weight not in merged:
             raise KeyError(f"the adapter in {adapter_dir} adapts {module!r}, which {base_model_dir} does not have")

@@ -5,9 +5,8 @@ import copy
 
 import torch
 
+from clawloop.engines.multi_lora import LORA_TARGETS as TARGETS
 from clawloop.engines.multi_lora import PEFT_PREFIX
-
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def random_adapter(model, rank: int, seed: int, scale: float = 0.2) -> dict[str, torch.Tensor]:
