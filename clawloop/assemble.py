@@ -21,8 +21,9 @@ Order, and why:
 4. **judge**, 5. **teacher** (methods with an OPD branch; asked by the trainer, in-process or over the teacher
    route), 6. **pipeline** (votes and hints only; ``on_sample`` wakes the trainer), 7. **trainer** (``config.train``
    with ``trainer = "embedded"``; a remote trainer leases over HTTP instead).
-8. **routes**: the chat API (``api.app.create_app``), the trainer routes, and with learning on the teacher and
-   admin routes. 9. **dashboard**: its routes are mounted onto the app here, so the API layer never imports it.
+8. **routes**: the chat API (``api.app.create_app``), the trainer routes, the forget route
+   (``api.forget_routes``), and with learning on the teacher and admin routes. 9. **dashboard**: its routes are
+   mounted onto the app here, so the API layer never imports it.
 
 Components (``async start()`` / ``async stop()``), started in this order after the sessions are restored and
 stopped in reverse before the engines close: the ``FleetSupervisor`` whenever a fleet runs (training on or off),
@@ -43,6 +44,7 @@ from fastapi import FastAPI
 
 from clawloop.api.admin_routes import mount_admin_routes
 from clawloop.api.app import ChatService, create_app
+from clawloop.api.forget_routes import mount_forget_route
 from clawloop.api.metrics import ServingMetrics
 from clawloop.api.sessions import JudgeableHook, SessionManager
 from clawloop.api.teacher_routes import mount_teacher_routes
@@ -242,6 +244,7 @@ def assemble(config: Config, *, learning: Learning | None = None, engine: Any = 
         if learning is not None:
             mount_teacher_routes(app, lambda: teacher, config)  # a torchrun trainer asks the teacher here
             mount_admin_routes(app, store, config, lambda: trainer)
+        mount_forget_route(app, store, config, sessions, engine, lambda: trainer)
 
         # 9. dashboard
         install_for_service(app, service)
@@ -274,8 +277,11 @@ def build_engine(config: Config, fleet: Fleet | None = None) -> Any:
         return fleet.policy_engine(config, load_tokenizer(resolve_model(config.model)))
     from clawloop.engines.hf import HFEngine
 
+    per_user = config.policy_scope == "per_user"  # the base model stays fixed; users' adapters get slots
     return HFEngine(config.model, device=config.device, dtype=config.dtype, max_batch_size=config.max_batch_size,
-                    num_threads=config.num_threads, model_name=config.served_model_name)
+                    num_threads=config.num_threads, model_name=config.served_model_name,
+                    adapter_slots=config.user_adapter_slots if per_user else 0, adapter_rank=config.lora_rank,
+                    adapter_targets=tuple(config.lora_target_modules))
 
 
 def needs_base_engine(config: Config) -> bool:

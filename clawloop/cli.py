@@ -121,6 +121,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return main_from_args(args, _config_cli_values(args))
 
 
+def cmd_eval_users(args: argparse.Namespace) -> int:
+    from clawloop.sim.users import cmd_eval_users as run
+
+    return run(args, _config_cli_values(args))
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from clawloop.run_folder import RunFolderError, check_resumable, open_run_store
     from clawloop.trainer.offline import train_offline
@@ -329,6 +335,19 @@ def build_parser() -> argparse.ArgumentParser:
                             choices=["critical", "error", "warning", "info", "debug"],
                             help="Log level of the server and pipeline.")
     evaluation.set_defaults(func=cmd_eval)
+
+    users = sub.add_parser("eval-users", help="Simulated users on one server at once, each with its own policy "
+                           "(policy_scope per_user).",
+                           description="One simulated user per persona, each with its own key, talking at the "
+                           "same time to one server that trains a LoRA adapter per user; held-out scores before "
+                           "and after by every persona's checker (docs/per-user.md).")
+    add_cli_arguments(users)
+    from clawloop.sim.users import add_arguments as add_users_arguments
+
+    add_users_arguments(users)
+    users.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                       help="Log level of the server and pipeline.")
+    users.set_defaults(func=cmd_eval_users)
 
     judge = sub.add_parser("judge", help="Work with the judge.")
     judge_sub = judge.add_subparsers(dest="judge_command", required=True)

@@ -47,6 +47,7 @@ class ConfigError(ValueError):
 JUDGE_CONTEXTS = ("none", "last_user", "full")
 TEACHERS = ("base", "policy")
 JUDGE_BACKENDS = ("auto", "engine", "http", "rules")
+POLICY_SCOPES = ("shared", "per_user")
 ENGINES = ("embedded", "vllm")
 TRAINERS = ("embedded", "remote")
 VLLM_ROLES = ("vllm_policy", "vllm_teacher", "vllm_judge")
@@ -265,6 +266,14 @@ class TrainerSettings:
     lora_alpha: float = _f(32.0, "LoRA alpha.")
     lora_target_modules: list[str] = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "Modules LoRA adapts.")
+    policy_scope: str = _f("shared", "Whose conversations a policy learns from: shared (one policy for every user) or "
+                           "per_user (every per-user key gets a LoRA adapter of its own on the one base model, "
+                           "trained only on that key's conversations and served only to it; needs lora, the "
+                           "embedded trainer and per-user keys; docs/per-user.md).")
+    user_adapter_slots: int = _f(16, "per_user, embedded engine: most users' adapters held at once; beyond it the "
+                                 "least recently used leaves its slot and is loaded again when its user next asks. "
+                                 "(On vLLM the bound is the server's own: vllm_policy's max_loras per batch and "
+                                 "its cache of adapters.)")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     adam_betas: list[float] = _f([0.9, 0.98], "AdamW betas.")
     grad_clip: float = _f(1.0, "Max global grad norm (<= 0 disables).")
@@ -406,6 +415,9 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
         choice("judge_context", JUDGE_CONTEXTS)
         choice("teacher", TEACHERS)
         choice("judge_backend", JUDGE_BACKENDS)
+        choice("policy_scope", POLICY_SCOPES)
+        if self.policy_scope == "per_user":
+            self._validate_per_user()
         choice("judge_structured_output", ("auto", "json_schema", "regex", "off"))
         if self.judge_backend == "http" and not self.judge_url:
             raise ConfigError("judge_backend='http' needs judge_url (the judge's OpenAI-compatible base URL)")
@@ -458,6 +470,22 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
             if backend not in ("jsonl", "tensorboard", "wandb"):
                 raise ConfigError(f"metrics_backends has {backend!r}; allowed: jsonl, tensorboard, wandb")
         return self
+
+    def _validate_per_user(self) -> None:
+        if not self.lora:
+            raise ConfigError("policy_scope='per_user' trains one LoRA adapter per user on the shared base model; "
+                              "set lora=true")
+        if not self.api_keys and not self.api_keys_file:
+            raise ConfigError("policy_scope='per_user' gives every per-user key its own policy; set api_keys or "
+                              "api_keys_file")
+        if self.trainer != "embedded":
+            raise ConfigError(f"policy_scope='per_user' trains every user's adapter in the API process; "
+                              f"trainer={self.trainer!r} does not yet")
+        if self.teacher != "base":
+            raise ConfigError(f"policy_scope='per_user' teaches every user with the frozen base model; "
+                              f"teacher={self.teacher!r} is not supported with it")
+        if self.user_adapter_slots < 1:
+            raise ConfigError(f"user_adapter_slots={self.user_adapter_slots!r} must be >= 1")
 
     def _validate_context(self) -> None:
         choice = ("sft", "objective")

@@ -1,6 +1,7 @@
 """Admin routes for the run's published versions (admin key, the same check as the trainer routes):
 
-* ``POST /v1/admin/rollback {"version": N}`` — serve kept version ``N`` again, at once: the embedded trainer loads
+* ``POST /v1/admin/rollback {"version": N}`` (per-user policies: ``{"version": N, "user": "k_…"}``, a version of
+  that user's own or 0, the base model) — serve kept version ``N`` again, at once: the embedded trainer loads
   its weights (and its optimizer state when kept), the engine swaps them in between requests under the version
   number ``N`` (the same weights, so the same number), and training continues from them. Requests are answered
   throughout; the swap waits only for a training step in progress. 404 when the version is not kept; 409 when
@@ -39,20 +40,32 @@ def mount_admin_routes(app: FastAPI, store: Store, config: Any, trainer: Callabl
 
     async def rollback(request: Request) -> Any:
         require_admin(request, config)
-        version = (await read_json_object(request, config.max_body_bytes)).get("version")
+        body = await read_json_object(request, config.max_body_bytes)
+        version, user = body.get("version"), body.get("user")
         if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2 ** 63:
             raise APIError(400, "'version' must be an integer >= 0.", "invalid_request_error", "version", None)
         online = trainer()
-        if online is None or online.core is None:
+        if online is None or (online.core is None and online.policies is None):
             raise APIError(409, "Rollback needs the embedded trainer of this run (this server has none).",
                            "invalid_request_error", None, "no_trainer")
+        if online.policies is not None:
+            if not isinstance(user, str) or not user:
+                raise APIError(400, "Every user has a policy of their own here (policy_scope per_user): 'user' "
+                               "names whose to roll back (their k_… name).", "invalid_request_error", "user", None)
+            owned = {int(v["version"]) for v in await asyncio.to_thread(store.versions, owner=user)}
+            if version != 0 and version not in owned:
+                raise APIError(404, f"Version {version} is not one of user {user}'s versions.",
+                               "invalid_request_error", "version", "version_not_found")
+        elif user is not None:
+            raise APIError(400, "'user' is for per-user policies; this run trains one shared policy.",
+                           "invalid_request_error", "user", None)
         if await asyncio.to_thread(store.version_status, version) == "uncommitted":
             raise APIError(409, f"Version {version} cannot be served again: the process stopped after publishing "
                            "it and before committing its step, so its samples were trained again after the restart "
                            "(status uncommitted). The served version is unchanged.", "invalid_request_error",
                            "version", "version_uncommitted")
         try:
-            return {"object": "clawloop.rollback", **await online.rollback(version)}
+            return {"object": "clawloop.rollback", **await online.rollback(version, user)}
         except FileNotFoundError as exc:
             raise APIError(404, str(exc), "invalid_request_error", "version", "version_not_found") from None
         except DamagedVersion as exc:
@@ -69,7 +82,7 @@ def mount_admin_routes(app: FastAPI, store: Store, config: Any, trainer: Callabl
         online = trainer()
         return {
             "object": "clawloop.versions",
-            "serving": online.core.policy_version if online is not None and online.core is not None else None,
+            "serving": online.serving_versions() if online is not None else None,
             "gate": online.gate_status() if online is not None else {},
             "versions": [{k: v for k, v in r.items() if k != "evidence"} | _verdict(r["evidence"]) for r in rows],
             "events": [{k: v for k, v in e.items() if k != "detail"} | _verdict(e["detail"])

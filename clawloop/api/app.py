@@ -225,12 +225,29 @@ class ChatService:
             ext["paired_turn_id"] = self.turn_ids.public(owner, ctx.paired_turn_id)
         return ext
 
+    # ---- whose policy answers ---------------------------------------------------------------------------
+    def adapter_of(self, owner: str) -> str | None:
+        """Per-user policies (``policy_scope = "per_user"``): the caller's own adapter once one is published, else
+        None (the base model, which every user's adapter starts from). A key can name no other adapter: the name
+        is the key's own owner name, never taken from the request."""
+        if self.config.policy_scope != "per_user" or not owner:
+            return None
+        return owner if self.engine.adapter_version(owner) is not None else None
+
+    def version_for(self, owner: str) -> int:
+        """The version a new request of ``owner`` starts on."""
+        adapter = self.adapter_of(owner)
+        return int(self.engine.policy_version) if adapter is None else int(self.engine.adapter_version(adapter))
+
     # ---- the request -----------------------------------------------------------------------------------
     async def chat(self, request: Request, path_session_id: str | None = None) -> Any:
         owner = require_user(request)
         body = await read_json_body(request, self.config.max_body_bytes)
         # Validation, the chat template and tokenisation run off the event loop (long agent prompts).
         prep = await asyncio.to_thread(self.prepare, body, request.headers, path_session_id)
+        adapter = self.adapter_of(owner)
+        if adapter is not None:
+            prep.params = dataclasses.replace(prep.params, adapter=adapter)
         ctx: TurnContext | None = None
         if prep.turn_type == "main":
             ctx = await self.sessions.begin_main(prep.session_id_given, prep.req.messages, owner=owner)
@@ -242,7 +259,7 @@ class ChatService:
             try:
                 response = GuardedStreamingResponse(
                     self._stream(prep, ctx, session_id, owner), media_type="text/event-stream",
-                    headers={**_headers(session_id, self.engine.policy_version), "Cache-Control": "no-cache",
+                    headers={**_headers(session_id, self.version_for(owner)), "Cache-Control": "no-cache",
                              "X-Accel-Buffering": "no"},
                     on_close=None if ctx is None else ctx.release)
                 handed_over = True
@@ -418,7 +435,7 @@ class ChatService:
             "object": "clawloop.status",
             "scope": "user",
             "model": self.config.served_model_name,
-            "policy_version": self.engine.policy_version,
+            "policy_version": self.version_for(owner),
             "turns_by_state": turns,
             "drop_reasons": reasons,
             "judge": self.judge_setup(),

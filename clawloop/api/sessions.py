@@ -587,6 +587,14 @@ class SessionManager:
             return False, None
         return True, await self._end_unlocked(s, "request")
 
+    async def end_owner(self, owner: str, why: str = "forgotten") -> int:
+        """End every live session of ``owner`` (each after its in-flight main request); returns how many."""
+        ended = 0
+        for s in [s for s in self._sessions.values() if s.owner == owner]:
+            await self._end_unlocked(s, why)
+            ended += 1
+        return ended
+
     async def end_if_exists(self, session_id: str, why: str, owner: str = "") -> None:
         s = self.get(session_id, owner)
         if s is not None:

@@ -20,6 +20,7 @@ import torch
 
 from clawloop.losses import HINT_SELECTIONS, select_hints, topk_overlap
 from clawloop.store import CONTEXT_KIND, SampleRecord, Store, TurnState, find_store
+from clawloop.trainer.forget import RECEIPTS_DIR
 
 MAX_TOKENS_SHOWN = 512
 """Longest response shown token by token (the rest is summarised)."""
@@ -499,7 +500,7 @@ class RunView:
         for v in versions:
             own = [s for s in steps if fates.get(s["step"], {}).get("version") == v["version"]]
             out.append({"version": v["version"], "step": v["step"], "created_at": v["created_at"],
-                        "status": v["status"], "evidence": v["evidence"],
+                        "status": v["status"], "evidence": v["evidence"], "owner": v.get("owner", ""),
                         "steps": [s["step"] for s in own],
                         "samples": sum(len(s["turn_ids"]) for s in own),
                         "events": [self._event(e) for e in events if e["version"] == v["version"]]})
@@ -507,11 +508,25 @@ class RunView:
                    for s in steps if fates.get(s["step"], {}).get("disposition") in ("rejected", "discarded",
                                                                                       "unchecked")]
         return {"versions": out,
+                "forget_receipts": forget_receipts(self.run_dir),
                 "steps_in_no_version": outside,
                 "timeline": [self._event(e) for e in events],
                 "steps": [{"step": s["step"], "created_at": s["created_at"], "policy_version": s["policy_version"],
                            "samples": len(s["turn_ids"]), "in": fates.get(s["step"], {"disposition": "requeued"})}
                           for s in steps]}
+
+
+def forget_receipts(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's forget receipts (``RUN_DIR/receipts/forget-*.json``, written by ``clawloop forget`` and the admin
+    route), oldest first; ids and counts only, as written. One that cannot be read is listed with its problem."""
+    out = []
+    for path in sorted((run_dir / RECEIPTS_DIR).glob("forget-*.json")):
+        try:
+            receipt = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            receipt = {"problem": f"{type(exc).__name__}: {exc}"}
+        out.append({"file": path.name, **receipt})
+    return out
 
 
 def view_for_run_dir(run_dir: str | Path, **kwargs: Any) -> RunView:

@@ -35,7 +35,9 @@ Design choices (what a reader needs to trust the numbers it returns):
   LoRA adapters are published by name (``publish_adapter``), each publication a new version of that name loaded
   into a slot of its own at a step boundary. A request names its adapter (``SamplingParams.adapter``) and runs on
   that adapter's newest version from start to end: requests of different adapters decode in one batch, each row
-  with its own adapter's delta, nothing merged. Publishing a version evicts the name's older versions that no
+  with its own adapter's delta, nothing merged. The newest version's tensors are kept, so an adapter that more
+  recently used ones pushed out of the bounded slots is loaded again when a request names it; ``remove_adapter``
+  unpublishes a name (a forgotten user's). Publishing a version evicts the name's older versions that no
   running sequence uses; otherwise a slot is reused (least recently used first) only when no running sequence
   uses it. Full-weight publication is refused on such an engine; scoring runs on the base.
 * **Scoring** runs on the worker between decode steps, in chunks of at most ``score_batch_tokens`` tokens
@@ -148,6 +150,8 @@ class _PublishJob:
     """The version to publish as (None: current + 1)."""
     adapter: tuple[str, Mapping[str, torch.Tensor], float] | None = None
     """Adapter slots: (name, PEFT tensors, scaling) loaded as a new version of that name."""
+    remove: str | None = None
+    """Adapter slots: the name to unpublish (its versions leave their slots once no answer runs on them)."""
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -309,6 +313,9 @@ class HFEngine:
                                    max_rank=adapter_rank) if adapter_slots > 0 else None
         self._adapter_versions: dict[str, int] = {}
         """Newest published version per adapter name (written by the worker)."""
+        self._adapter_sources: dict[str, tuple[dict[str, torch.Tensor], float]] = {}
+        """Each name's newest published adapter as it was handed over: an adapter evicted from its slot by more
+        recently used ones is loaded again from here when a request asks for it."""
 
         self._version = initial_version
         self._latest_model = self._model  # what the next double-buffer publication copies
@@ -451,6 +458,15 @@ class HFEngine:
     def adapter_version(self, name: str) -> int | None:
         """The newest published version of adapter ``name``; None if it was never published."""
         return self._adapter_versions.get(name)
+
+    async def remove_adapter(self, name: str, timeout_s: float | None = None) -> int:
+        """Unpublish adapter ``name`` (a forgotten user's): from the next step boundary no new request can name
+        it; an answer already running on it finishes. Returns the version it had (0: none)."""
+        if self._adapters is None:
+            raise EngineError("this engine has no adapter slots (adapter_slots=0)")
+        job = _PublishJob(remove=name)
+        self._inbox.put(job)
+        return await asyncio.to_thread(self._wait_published, job, timeout_s)
 
     def _wait_published(self, job: _PublishJob, timeout_s: float | None) -> int:
         waited = 0.0
@@ -618,6 +634,10 @@ class HFEngine:
     def _apply_publications(self) -> None:
         while self._publications:
             job = self._publications[0]
+            if job.remove is not None:
+                self._publications.popleft()
+                job.done.set_result(self._remove_adapter(job.remove))
+                continue
             if job.adapter is not None:
                 self._publications.popleft()
                 try:
@@ -653,7 +673,34 @@ class HFEngine:
             if old != slot and old.rpartition("@")[0] == name and old not in in_use:
                 self._adapters.evict(old)
         self._adapter_versions[name] = version
+        self._adapter_sources[name] = (dict(tensors), float(scaling))
         return version
+
+    def _remove_adapter(self, name: str) -> int:
+        """Unpublish ``name``: new requests can no longer name it, its kept tensors go, and its slots not used by
+        a running answer are freed (zeroed) now, the others when their slot is next taken. Returns the version
+        it had (0: none)."""
+        assert self._adapters is not None
+        version = self._adapter_versions.pop(name, 0)
+        self._adapter_sources.pop(name, None)
+        in_use = {seq.slot for batch in self._batches for seq in batch.seqs if seq.slot}
+        for slot in self._adapters.loaded:
+            if slot.rpartition("@")[0] == name and slot not in in_use:
+                self._adapters.evict(slot)
+        return version
+
+    def _reload_evicted(self, seqs: list[_Seq]) -> None:
+        """Load again the newest adapters of ``seqs`` that more recently used ones evicted (a new sequence always
+        starts on its name's newest version, whose tensors are kept), never taking a slot in use."""
+        assert self._adapters is not None
+        wanted = {seq.slot for seq in seqs if seq.slot}
+        missing = sorted(wanted - set(self._adapters.loaded))
+        if not missing:
+            return
+        in_use = {seq.slot for batch in self._batches for seq in batch.seqs if seq.slot} | wanted
+        for slot in missing:
+            tensors, scaling = self._adapter_sources[slot.rpartition("@")[0]]
+            self._adapters.load(slot, tensors, scaling, pinned=sorted(in_use - {slot}))
 
     def _rows(self, seqs: list[_Seq]) -> Any:
         """The adapter context of a forward over ``seqs`` (a no-op without adapter slots)."""
@@ -709,6 +756,8 @@ class HFEngine:
             else:
                 version = self._adapter_versions[name]
                 seqs.append(_Seq(req, self.tokenizer, self.eos_token_ids, version, device, slot=f"{name}@{version}"))
+        if self._adapters is not None:
+            self._reload_evicted(seqs)
         lengths = [len(req.prompt_ids) for req in group]
         W = max(lengths)
         ids_N_W = torch.tensor([[self.pad_id] * (W - n) + req.prompt_ids for req, n in zip(group, lengths)],

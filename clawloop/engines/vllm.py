@@ -52,7 +52,9 @@ What it asks vLLM for, and why the numbers mean what the interface promises:
   end. The engine counts in-flight requests per model name (``inflight``/``when_idle``) and lets callers pin a
   name (``hold``) so a publisher unloads an old adapter only when nothing uses it; ``draining`` holds new
   requests (never rejects them) until those running finish, for in-place weight reloads.
-  ``clawloop.engines.vllm_publish`` does publication.
+  ``clawloop.engines.vllm_publish`` does publication. Per-user policies add one route per adapter name
+  (``set_adapter_route``): a request naming an adapter (``SamplingParams.adapter``) goes to that name's newest
+  version's model name, and its ``Generation.policy_version`` is that version.
 * **Failures are EngineErrors naming the URL**: connection failures and 5xx answers are retried with exponential
   backoff (``retries``, ``backoff_s``); a server that does not answer within ``request_timeout_s`` is not retried
   (it is slow, not gone); 4xx answers are not retried; prompts that do not fit raise ``PromptTooLongError``;
@@ -67,7 +69,7 @@ import json
 import logging
 import math
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,6 +213,10 @@ class VLLMEngine:
         self.backoff_s = backoff_s
         self.publisher: Any = None
         """Set by a ``clawloop.engines.vllm_publish`` publisher; ``publish`` delegates to it."""
+        self.adapter_publisher: Any = None
+        """Set by ``vllm_publish.UserAdapterPublisher``; ``publish_adapter`` delegates to it."""
+        self._adapter_routes: dict[str, PolicyRoute] = {}
+        """Per adapter name (per-user policies): where that adapter's new requests go (``set_adapter_route``)."""
         self.stats = Counter()
         """Requests by kind since start: generate, stream, score_probe, score_position, retries."""
 
@@ -281,7 +287,7 @@ class VLLMEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         prompt_ids = self._check_prompt(prompt_ids, params)
-        route = await self._acquire()
+        route = await self._acquire(params.adapter)
         try:
             body = self._generation_body(prompt_ids, params, stream=False)
             self.stats["generate"] += 1
@@ -294,7 +300,7 @@ class VLLMEngine:
         self, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenEvent | Generation]:
         prompt_ids = self._check_prompt(prompt_ids, params)
-        route = await self._acquire()
+        route = await self._acquire(params.adapter)
         try:
             body = self._generation_body(prompt_ids, params, stream=True)
             body["model"] = route.model
@@ -385,6 +391,46 @@ class VLLMEngine:
         previous, self._route = self._route, PolicyRoute(int(version), model)
         return previous
 
+    def set_adapter_route(self, name: str, version: int, model: str) -> PolicyRoute | None:
+        """Send new requests naming adapter ``name`` (``SamplingParams.adapter``) to ``model`` as ``version``;
+        returns the previous route of that name."""
+        previous = self._adapter_routes.get(name)
+        self._adapter_routes[name] = PolicyRoute(int(version), model)
+        return previous
+
+    def adapter_version(self, name: str) -> int | None:
+        """The version new requests naming adapter ``name`` run on; None if it was never published."""
+        route = self._adapter_routes.get(name)
+        return None if route is None else route.version
+
+    def remove_adapter_route(self, name: str) -> PolicyRoute | None:
+        """New requests can no longer name adapter ``name``; returns its last route."""
+        return self._adapter_routes.pop(name, None)
+
+    async def remove_adapter(self, name: str) -> int:
+        """Unpublish adapter ``name`` (a forgotten user's) through the attached ``UserAdapterPublisher``: no new
+        request can name it, and its versions are unloaded and their folders deleted once no request runs on
+        them. Returns the version it had (0: none)."""
+        if self.adapter_publisher is None:
+            raise EngineError("this VLLMEngine has no adapter publisher: attach a UserAdapterPublisher")
+        return await self.adapter_publisher.remove(name)
+
+    async def publish_adapter(self, name: str, adapter: Mapping[str, Any], scaling: float, *,
+                              version: int | None = None) -> int:
+        """Publish a LoRA adapter (PEFT tensors, ``scaling`` = alpha / r) as a new version of adapter ``name``
+        through the attached ``UserAdapterPublisher``; returns its version."""
+        if self.adapter_publisher is None:
+            raise EngineError("this VLLMEngine has no adapter publisher: attach a UserAdapterPublisher")
+        return await self.adapter_publisher.publish(name, adapter, scaling, version=version)
+
+    def publish_adapter_sync(self, name: str, adapter: Mapping[str, Any], scaling: float, *,
+                             version: int | None = None, timeout_s: float | None = None) -> int:
+        """Blocking ``publish_adapter`` for trainer threads (as ``publish_sync``)."""
+        coro = self.publish_adapter(name, adapter, scaling, version=version)
+        if self.loop is not None and self.loop.is_running():
+            return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+        return asyncio.run(coro)
+
     def inflight(self, model: str | None = None) -> int:
         """Requests running on ``model`` (all models when None)."""
         return sum(self._inflight.values()) if model is None else self._inflight.get(model, 0)
@@ -430,15 +476,17 @@ class VLLMEngine:
                 if not fut.done():
                     fut.set_result(None)
 
-    async def _acquire(self) -> PolicyRoute:
+    async def _acquire(self, adapter: str | None = None) -> PolicyRoute:
         if self._closed:
             raise EngineError("engine is closed")
+        if adapter is not None and adapter not in self._adapter_routes:
+            raise EngineError(f"no adapter named {adapter!r} is published")
         self.loop = asyncio.get_running_loop()
         while self._draining:
             fut = self.loop.create_future()
             self._gate_waiters.append(fut)
             await fut
-        route = self._route
+        route = self._route if adapter is None else self._adapter_routes[adapter]
         self._inflight[route.model] += 1
         return route
 

@@ -59,14 +59,16 @@ class LoRAWeights:
 
 
 class _Publisher:
-    def __init__(self, engine: VLLMEngine, root: str | Path, name_prefix: str, server_dir: str | Path | None):
+    def __init__(self, engine: VLLMEngine, root: str | Path, name_prefix: str, server_dir: str | Path | None, *,
+                 attach: bool = True):
         self.engine = engine
         self.root = Path(root)
         self.name_prefix = name_prefix
         self.server_dir = Path(server_dir) if server_dir else None
         self._lock: asyncio.Lock | None = None
         self._lock_loop: asyncio.AbstractEventLoop | None = None
-        engine.publisher = self
+        if attach:  # the engine's own policy goes through it (a user's adapter publisher is not attached)
+            engine.publisher = self
 
     def _name(self, version: int) -> str:
         return f"{self.name_prefix}-v{version}"
@@ -93,8 +95,12 @@ class LoRAPublisher(_Publisher):
     """A LoRA run hands it the adapter itself (a PEFT model or folder), not merged weights."""
 
     def __init__(self, engine: VLLMEngine, adapters_dir: str | Path, *, name_prefix: str = "policy",
-                 keep_previous: int = 0, server_dir: str | Path | None = None, delete_retired: bool = True):
-        super().__init__(engine, adapters_dir, name_prefix, server_dir)
+                 keep_previous: int = 0, server_dir: str | Path | None = None, delete_retired: bool = True,
+                 adapter: str | None = None):
+        """``adapter``: publish versions of that adapter name (``engine.set_adapter_route``; per-user policies)
+        instead of the engine's policy."""
+        super().__init__(engine, adapters_dir, name_prefix, server_dir, attach=adapter is None)
+        self.adapter = adapter
         self.keep_previous = max(0, keep_previous)
         self.delete_retired = delete_retired
         self.loaded: list[tuple[int, str]] = []
@@ -105,7 +111,11 @@ class LoRAPublisher(_Publisher):
     async def publish(self, adapter: Any, *, version: int | None = None) -> int:
         """Load ``adapter`` (a PEFT folder, a PEFT model, or ``LoRAWeights``) as the new policy; its version."""
         async with self._serial():
-            version = self.engine.policy_version + 1 if version is None else int(version)
+            if version is None:
+                current = self.engine.policy_version if self.adapter is None else self.engine.adapter_version(
+                    self.adapter)
+                version = (current or 0) + 1
+            version = int(version)
             name = self._name(version)
             retiring = self._retiring.get(name)
             if retiring is not None:  # a rollback to a version being unloaded: let that finish, then load it again
@@ -121,7 +131,10 @@ class LoRAPublisher(_Publisher):
                                                                          "lora_path": self._server_path(folder)})
                 except EngineError as exc:
                     raise EngineError(f"loading LoRA adapter {name} from {folder} failed: {exc}") from exc
-            self.engine.set_policy(version, name)
+            if self.adapter is None:
+                self.engine.set_policy(version, name)
+            else:
+                self.engine.set_adapter_route(self.adapter, version, name)
             self.loaded.append((version, name))
             for _, old in self.loaded[: -1 - self.keep_previous]:
                 if old in self._retiring:
@@ -148,6 +161,10 @@ class LoRAPublisher(_Publisher):
             f"cannot publish a {type(adapter).__name__} as a LoRA adapter: give a PEFT folder, a PEFT model or "
             "LoRAWeights"
         )
+
+    async def retire(self, name: str) -> None:
+        """Unload version ``name`` once no request runs on it (``_retire``), waiting for it."""
+        await self._retire(name)
 
     async def _retire(self, name: str) -> None:
         try:
@@ -187,6 +204,76 @@ class LoRAPublisher(_Publisher):
         for task in list(self._retiring.values()):
             task.cancel()
         self._retiring.clear()
+
+
+class UserAdapterPublisher:
+    """Per-user policies on one vLLM server: every user's adapter versions are hot-loaded under their own names,
+    ``<user>-v<N>`` (a ``LoRAPublisher`` per user, in ``adapters_dir/<user>/``), and each user's requests go to
+    their newest version (``engine.set_adapter_route``). A user's older version is unloaded once no request uses
+    it. How many adapters are resident at once is vLLM's own bound: ``--max-loras`` per batch and its CPU cache of
+    adapters, which it fills and evicts by recency, loading an evicted one again from its folder (kept on disk
+    while the version is served) when a request names it."""
+
+    takes_adapters = True
+
+    def __init__(self, engine: VLLMEngine, adapters_dir: str | Path, *, server_dir: str | Path | None = None):
+        self.engine = engine
+        self.root = Path(adapters_dir)
+        self.server_dir = Path(server_dir) if server_dir else None
+        self.publishers: dict[str, LoRAPublisher] = {}
+        engine.adapter_publisher = self
+
+    def _publisher(self, name: str) -> LoRAPublisher:
+        publisher = self.publishers.get(name)
+        if publisher is None:
+            if not name or "/" in name or name.startswith("."):
+                raise EngineError(f"adapter name {name!r} cannot name a folder")
+            publisher = LoRAPublisher(self.engine, self.root / name, name_prefix=name, adapter=name,
+                                      server_dir=self.server_dir / name if self.server_dir else None)
+            self.publishers[name] = publisher
+        return publisher
+
+    async def publish(self, name: str, adapter: Mapping[str, torch.Tensor], scaling: float, *,
+                      version: int | None = None) -> int:
+        """Load ``adapter`` (PEFT tensors; ``scaling`` = alpha / r) as a new version of ``name``; its version."""
+        weights = LoRAWeights(config=adapter_config(adapter, scaling), state_dict=dict(adapter))
+        return await self._publisher(name).publish(weights, version=version)
+
+    async def remove(self, name: str) -> int:
+        """Unpublish ``name`` (a forgotten user): its route goes now; each of its versions is unloaded once no
+        request runs on it, then its folder is deleted. Returns the version it had (0: none)."""
+        route = self.engine.remove_adapter_route(name)
+        publisher = self.publishers.pop(name, None)
+        if publisher is not None:
+            for _, loaded in list(publisher.loaded):
+                await publisher.retire(loaded)
+            await asyncio.to_thread(shutil.rmtree, publisher.root, True)
+        return 0 if route is None else route.version
+
+    async def restore(self) -> None:
+        """Load every user's served adapters again (after a server restart)."""
+        for publisher in self.publishers.values():
+            await publisher.restore()
+
+    async def aclose(self) -> None:
+        for publisher in self.publishers.values():
+            await publisher.aclose()
+
+
+def adapter_config(adapter: Mapping[str, torch.Tensor], scaling: float) -> dict[str, Any]:
+    """The PEFT ``adapter_config.json`` of a plain LoRA adapter given as tensors: its rank, its target modules and
+    ``lora_alpha = scaling · r``."""
+    a_keys = [k for k in adapter if k.endswith(".lora_A.weight")]
+    if not a_keys:
+        raise EngineError("the adapter holds no LoRA pairs (no '.lora_A.weight' tensors)")
+    ranks = {int(adapter[k].shape[0]) for k in a_keys}
+    if len(ranks) != 1:
+        raise EngineError(f"the adapter's layers have different ranks {sorted(ranks)}: plain LoRA has one")
+    r = ranks.pop()
+    targets = sorted({k[:-len(".lora_A.weight")].rsplit(".", 1)[-1] for k in a_keys})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": float(scaling) * r,
+            "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "modules_to_save": None}
 
 
 class CheckpointPublisher(_Publisher):

@@ -124,8 +124,26 @@ CREATE TABLE IF NOT EXISTS events (
 );
 """
 
-ADDED_COLUMNS = (("turns", "owner", "TEXT NOT NULL DEFAULT ''"),)
+ADDED_COLUMNS = (("turns", "owner", "TEXT NOT NULL DEFAULT ''"), ("steps", "owner", "TEXT NOT NULL DEFAULT ''"),
+                 ("versions", "owner", "TEXT NOT NULL DEFAULT ''"))
 """Columns newer than a store file may be; added in place on open (old rows get the default)."""
+
+
+
+def owned_samples(owner: str | None) -> tuple[str, tuple[str, ...]]:
+    """The ``AND ...`` clause and its arguments that keep a query on ``samples`` to one owner's (per-user
+    policies); nothing for ``None``."""
+    if owner is None:
+        return "", ()
+    return " AND turn_id IN (SELECT id FROM turns WHERE owner=?)", (owner,)
+
+
+def owned_rows(owner: str | None) -> tuple[str, tuple[str, ...]]:
+    """The same for a table with an ``owner`` column of its own (``steps``, ``versions``)."""
+    if owner is None:
+        return "", ()
+    return " AND owner=?", (owner,)
+
 
 KIND_OUT_OF_REASON = "sample_kind_out_of_turn_reason"
 """``meta`` key set once a store's ``turns.reason`` holds only drop reasons."""

@@ -17,7 +17,7 @@ import sqlite3
 import time
 from typing import Any
 
-from clawloop.store.database import Database
+from clawloop.store.database import Database, owned_rows
 
 
 def insert_event(db: sqlite3.Connection, kind: str, detail: dict[str, Any], step: int | None = None,
@@ -32,28 +32,46 @@ def put_meta(db: sqlite3.Connection, key: str, value: str) -> None:
 
 
 def retire_versions_from(db: sqlite3.Connection, step: int, status: str) -> list[int]:
-    """Mark every version of step ``step`` or later (version 0, the starting weights, never) with ``status``, in
-    the caller's transaction; returns them in order."""
+    """Mark every version of the shared policy of step ``step`` or later (version 0, the starting weights, never)
+    with ``status``, in the caller's transaction; returns them in order."""
     retired = [int(r["version"]) for r in db.execute(
-        "SELECT version FROM versions WHERE step >= ? AND version > 0 ORDER BY version", (int(step),))]
-    db.execute("UPDATE versions SET status=? WHERE step >= ? AND version > 0", (status, int(step)))
+        "SELECT version FROM versions WHERE step >= ? AND version > 0 AND owner='' ORDER BY version", (int(step),))]
+    db.execute("UPDATE versions SET status=? WHERE step >= ? AND version > 0 AND owner=''", (status, int(step)))
     return retired
 
 
+def retire_owner_versions(db: sqlite3.Connection, owner: str, status: str) -> list[int]:
+    """Mark every version of ``owner``'s own policy (per-user policies) with ``status``, in the caller's
+    transaction; returns them in order."""
+    retired = [int(r["version"]) for r in db.execute(
+        "SELECT version FROM versions WHERE owner=? ORDER BY version", (owner,))]
+    db.execute("UPDATE versions SET status=? WHERE owner=?", (status, owner))
+    return retired
+
+
+def shared_steps(db: sqlite3.Connection, steps: list[int]) -> list[int]:
+    """Those of ``steps`` that trained the shared policy (not one user's own), in order."""
+    owned = {int(r["step"]) for r in db.execute("SELECT step FROM steps WHERE owner != ''")}
+    return [s for s in steps if s not in owned]
+
+
 def insert_step(db: sqlite3.Connection, step: int, now: float, policy_version: int, metrics: dict[str, Any],
-                turn_ids: list[int]) -> None:
-    db.execute("INSERT INTO steps (step, created_at, policy_version, metrics, turn_ids) VALUES (?,?,?,?,?)",
-               (step, now, policy_version, json.dumps(metrics), json.dumps(turn_ids)))
+                turn_ids: list[int], owner: str = "") -> None:
+    db.execute("INSERT INTO steps (step, created_at, policy_version, metrics, turn_ids, owner) VALUES (?,?,?,?,?,?)",
+               (step, now, policy_version, json.dumps(metrics), json.dumps(turn_ids), owner))
 
 
-def mark_steps_requeued(db: sqlite3.Connection, after_step: int, now: float) -> list[int]:
-    """The steps after ``after_step`` not marked before get their copy in ``requeued_steps``. Returns them."""
-    not_yet_requeued = (" FROM steps s WHERE s.step > ? AND NOT EXISTS (SELECT 1 FROM requeued_steps r"
-                        " WHERE r.step = s.step AND r.created_at = s.created_at)")
-    lost = [r["step"] for r in db.execute("SELECT s.step" + not_yet_requeued + " ORDER BY s.step", (after_step,))]
+def mark_steps_requeued(db: sqlite3.Connection, after_step: int, now: float, owner: str | None = None) -> list[int]:
+    """The steps after ``after_step`` (only ``owner``'s when given) not marked before get their copy in
+    ``requeued_steps``. Returns them."""
+    where, args = owned_rows(owner)
+    not_yet_requeued = (f" FROM steps s WHERE s.step > ?{where.replace('owner', 's.owner')} AND NOT EXISTS"
+                        " (SELECT 1 FROM requeued_steps r WHERE r.step = s.step AND r.created_at = s.created_at)")
+    lost = [r["step"] for r in db.execute("SELECT s.step" + not_yet_requeued + " ORDER BY s.step",
+                                          (after_step, *args))]
     db.execute("INSERT INTO requeued_steps (step, created_at, policy_version, metrics, turn_ids, requeued_at,"
                " resumed_from_step) SELECT s.step, s.created_at, s.policy_version, s.metrics, s.turn_ids, ?, ?"
-               + not_yet_requeued, (now, after_step, after_step))
+               + not_yet_requeued, (now, after_step, after_step, *args))
     return lost
 
 
@@ -80,7 +98,8 @@ def mark_uncommitted_versions(db: sqlite3.Connection) -> list[int]:
 
 def _step_row(r: sqlite3.Row) -> dict[str, Any]:
     return {"step": r["step"], "created_at": r["created_at"], "policy_version": r["policy_version"],
-            "metrics": json.loads(r["metrics"]), "turn_ids": json.loads(r["turn_ids"])}
+            "metrics": json.loads(r["metrics"]), "turn_ids": json.loads(r["turn_ids"]),
+            **({"owner": r["owner"]} if "owner" in r.keys() else {})}
 
 
 class History:
@@ -89,9 +108,11 @@ class History:
     db: Database
 
     # ---- steps -----------------------------------------------------------------------------------------
-    def last_step(self) -> tuple[int, dict[str, Any]] | None:
+    def last_step(self, *, owner: str | None = None) -> tuple[int, dict[str, Any]] | None:
+        """The newest step and its metrics (only ``owner``'s when given)."""
+        where, args = owned_rows(owner)
         with self.db.read() as db:
-            row = db.execute("SELECT * FROM steps ORDER BY step DESC LIMIT 1").fetchone()
+            row = db.execute(f"SELECT * FROM steps WHERE 1{where} ORDER BY step DESC LIMIT 1", args).fetchone()
         return None if row is None else (row["step"], json.loads(row["metrics"]))
 
     def steps(self, *, in_weights_only: bool = False) -> list[dict[str, Any]]:
@@ -123,11 +144,13 @@ class History:
                 "SELECT MAX(policy_version) FROM turns)").fetchone()
         return max(int(row[0] or 0) + 1, int(at_least))
 
-    def record_version(self, version: int, step: int, status: str, evidence: dict[str, Any]) -> None:
-        """Record a version (raises if the number was recorded before: a number names one set of weights)."""
+    def record_version(self, version: int, step: int, status: str, evidence: dict[str, Any], *,
+                       owner: str = "") -> None:
+        """Record a version (raises if the number was recorded before: a number names one set of weights, across
+        every user's policy). ``owner``: whose policy it is (per-user policies; "" for the shared one)."""
         with self.db.tx() as db:
-            db.execute("INSERT INTO versions (version, step, created_at, status, evidence) VALUES (?,?,?,?,?)",
-                       (int(version), int(step), time.time(), status, json.dumps(evidence, default=str)))
+            db.execute("INSERT INTO versions (version, step, created_at, status, evidence, owner) VALUES (?,?,?,?,?,?)",
+                       (int(version), int(step), time.time(), status, json.dumps(evidence, default=str), owner))
 
     def version_status(self, version: int) -> str | None:
         """The recorded status of ``version`` (None: not recorded, e.g. version 0, the starting weights)."""
@@ -146,11 +169,13 @@ class History:
             insert_event(db, "fresh_start", {"archived_versions": archived, **detail})
         return archived
 
-    def versions(self) -> list[dict[str, Any]]:
+    def versions(self, *, owner: str | None = None) -> list[dict[str, Any]]:
+        """Every recorded version in order (only ``owner``'s when given)."""
+        where, args = owned_rows(owner)
         with self.db.read() as db:
-            rows = db.execute("SELECT * FROM versions ORDER BY version").fetchall()
+            rows = db.execute(f"SELECT * FROM versions WHERE 1{where} ORDER BY version", args).fetchall()
         return [{"version": r["version"], "step": r["step"], "created_at": r["created_at"], "status": r["status"],
-                 "evidence": json.loads(r["evidence"])} for r in rows]
+                 "evidence": json.loads(r["evidence"]), "owner": r["owner"]} for r in rows]
 
     # ---- events ----------------------------------------------------------------------------------------
     def record_event(self, kind: str, detail: dict[str, Any], step: int | None = None,
@@ -159,15 +184,19 @@ class History:
         with self.db.tx() as db:
             insert_event(db, kind, detail, step, version)
 
-    def record_rollback(self, to_version: int, from_version: int, detail: dict[str, Any]) -> list[int]:
-        """Mark the accepted versions after ``to_version`` rolled back and record the rollback. Returns them."""
+    def record_rollback(self, to_version: int, from_version: int, detail: dict[str, Any], *,
+                        owner: str | None = None) -> list[int]:
+        """Mark the accepted versions after ``to_version`` (only ``owner``'s when given: per-user policies roll back
+        one user's) rolled back and record the rollback. Returns them."""
+        where, args = owned_rows(owner)
         with self.db.tx() as db:
             later = [r["version"] for r in db.execute(
-                "SELECT version FROM versions WHERE version > ? AND status='accepted' ORDER BY version",
-                (int(to_version),))]
-            db.execute("UPDATE versions SET status='rolled_back' WHERE version > ? AND status='accepted'",
-                       (int(to_version),))
-            insert_event(db, "rollback", {"from_version": from_version, "rolled_back": later, **detail},
+                f"SELECT version FROM versions WHERE version > ? AND status='accepted'{where} ORDER BY version",
+                (int(to_version), *args))]
+            db.execute(f"UPDATE versions SET status='rolled_back' WHERE version > ? AND status='accepted'{where}",
+                       (int(to_version), *args))
+            insert_event(db, "rollback", {"from_version": from_version, "rolled_back": later, **detail,
+                                          **({"owner": owner} if owner is not None else {})},
                          version=int(to_version))
         return later
 

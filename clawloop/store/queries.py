@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from clawloop.store.database import Database
+from clawloop.store.database import Database, owned_samples
 from clawloop.store.records import ID_BYTES, SampleRecord, TurnState, ids_from
 from clawloop.store.samples import sample_from_row
 
@@ -118,15 +118,29 @@ class Queries:
             rows = db.execute("SELECT state, COUNT(*) AS n FROM samples GROUP BY state").fetchall()
         return {r["state"]: r["n"] for r in rows}
 
-    def ready_count(self) -> int:
+    def ready_count(self, *, owner: str | None = None) -> int:
+        """Samples ready to train (only ``owner``'s when given)."""
+        where, args = owned_samples(owner)
         with self.db.read() as db:
-            return db.execute("SELECT COUNT(*) FROM samples WHERE state=?", (TurnState.READY,)).fetchone()[0]
+            return db.execute(f"SELECT COUNT(*) FROM samples WHERE state=?{where}",
+                              (TurnState.READY, *args)).fetchone()[0]
 
-    def oldest_ready_at(self) -> float | None:
-        """When the oldest ready sample was written (epoch seconds); None when none is ready."""
+    def oldest_ready_at(self, *, owner: str | None = None) -> float | None:
+        """When the oldest ready sample (only ``owner``'s when given) was written (epoch seconds); None when none
+        is ready."""
+        where, args = owned_samples(owner)
         with self.db.read() as db:
-            row = db.execute("SELECT MIN(created_at) FROM samples WHERE state=?", (TurnState.READY,)).fetchone()
+            row = db.execute(f"SELECT MIN(created_at) FROM samples WHERE state=?{where}",
+                             (TurnState.READY, *args)).fetchone()
         return None if row[0] is None else float(row[0])
+
+    def ready_by_owner(self) -> dict[str, tuple[int, float]]:
+        """Per owner with ready samples: how many, and when the oldest was written (per-user policies' scheduling)."""
+        with self.db.read() as db:
+            rows = db.execute("SELECT t.owner AS owner, COUNT(*) AS n, MIN(s.created_at) AS oldest FROM samples s"
+                              " JOIN turns t ON t.id = s.turn_id WHERE s.state=? GROUP BY t.owner",
+                              (TurnState.READY,)).fetchall()
+        return {r["owner"]: (int(r["n"]), float(r["oldest"])) for r in rows}
 
     def latest_sample_id(self) -> int | None:
         """The turn id of the newest sample with teacher targets, else of the newest sample (None: no sample)."""

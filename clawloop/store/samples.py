@@ -30,7 +30,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from clawloop.store.contexts import ContextSample, insert_context
-from clawloop.store.database import Database
+from clawloop.store.database import Database, owned_samples
 from clawloop.store.history import insert_event, insert_step, mark_steps_requeued
 from clawloop.store.records import LeaseLost, SampleRecord, TurnState
 
@@ -124,15 +124,18 @@ class Samples:
             row = db.execute("SELECT * FROM samples WHERE turn_id=?", (int(turn_id),)).fetchone()
         return None if row is None else sample_from_row(row)
 
-    def lease_samples(self, n: int, lease_s: float = 3600.0, min_n: int | None = None) -> tuple[str, list[SampleRecord]]:
+    def lease_samples(self, n: int, lease_s: float = 3600.0, min_n: int | None = None, *,
+                      owner: str | None = None) -> tuple[str, list[SampleRecord]]:
         """Lease up to ``n`` ready samples (oldest first) under a new lease id. With ``min_n``, lease nothing
-        unless at least that many are ready. Expired leases are returned to ready first."""
+        unless at least that many are ready; with ``owner``, only that owner's samples (per-user policies).
+        Expired leases are returned to ready first."""
         lease_id = uuid.uuid4().hex
         now = time.time()
+        where, args = owned_samples(owner)
         with self.db.tx() as db:
             _expire_leases(db, now)
-            rows = db.execute("SELECT turn_id FROM samples WHERE state=? ORDER BY created_at, turn_id LIMIT ?",
-                              (TurnState.READY, n)).fetchall()
+            rows = db.execute(f"SELECT turn_id FROM samples WHERE state=?{where} ORDER BY created_at, turn_id LIMIT ?",
+                              (TurnState.READY, *args, n)).fetchall()
             if min_n is not None and len(rows) < min_n:
                 return lease_id, []
             ids = [r["turn_id"] for r in rows]
@@ -166,14 +169,16 @@ class Samples:
             return True
 
     def commit_step(self, lease_id: str, step: int, policy_version: int, metrics: dict[str, Any],
-                    turn_ids: list[int], scores: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
+                    turn_ids: list[int], scores: dict[int, dict[str, torch.Tensor]] | None = None, *,
+                    owner: str = "") -> None:
         """Record an optimizer step and mark the samples it used consumed, atomically. Raises ``LeaseLost``
         (and changes nothing) if the lease was lost (expired and re-leased), so the caller knows the step's samples
         are not exclusively its own; a failure of the write itself raises the ``sqlite3`` error unchanged.
 
         ``scores``: the teacher scores the step trained on, by turn id (``clawloop.wire.TeacherScores`` in tensor
         form), kept as the sample's ``targets``: the dashboard's per-token view reads them, and a requeued sample
-        trained again at the very same ids reuses them instead of asking the teacher again."""
+        trained again at the very same ids reuses them instead of asking the teacher again. ``owner``: the user whose
+        policy the step trained (per-user policies; "" for the shared one)."""
         now = time.time()
         with self.db.tx() as db:
             for tid in turn_ids:
@@ -184,23 +189,27 @@ class Samples:
                 if tid in turn_ids:
                     db.execute("UPDATE samples SET targets=? WHERE turn_id=?",
                                (st_save({k: v.contiguous() for k, v in tensors.items()}), int(tid)))
-            insert_step(db, step, now, policy_version, metrics, turn_ids)
+            insert_step(db, step, now, policy_version, metrics, turn_ids, owner)
             # Anything else still under this lease (dropped samples were already moved) goes back to ready.
             rest = [r["turn_id"] for r in db.execute(
                 "SELECT turn_id FROM samples WHERE lease_id=? AND state=?", (lease_id, TurnState.LEASED))]
             back_to_ready(db, rest)
 
-    def requeue_after_step(self, step: int) -> int:
+    def requeue_after_step(self, step: int, *, owner: str | None = None) -> int:
         """Resume support: samples consumed by steps after ``step`` (whose weights were lost) become ready
         again. Those steps keep their rows in ``steps`` (step numbers are never reused: the resumed trainer goes
         on after the last recorded step) and are marked requeued by a copy in ``requeued_steps`` with the time
-        of the requeue; a ``requeue`` event records it. Nothing is deleted."""
+        of the requeue; a ``requeue`` event records it. Nothing is deleted. With ``owner`` (per-user policies),
+        only that owner's samples and steps: the others' policies lost nothing."""
         now = time.time()
+        where, args = owned_samples(owner)
         with self.db.tx() as db:
             ids = [r["turn_id"] for r in db.execute(
-                "SELECT turn_id FROM samples WHERE state=? AND consumed_step > ?", (TurnState.CONSUMED, step))]
+                f"SELECT turn_id FROM samples WHERE state=? AND consumed_step > ?{where}",
+                (TurnState.CONSUMED, step, *args))]
             move(db, ids, TurnState.READY, consumed_step=None)
-            lost = mark_steps_requeued(db, step, now)
+            lost = mark_steps_requeued(db, step, now, owner)
             if ids or lost:
-                insert_event(db, "requeue", {"steps": lost, "turn_ids": ids}, step=step)
+                insert_event(db, "requeue", {"steps": lost, "turn_ids": ids,
+                                             **({"owner": owner} if owner is not None else {})}, step=step)
         return len(ids)

@@ -120,6 +120,9 @@ class Trainer:
         self.step = self.parallel.share(self._last_recorded_step)  # step numbers go on across restarts
         self.policy_version = int(self.parallel.share(lambda: self.sink.policy_version))
         self.last_checkpoint_step = self.step
+        self.steps_since_checkpoint = 0
+        """Steps committed since the last checkpoint (per-user policies number their steps in one sequence for
+        the run, so a user's own steps need not land on multiples of ``checkpoint_every``)."""
         self.needs_publish = False
         self.checkpoint_error: str | None = None
         """Why the last checkpoint write failed (None after a good one); a failed write is retried next step."""
@@ -330,13 +333,16 @@ class Trainer:
 
         path = Path(self.parallel.share(write))
         self.last_checkpoint_step = self.step
+        self.steps_since_checkpoint = 0
         self.checkpoint_error = None
         return path
 
     def checkpoint_if_due(self, force: bool = False) -> Path | None:
         if self.step == self.last_checkpoint_step or self.uncommitted:
             return None  # nothing new, or the weights hold an update whose samples the store does not count
-        if force or self.step % self.config.checkpoint_every == 0 or self.checkpoint_error is not None:
+        every = self.config.checkpoint_every
+        if force or self.step % every == 0 or self.steps_since_checkpoint >= every \
+                or self.checkpoint_error is not None:
             return self.save_checkpoint()
         return None
 
@@ -511,6 +517,7 @@ class Trainer:
                             {it.turn_id: it.scores.tensors() for it in items if it.scores is not None}):
             raise LeaseLost(f"step {step}: lease {lease_id} was lost before its commit")
         self.step = step  # only once the store agrees, so step numbers never skip
+        self.steps_since_checkpoint += 1
         self.last_metrics = metrics
         self.after_commit(metrics)
         return metrics

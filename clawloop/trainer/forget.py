@@ -10,7 +10,10 @@ dashboard and the records export show it). With the run's server stopped:
    ``retired``, and a journal of what is left to do outside the store is written (``FORGET_PENDING``).
 2. **The run folder**, from the journal: the retired versions' folders (``versions/`` and ``weights/``) and every
    checkpoint of that first step or later are deleted, in ``archive/`` too, and the user's lines are taken out of the records export
-   in ``RUN_DIR/export`` (the gate's evidence there scrubbed as in the store).
+   in ``RUN_DIR/export`` (the gate's evidence there scrubbed as in the store, and in every version folder left).
+   Under per-user policies (``policy_scope = "per_user"``) the user's samples trained only the user's own
+   adapter: every version of it is retired and the user's folder ``RUN_DIR/users/<owner>`` (the adapter's
+   versions, checkpoints and metrics) is deleted; no other user's version or checkpoint is touched.
 3. **The receipt**, ``RUN_DIR/receipts/forget-<time>.json``: counts and ids (never text), the retired versions,
    the removed checkpoints, and where training goes on from. Then the journal is cleared.
 
@@ -39,8 +42,10 @@ from typing import Any
 from clawloop.atomic import write_text_atomically
 from clawloop.store import ForgetResult, Store, StoreInUse, find_store
 from clawloop.store.forget import probe_sources, scrub_quotes
-from clawloop.store.history import put_meta, retire_versions_from
+from clawloop.store.history import put_meta, retire_owner_versions, retire_versions_from, shared_steps
 from clawloop.trainer.checkpoint import list_checkpoints, remove_checkpoints_from
+from clawloop.trainer.per_user import OWNER_NAME, USERS_FOLDER
+from clawloop.trainer.versions import META as VERSION_RECORD
 from clawloop.trainer.versions import remove_version
 
 FORGET_PENDING = "forget_pending"
@@ -61,9 +66,12 @@ def forget_user(store: Store, run_dir: str | Path, owner: str) -> dict[str, Any]
     finish_pending_forget(store, run_dir)  # an earlier forget cut short goes first
 
     def journal(db: sqlite3.Connection, result: ForgetResult) -> None:
-        first = min(result.steps) if result.steps else None
+        shared = shared_steps(db, result.steps)
+        first = min(shared) if shared else None
         retired = retire_versions_from(db, first, RETIRED) if first is not None else []
+        retired = sorted(retired + retire_owner_versions(db, owner, RETIRED))
         entry = {"owner": owner, "forgotten_at": time.time(), "first_step": first, "retired_versions": retired,
+                 "user_policy_removed": _user_folder(run_dir, owner) is not None,
                  **{k: v for k, v in result.as_dict().items() if k not in ("owner", "log_truncated")}}
         put_meta(db, FORGET_PENDING, json.dumps(entry))
 
@@ -101,7 +109,11 @@ def finish_pending_forget(store: Store, run_dir: str | Path, *, compact: bool = 
         if first is not None:
             checkpoints += [f"{ARCHIVE_DIR}/{archived.name}/{name}"
                             for name in remove_checkpoints_from(archived, int(first))]
+    own_folder = _user_folder(run_dir, entry["owner"])  # per-user policies: the user's adapter, versions, checkpoints
+    if own_folder is not None:
+        shutil.rmtree(own_folder)
     export_lines = _scrub_export(run_dir / EXPORT_DIR, set(entry["turn_ids"]))
+    version_records = _scrub_version_records(run_dir, set(entry["turn_ids"]))
     left = list_checkpoints(run_dir)  # newest first
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(entry["forgotten_at"]))
     receipt = {
@@ -111,6 +123,8 @@ def finish_pending_forget(store: Store, run_dir: str | Path, *, compact: bool = 
         "version_folders_removed": sorted(set(removed_versions)),
         "checkpoints_removed": checkpoints,
         "export_lines_removed": export_lines,
+        "version_records_scrubbed": version_records,
+        "user_policy_removed": bool(entry.get("user_policy_removed")),
         "training_resumes_from": left[0].name if left else "the starting weights",
         "note": "ids and counts only; the next start with --resume serves the version of the checkpoint it "
                 "resumes from and trains the other users' samples of the retired steps again",
@@ -121,6 +135,32 @@ def finish_pending_forget(store: Store, run_dir: str | Path, *, compact: bool = 
     receipt["receipt_path"] = str(path)
     store.set_meta(FORGET_PENDING, "")
     return receipt
+
+
+def _user_folder(run_dir: Path, owner: str) -> Path | None:
+    """``owner``'s own policy folder under per-user policies (``trainer.per_user``), if the run has one."""
+    if not OWNER_NAME.match(owner):
+        return None
+    folder = run_dir / USERS_FOLDER / owner
+    return folder if folder.is_dir() else None
+
+
+def _scrub_version_records(run_dir: Path, turn_ids: set[int]) -> int:
+    """Cut the forgotten turns' prompts out of the gate evidence kept in every version folder left (the shared
+    policy's, every user's, the archived ones); each record rewritten atomically. Returns how many changed."""
+    if not turn_ids:
+        return 0
+    sources = probe_sources(turn_ids)
+    changed = 0
+    for path in sorted(run_dir.glob(f"**/versions/*/{VERSION_RECORD}")):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # a damaged record is left for the version checks to report
+            continue
+        if scrub_quotes(record, sources):
+            write_text_atomically(path, json.dumps(record, indent=1, default=str) + "\n")
+            changed += 1
+    return changed
 
 
 def _scrub_export(folder: Path, turn_ids: set[int]) -> dict[str, int]:

@@ -54,6 +54,7 @@ from clawloop.trainer.contracts import PublishingEngine
 from clawloop.trainer.core import CommitNotRecorded, Trainer
 from clawloop.trainer.teacher_client import in_process
 from clawloop.trainer.leasing import BatchLeaser
+from clawloop.trainer.per_user import OwnerSamples, UserPolicies
 from clawloop.trainer.rollback import ROLLBACK_META
 from clawloop.trainer.model import TrainModels
 
@@ -85,6 +86,9 @@ class OnlineTrainer:
         self._models = models
         self._console = console
         self.core: Trainer | None = None
+        """The shared policy's trainer (``policy_scope = "shared"``)."""
+        self.policies: UserPolicies | None = None
+        """Every user's trainer (``policy_scope = "per_user"``, ``trainer.per_user``)."""
         self.failures = 0
         self.last_error = ""
         self.resumed: dict[str, int] | None = None
@@ -101,10 +105,18 @@ class OnlineTrainer:
         """The interpreter's switch interval before ``start`` shortened it; put back by ``stop``."""
         self.short_batches = 0
         """Batches leased with fewer samples than ``rollout_batch_size`` (``train_what_is_ready``)."""
+        self._leasers: dict[str | None, BatchLeaser] = {}
+        """The shared policy's leaser (key None) or each user's (``_leaser``)."""
 
     # ---- status (read by the API's status/metrics endpoints) ------------------------------------------
     @property
+    def per_user(self) -> bool:
+        return self.config.policy_scope == "per_user"
+
+    @property
     def step(self) -> int:
+        if self.policies is not None:
+            return max((t.step for t in self.policies.trainers.values()), default=0)
         return self.core.step if self.core else 0
 
     @property
@@ -123,10 +135,20 @@ class OnlineTrainer:
         return self._busy
 
     def status(self) -> dict[str, Any]:
-        return {"step": self.step, "policy_version": self.policy_version, "training": self._busy,
-                "failures": self.failures, "last_error": self.last_error,
-                "samples_waiting": self.store.ready_count(), "short_batches": self.short_batches,
-                "last_metrics": self.last_metrics, "gate": self.gate_status()}
+        status = {"step": self.step, "policy_version": self.policy_version, "training": self._busy,
+                  "failures": self.failures, "last_error": self.last_error,
+                  "samples_waiting": self.store.ready_count(), "short_batches": self.short_batches,
+                  "last_metrics": self.last_metrics, "gate": self.gate_status(),
+                  "policy_scope": self.config.policy_scope}
+        if self.policies is not None:
+            status["users"] = self.policies.status()
+        return status
+
+    def serving_versions(self) -> int | dict[str, int] | None:
+        """The version the trainer serves (per-user policies: each user's, by name); None before it started."""
+        if self.policies is not None:
+            return {owner: t.policy_version for owner, t in self.policies.trainers.items()}
+        return self.core.policy_version if self.core is not None else None
 
     def gate_status(self) -> dict[str, Any]:
         core = self.core
@@ -153,6 +175,19 @@ class OnlineTrainer:
         self._stopping = False
         self._model_lock = asyncio.Lock()
         teacher = in_process(self.teacher, self._loop)
+        if self.per_user:
+            self.policies = await self._on_train_thread(
+                UserPolicies, self.config, self.store, self.engine, run_dir=self.run_dir, teacher=teacher,
+                models=self._models, console=self._console, on_gate=self.on_gate)
+            if self.resume:
+                self.resumed = await self._on_train_thread(self.policies.resume_all)
+            if self.store.get_meta(ROLLBACK_META):
+                log.error("trainer: a rollback recorded while the server was stopped (clawloop rollback --to) names "
+                          "no user, and every user has a policy of their own here; it is not applied. Roll a "
+                          "user back with POST /v1/admin/rollback {\"version\": N, \"user\": \"k_...\"}")
+                self.store.set_meta(ROLLBACK_META, "")
+            self._task = asyncio.create_task(self._run(), name="clawloop-trainer")
+            return
         self.core = await self._on_train_thread(
             Trainer, self.config, self.store, self.engine, run_dir=self.run_dir, teacher=teacher,
             models=self._models, console=self._console, on_gate=self.on_gate)
@@ -187,7 +222,7 @@ class OnlineTrainer:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        if self.core is not None:
+        if self.core is not None or self.policies is not None:
             await self._on_train_thread(self._shutdown)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
@@ -196,26 +231,51 @@ class OnlineTrainer:
             sys.setswitchinterval(self._saved_switch_interval)
             self._saved_switch_interval = None
 
-    async def rollback(self, version: int) -> dict[str, Any]:
-        """Serve kept version ``version`` again and train on from it (after the step in progress)."""
-        if self.core is None or self._model_lock is None:
+    async def rollback(self, version: int, owner: str | None = None) -> dict[str, Any]:
+        """Serve kept version ``version`` again and train on from it (after the step in progress); per-user
+        policies roll back ``owner``'s."""
+        if (self.core is None and self.policies is None) or self._model_lock is None:
             raise RuntimeError("the trainer has not started")
         async with self._model_lock:
+            if self.policies is not None:
+                if not owner:
+                    raise ValueError("per-user policies: say whose policy to roll back (user)")
+                return await self._on_train_thread(self.policies.rollback, owner, int(version))
             return await self._on_train_thread(self.core.rollback, int(version))
+
+    async def let_go_of_user(self, owner: str) -> None:
+        """Per-user policies: drop ``owner``'s trainer, optimizer state and adapter weights (after the step in
+        progress), so a forget can delete their folder; a batch of theirs leased meanwhile is skipped."""
+        if self.policies is None or self._model_lock is None:
+            return
+        async with self._model_lock:
+            await self._on_train_thread(self.policies.forget, owner)
+            self._leasers.pop(owner, None)
 
     async def _on_train_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the training thread (see ``start``)."""
         assert self._loop is not None and self._executor is not None
         return await self._loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-    def _train_batch(self, lease_id: str, samples: list[Any]) -> None:
-        assert self.core is not None
+    def _train_batch(self, lease_id: str, samples: list[Any], owner: str | None = None) -> None:
         try:
+            if self.policies is not None:
+                assert owner is not None
+                self.policies.run_batch(owner, lease_id, samples, lambda: self._stopping)
+                return
+            assert self.core is not None
             self.core.run_batch(lease_id, samples, lambda: self._stopping)
         finally:
             trim_heap()  # a step's freed activations and gradients go back to the OS (clawloop.memory)
 
     def _shutdown(self) -> None:
+        if self.policies is not None:
+            try:
+                self.policies.checkpoint_all()
+            finally:
+                self.policies.close()
+                self._models = None
+            return
         assert self.core is not None
         try:
             self.core.checkpoint_if_due(force=True)
@@ -225,13 +285,11 @@ class OnlineTrainer:
 
     # ---- the loop -----------------------------------------------------------------------------------
     async def _run(self) -> None:
-        assert self.core is not None and self._wake is not None
-        leaser = BatchLeaser(self.store, int(self.config.rollout_batch_size),
-                             max_sample_failures=self.max_sample_failures)
+        assert (self.core is not None or self.policies is not None) and self._wake is not None
         consecutive = 0
         while not self._stopping:
             try:
-                lease_id, samples = await asyncio.to_thread(self._lease, leaser)
+                leaser, owner, lease_id, samples = await asyncio.to_thread(self._lease_next)
             except Exception as exc:  # noqa: BLE001 - e.g. the database is locked for longer than its timeout
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.exception("trainer: reading the store failed; retrying")
@@ -244,7 +302,7 @@ class OnlineTrainer:
             try:
                 assert self._model_lock is not None
                 async with self._model_lock:
-                    await self._on_train_thread(self._train_batch, lease_id, samples)
+                    await self._on_train_thread(self._train_batch, lease_id, samples, owner)
                 consecutive = 0
                 leaser.succeeded(samples)
             except CommitNotRecorded as exc:  # stopping: the update is in the weights, so the batch stays leased
@@ -262,6 +320,34 @@ class OnlineTrainer:
                 await self._sleep(min(self.max_backoff_s, self.error_backoff_s * 2 ** (consecutive - 1)))
             finally:
                 self._busy = False
+
+    def _leaser(self, owner: str | None) -> BatchLeaser:
+        """The leaser of the shared policy (``owner`` None) or of one user's (their own failure counts)."""
+        leaser = self._leasers.get(owner)
+        if leaser is None:
+            source = self.store if owner is None else OwnerSamples(self.store, owner)
+            leaser = BatchLeaser(source, int(self.config.rollout_batch_size),
+                                 max_sample_failures=self.max_sample_failures)
+            self._leasers[owner] = leaser
+        return leaser
+
+    def _lease_next(self) -> tuple[BatchLeaser, str | None, str, list[Any]]:
+        """The next batch to train and whose it is (``None``: the shared policy's). Runs in a worker thread."""
+        if self.policies is None:
+            leaser = self._leaser(None)
+            return (leaser, None, *self._lease(leaser))
+        now = time.time()
+        chosen = self.policies.next_owner(now, idle=self._idle(now))
+        if chosen is None:
+            return self._leaser(None), None, "", []
+        owner, whole = chosen
+        leaser = self._leaser(owner)
+        lease_id, samples = leaser.lease()
+        if not samples and not whole:
+            lease_id, samples = leaser.store.lease_samples(leaser.batch_size, leaser.lease_s, min_n=1)
+            if samples:
+                self.short_batches += 1
+        return leaser, owner, lease_id, samples
 
     def _lease(self, leaser: BatchLeaser) -> tuple[str, list[Any]]:
         """A whole batch when one is ready; otherwise what is ready (up to a batch), once
@@ -289,9 +375,14 @@ class OnlineTrainer:
         wait_s, idle_s = float(self.config.batch_wait_s), float(self.config.idle_train_s)
         if wait_s > 0 and now - oldest >= wait_s:
             return f"the oldest waited {now - oldest:.0f}s (batch_wait_s {wait_s:g})"
-        if idle_s > 0 and self.store.turn_activity(now - idle_s)["turns"] == 0 and not self._judging():
+        if self._idle(now):
             return f"no new turn for {idle_s:g}s (idle_train_s)"
         return None
+
+    def _idle(self, now: float) -> bool:
+        """No turn stored for ``idle_train_s`` and none waiting to be judged (0: never idle)."""
+        idle_s = float(self.config.idle_train_s)
+        return idle_s > 0 and self.store.turn_activity(now - idle_s)["turns"] == 0 and not self._judging()
 
     def _judging(self) -> bool:
         counts = self.store.count_turns()

@@ -93,3 +93,24 @@ def test_unknown_adapters_and_weight_publication_are_refused(engine, base):
     with pytest.raises(EngineError, match="rank 16"):  # above the slots' rank: refused, nothing loaded
         engine.publish_adapter_sync("wide", random_adapter(base, 16, 6, scale=0.3), 1.0)
     assert engine.adapter_version("wide") is None
+
+
+def test_more_users_than_slots_are_each_served_their_own_adapter(base, tiny_tokenizer):
+    engine = HFEngine(copy.deepcopy(base), tiny_tokenizer, adapter_slots=1, adapter_rank=8, max_batch_size=4,
+                      eos_token_ids=[], num_threads=2)
+    try:
+        ann, bo = random_adapter(base, 8, 5, scale=0.3), random_adapter(base, 8, 6, scale=0.3)
+        engine.publish_adapter_sync("ann", ann, 1.0)
+        engine.publish_adapter_sync("bo", bo, 1.0)  # one slot: Ann's adapter leaves it
+        prompt = [1, 44, 8, 19, 230]
+
+        def answer(name):
+            return asyncio.run(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, adapter=name)))
+
+        ann_answer, bo_answer, ann_again = answer("ann"), answer("bo"), answer("ann")
+        assert_written_by(merged(base, ann, 1.0), prompt, ann_answer)  # loaded again from what was published
+        assert_written_by(merged(base, bo, 1.0), prompt, bo_answer)
+        assert ann_again.token_ids == ann_answer.token_ids and ann_again.logprobs == ann_answer.logprobs
+        assert (ann_answer.policy_version, bo_answer.policy_version) == (1, 1)
+    finally:
+        engine.close_sync()

@@ -4,25 +4,13 @@ the weights of a run that never had their samples, trained on the same remaining
 import torch
 
 from clawloop.config import Config
-from clawloop.store import SampleRecord, Store, TurnRecord
+from clawloop.store import Store
 from clawloop.trainer.checkpoint import load_latest
 from clawloop.trainer.forget import forget_user
 from clawloop.trainer.offline import train_offline
+from trainer_helpers import add_owned_sample
 
 ALICE, BOB = "k_alice", "k_bob"
-
-
-def add_sample(store: Store, tokenizer, owner: str, question: str, answer: str, reward: float) -> int:
-    messages = [{"role": "user", "content": question}]
-    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
-    response = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    tid = store.add_turn(TurnRecord(session_id=f"{owner}-{question}", owner=owner, messages=messages,
-                                    prompt_ids=prompt, response_ids=response, logprobs=[-1.0] * len(response),
-                                    temperature=1.0, top_p=1.0, policy_version=0, response_text=answer))
-    store.set_next_state(tid, [{"role": "user", "content": "Thanks." if reward > 0 else "No."}])
-    store.claim_judgeable(1)
-    assert store.put_sample(SampleRecord(turn_id=tid, reward=reward, kind="rl"))
-    return tid
 
 
 BOB_SAMPLES = [("What is rain?", "Water falling from clouds.", 1.0),
@@ -52,17 +40,17 @@ def test_weights_rebuilt_after_a_forget_equal_a_run_that_never_had_the_user(tmp_
     run_a = tmp_path / "a"
     store = Store(run_a / "store.sqlite")
     for question, answer, reward in BOB_SAMPLES[:2]:
-        add_sample(store, tiny_tokenizer, BOB, question, answer, reward)
+        add_owned_sample(store, tiny_tokenizer, BOB, question, answer, reward)
     store.close()
     train(run_a)
     store = Store(run_a / "store.sqlite")
-    add_sample(store, tiny_tokenizer, ALICE, *ALICE_SAMPLE)
-    add_sample(store, tiny_tokenizer, BOB, *BOB_SAMPLES[2])
+    add_owned_sample(store, tiny_tokenizer, ALICE, *ALICE_SAMPLE)
+    add_owned_sample(store, tiny_tokenizer, BOB, *BOB_SAMPLES[2])
     store.close()
     train(run_a)
     store = Store(run_a / "store.sqlite")
     for question, answer, reward in BOB_SAMPLES[3:]:
-        add_sample(store, tiny_tokenizer, BOB, question, answer, reward)
+        add_owned_sample(store, tiny_tokenizer, BOB, question, answer, reward)
     store.close()
     train(run_a)
     trained_with_alice = load_latest(run_a).weights
@@ -76,7 +64,7 @@ def test_weights_rebuilt_after_a_forget_equal_a_run_that_never_had_the_user(tmp_
     run_b = tmp_path / "b"
     store = Store(run_b / "store.sqlite")
     for question, answer, reward in BOB_SAMPLES:
-        add_sample(store, tiny_tokenizer, BOB, question, answer, reward)
+        add_owned_sample(store, tiny_tokenizer, BOB, question, answer, reward)
     store.close()
     train(run_b)
 

@@ -212,3 +212,22 @@ def test_a_forget_killed_with_sigkill_leaves_the_old_state_whole_or_is_finished_
     assert run_state(run_dir) == after
     assert ALICE_TEXT.encode() not in every_byte(run_dir) and BOB_TEXT.encode() in every_byte(run_dir)
     assert len(list((run_dir / "receipts").glob("forget-*.json"))) == 1
+
+
+def test_forget_cuts_the_users_prompts_from_the_gate_evidence_kept_in_every_version_folder(run):
+    run_dir, store, ids = run
+    alice_turn = ids["alice"][0]
+    # Bob's own adapter (per-user policies) was gated on probes spread across users, Alice's prompt among them.
+    probes = [{"source": f"recent:{alice_turn}", "prompt": f"What is {ALICE_TEXT}?",
+               "answer": f"{ALICE_TEXT} is a thing.", "ok": True},
+              {"source": "knowledge:0", "prompt": "What is 2 + 2?", "answer": "4", "ok": True}]
+    save_version(run_dir / "users" / BOB, 9, 9, {"w": torch.ones(2)}, None, lora=True, keep=10,
+                 evidence={"accepted": True, "probes": probes,
+                           "reasons": [f"1 earlier fix broken (What is {ALICE_TEXT}?)"]})
+    assert ALICE_TEXT.encode() in every_byte(run_dir)
+    receipt = forget_user(store, run_dir, ALICE)
+    assert receipt["version_records_scrubbed"] >= 1
+    assert ALICE_TEXT.encode() not in every_byte(run_dir)
+    kept = json.loads((run_dir / "users" / BOB / "versions" / "v9" / "version.json").read_text())
+    assert kept["evidence"]["probes"][1]["prompt"] == "What is 2 + 2?"  # other probes are left as they were
+    assert kept["evidence"]["probes"][0]["ok"] is True and ALICE_TEXT not in kept["evidence"]["reasons"][0]

@@ -45,14 +45,19 @@ class TrainerOnly:
     """What the admin route reads from the online trainer: its core, and a rollback that this test must never
     reach (the refusal comes first)."""
 
+    policies = None  # one shared policy
+
     def __init__(self, core: Trainer):
         self.core = core
 
-    async def rollback(self, version: int):
+    async def rollback(self, version: int, owner: str | None = None):
         raise AssertionError(f"the route let a rollback to version {version} through")
 
     def gate_status(self):
         return {}
+
+    def serving_versions(self):
+        return self.core.policy_version
 
 
 def test_a_kill_between_publication_and_commit_leaves_no_false_history(make_config, base_model, tiny_tokenizer):

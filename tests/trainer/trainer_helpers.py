@@ -4,6 +4,8 @@
   real tokenizer ids for the answer, behaviour log-probs scored by ``model`` at the turn's temperature), moves it
   through the store's states to ``ready`` with a ``SampleRecord``. Hinted samples get teacher targets computed
   by ``model`` on the hint-augmented prompt (a frozen base teacher, as by default).
+* ``add_owned_sample(store, tokenizer, owner, question, answer, reward)`` — one ``rl`` sample of a user (per-user
+  key name ``owner``), with placeholder behaviour log-probs.
 """
 
 from __future__ import annotations
@@ -109,3 +111,16 @@ def train_steps(config, store: Store, model, tokenizer, steps: int = 2):
     for _ in range(steps):
         trainer.run_batch(*store.lease_samples(2))
     return trainer
+
+
+def add_owned_sample(store: Store, tokenizer, owner: str, question: str, answer: str, reward: float) -> int:
+    messages = [{"role": "user", "content": question}]
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+    response = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    tid = store.add_turn(TurnRecord(session_id=f"{owner}-{question}", owner=owner, messages=messages,
+                                    prompt_ids=prompt, response_ids=response, logprobs=[-1.0] * len(response),
+                                    temperature=1.0, top_p=1.0, policy_version=0, response_text=answer))
+    store.set_next_state(tid, [{"role": "user", "content": "Thanks." if reward > 0 else "No."}])
+    store.claim_judgeable(1)
+    assert store.put_sample(SampleRecord(turn_id=tid, reward=reward, kind="rl"))
+    return tid

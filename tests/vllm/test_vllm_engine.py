@@ -18,7 +18,8 @@ import torch
 
 from clawloop.engines.base import SamplingParams, ScoreRequest
 from clawloop.engines.sampling import sampling_logprobs
-from clawloop.engines.vllm_publish import CheckpointPublisher, LoRAPublisher
+from clawloop.engines.base import EngineError
+from clawloop.engines.vllm_publish import CheckpointPublisher, LoRAPublisher, UserAdapterPublisher
 
 pytestmark = [pytest.mark.vllm, pytest.mark.real_model, pytest.mark.timeout(1800)]
 
@@ -217,6 +218,51 @@ def test_lora_publication_switches_versions_and_unloads_old_adapters(vllm_server
     assert {"policy-v1", "policy-v2"} <= set(listed_while_held)  # held: not unloaded yet
     assert "policy-v1" not in listed_after and "policy-v2" in listed_after
     assert publisher.unloaded == ["policy-v1"] and not (tmp_path / "adapters" / "policy-v1").exists()
+
+
+def test_two_users_adapters_are_served_side_by_side_from_one_server(vllm_servers, hf_engine, smol_tokenizer,
+                                                                   smol_prompt, tmp_path):
+    """Per-user policies on vLLM: each user's newest adapter version under its own name, requests of both users
+    and of the base model in one batch, each answer written by its own user's weights and carrying that version;
+    republishing one user's adapter retires only that user's older version."""
+    from peft import get_peft_model_state_dict
+
+    server = vllm_servers["policy"]
+    engine = server.engine(tokenizer=smol_tokenizer)
+    users = UserAdapterPublisher(engine, tmp_path / "users")
+    ann = _random_adapter(hf_engine.model, tmp_path / "ann", seed=3)
+    bo = _random_adapter(hf_engine.model, tmp_path / "bo", seed=4)
+    bo_later = _random_adapter(hf_engine.model, tmp_path / "bo-later", seed=5)
+    scaling = 16 / 8  # lora_alpha / r of _random_adapter
+    prompt = smol_prompt("Name a colour.")
+    sampled = SamplingParams(temperature=0.7, max_tokens=16, seed=11)
+
+    def as_user(name):
+        return SamplingParams(temperature=0.7, max_tokens=16, seed=11, adapter=name)
+
+    async def run():
+        assert await users.publish("k_ann", get_peft_model_state_dict(ann), scaling) == 1
+        assert await users.publish("k_bo", get_peft_model_state_dict(bo), scaling, version=7) == 7
+        together = await asyncio.gather(engine.generate(prompt, sampled), engine.generate(prompt, as_user("k_ann")),
+                                        engine.generate(prompt, as_user("k_bo")))
+        assert await users.publish("k_bo", get_peft_model_state_dict(bo_later), scaling, version=9) == 9
+        bo_after, ann_after = await asyncio.gather(engine.generate(prompt, as_user("k_bo")),
+                                                   engine.generate(prompt, as_user("k_ann")))
+        await users.publishers["k_bo"].wait_retired()
+        with pytest.raises(EngineError, match="no adapter named"):
+            await engine.generate(prompt, as_user("k_nobody"))
+        return together, bo_after, ann_after, models_on(server)
+
+    (on_base, on_ann, on_bo), bo_after, ann_after, listed = asyncio.run(run())
+    assert [g.policy_version for g in (on_base, on_ann, on_bo, bo_after, ann_after)] == [0, 1, 7, 9, 1]
+    assert engine.policy_version == 0 and engine.adapter_version("k_ann") == 1
+    for generation, model, other in [(on_base, hf_engine.model, ann), (on_ann, ann, bo), (on_bo, bo, ann),
+                                      (bo_after, bo_later, bo), (ann_after, ann, bo_later)]:
+        assert max_gap(generation.logprobs, reference_logprobs(model, prompt, generation.token_ids, 0.7, 1.0)) < TOL
+        assert max_gap(generation.logprobs,
+                       reference_logprobs(other, prompt, generation.token_ids, 0.7, 1.0)) > 50 * TOL
+    assert {"k_ann-v1", "k_bo-v9"} <= set(listed) and "k_bo-v7" not in listed
+    assert users.publishers["k_bo"].unloaded == ["k_bo-v7"] and users.publishers["k_ann"].unloaded == []
 
 
 def test_checkpoint_publication_reloads_full_weights(vllm_servers, hf_engine, smol_dir, smol_tokenizer,

@@ -132,3 +132,51 @@ def test_one_online_step_with_policy_judge_and_teacher_on_vllm(vllm_fleet, tmp_p
                 assert sample.targets is not None
     finally:
         store.close()
+
+
+def test_two_users_on_vllm_each_served_their_own_policy(vllm_fleet, tmp_path):
+    """Per-user policies with the policy on vLLM: a user's conversations train that user's adapter, which vLLM
+    then serves to that user alone (``k_…-v<N>``), while the other user is served the base model."""
+    from clawloop.api.auth import owner_of
+
+    torch.set_num_threads(2)
+    _, fleet_config = vllm_fleet
+    keys = ["vllm-user-a-7c1d", "vllm-user-b-0e93"]
+    config = fleet_config.replace(
+        run_dir=str(tmp_path / "run"), port=0, method="rl", judge_backend="rules", rollout_batch_size=2, lr=1e-4,
+        prm_m=1, gate=False, checkpoint_every=1000, num_threads=2, device="cpu", api_keys=keys,
+        policy_scope="per_user", batch_wait_s=0.0, idle_train_s=0.0)
+    a, b = (owner_of(k) for k in keys)
+    runtime = build_runtime(config, pipeline_poll_s=0.2, trainer_poll_s=0.2, console=None)
+    engine = runtime.server.engine
+    with runtime:
+        url = runtime.server.base_url
+        with httpx.Client(base_url=url, timeout=600, headers={"Authorization": f"Bearer {keys[0]}"}) as user_a, \
+                httpx.Client(base_url=url, timeout=600, headers={"Authorization": f"Bearer {keys[1]}"}) as user_b:
+            for i, question in enumerate(QUESTIONS[:2]):
+                messages = [{"role": "user", "content": question}]
+                answer = chat(user_a, f"a{i}", messages)["choices"][0]["message"]["content"] or ""
+                reply = "Thanks, that is right." if i % 2 else "That is too long. Answer in one short sentence."
+                chat(user_a, f"a{i}", messages + [{"role": "assistant", "content": answer},
+                                                  {"role": "user", "content": reply}])
+                user_a.post(f"/v1/sessions/a{i}/end").raise_for_status()
+            wait_for(lambda: engine.adapter_version(a) is not None, 1200, "user A's adapter on vLLM")
+            version = engine.adapter_version(a)
+            assert f"{a}-v{version}" in [m["id"] for m in httpx.get(f"{config.policy_url}/v1/models").json()["data"]]
+
+            mine = chat(user_a, "a-after", [{"role": "user", "content": "Name a colour."}])
+            theirs = chat(user_b, "b-after", [{"role": "user", "content": "Name a colour."}])
+            assert mine["clawloop"]["policy_version"] == version and theirs["clawloop"]["policy_version"] == 0
+            assert engine.adapter_version(b) is None
+            model = runtime.trainer.policies.models.policy  # holds user A's adapter: the last one trained
+            store = runtime.server.store
+            assert served_gap(model, latest_turn(store, a)) < 5e-3
+            with model.disable_adapter():
+                assert served_gap(model, latest_turn(store, b)) < 5e-3
+
+
+def latest_turn(store: Store, owner: str):
+    """``owner``'s newest stored turn (per-user turn ids in responses are masked; the store has the real ones)."""
+    with store.db.read() as db:
+        row = db.execute("SELECT id FROM turns WHERE owner=? ORDER BY id DESC LIMIT 1", (owner,)).fetchone()
+    return store.get_turn(int(row["id"]))

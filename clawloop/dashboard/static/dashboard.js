@@ -301,6 +301,7 @@
       const ev = v.evidence || {};
       return el("div", { class: `version st-${v.status}`, "data-version": v.version },
         el("div", { class: "version-head" }, el("b", { text: `v${v.version}` }), chip(v.status, v.status),
+          v.owner ? el("span", { class: "muted", text: ` user ${v.owner}` }) : null,
           el("span", { class: "muted", text: ` step ${v.step} · ${time(v.created_at)}` })),
         el("div", { class: "small", text: v.steps.length ? `trained by step${v.steps.length > 1 ? "s" : ""} ${v.steps.join(", ")} on ${v.samples} sample${v.samples === 1 ? "" : "s"}` : "no step recorded for it" }),
         ("guard_pass" in ev || "kl" in ev) ? el("div", { class: "small", text: `gate: guard pass ${fmt(ev.guard_pass)}, KL ${fmt(ev.kl)}${ev.kl_to ? ` to ${ev.kl_to}` : ""}${(ev.reasons || []).length ? `, reasons: ${ev.reasons.join("; ")}` : ""}` }) : null,
@@ -311,6 +312,15 @@
       chip(s.fate, `fate-${s.fate}`), el("span", { text: ` ${s.text} (${s.samples} sample${s.samples === 1 ? "" : "s"})` }))))
       : el("p", { class: "muted small", text: "None: every trained step is in a version." }));
     fill("timeline", d.timeline.length ? eventTable(d.timeline.slice().reverse()) : el("p", { class: "muted", text: "No gate decision, rollback or requeue yet." }));
+    const receipts = d.forget_receipts || [];
+    fill("receipts", receipts.length ? el("ul", { class: "small" }, receipts.slice().reverse().map((r) => el("li", { "data-owner": r.owner || "" },
+      r.problem ? el("span", { text: `${r.file}: unreadable (${r.problem})` }) : el("span", {
+        text: `${r.forgotten_at_utc} · ${r.owner}: ${(r.turn_ids || []).length} turns, ${r.sessions} sessions, ${r.votes} votes, ${r.samples} samples deleted; ` +
+          `versions retired: ${(r.retired_versions || []).join(", ") || "none"}` + (r.user_policy_removed ? "; their own policy removed" : "") +
+          `; training goes on from ${r.training_resumes_from}`,
+      }),
+      el("details", {}, el("summary", { text: "receipt" }), el("pre", { text: JSON.stringify(r, null, 1) })))))
+      : el("p", { class: "muted small", text: "No user has been forgotten in this run." }));
   }
 
   // ---- routing and polling --------------------------------------------------------------------------------

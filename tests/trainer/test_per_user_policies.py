@@ -1,0 +1,96 @@
+"""Per-user policies over one training model (``trainer.per_user.UserPolicies``): each user's adapter and optimizer
+state are their own however their steps interleave, and the user trained longest ago goes first."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from clawloop.engines.hf import HFEngine
+from clawloop.store import Store
+from clawloop.trainer.core import Trainer
+from clawloop.trainer.model import trainable_state_dict
+from clawloop.trainer.per_user import UserPolicies, user_dir
+from trainer_helpers import add_owned_sample
+
+ALICE, BOB = "k_alice", "k_bob"
+ALICE_SAMPLES = [("What is rain?", "Water falling from clouds.", 1.0), ("What is snow?", "Snow snow snow.", -1.0),
+                 ("What is wind?", "Moving air.", 1.0), ("What is fog?", "Fog fog fog fog.", -1.0)]
+BOB_SAMPLES = [("Name a fish.", "A trout.", 1.0), ("Name a bird.", "Bird bird bird.", -1.0)]
+
+
+def per_user_config(make_config, **overrides):
+    return make_config(lora=True, policy_scope="per_user", api_keys=["a", "b"], method="rl", lr=1e-2,
+                       seed=0, staleness_mode="ignore", **overrides)
+
+
+def train_next(policies: UserPolicies, store: Store, owner: str) -> None:
+    lease_id, samples = store.lease_samples(2, owner=owner)
+    assert len(samples) == 2
+    assert policies.run_batch(owner, lease_id, samples) is not None
+
+
+def test_interleaved_users_train_exactly_as_if_each_were_alone(make_config, tiny_model_path, tiny_tokenizer,
+                                                               tmp_path):
+    config = per_user_config(make_config)
+    store = Store(tmp_path / "run" / "store.sqlite")
+    for sample in ALICE_SAMPLES:
+        add_owned_sample(store, tiny_tokenizer, ALICE, *sample)
+    for sample in BOB_SAMPLES:
+        add_owned_sample(store, tiny_tokenizer, BOB, *sample)
+    engine = HFEngine(str(tiny_model_path), device="cpu", adapter_slots=2, num_threads=1)
+    try:
+        policies = UserPolicies(config, store, engine, run_dir=tmp_path / "run", console=None)
+        train_next(policies, store, ALICE)
+        train_next(policies, store, BOB)  # Bob's step runs on the same model, between Alice's two
+        train_next(policies, store, ALICE)
+        policies.activate(ALICE)
+        alice = trainable_state_dict(policies.models)
+        versions = store.versions()
+        assert [(v["owner"], v["step"]) for v in versions] == [(ALICE, 1), (BOB, 2), (ALICE, 3)]
+        assert engine.adapter_version(ALICE) == versions[2]["version"]
+        assert engine.adapter_version(BOB) == versions[1]["version"]
+        assert [s["owner"] for s in store.steps()] == [ALICE, BOB, ALICE]
+        assert (user_dir(tmp_path / "run", ALICE) / "versions").is_dir()
+        policies.close()
+    finally:
+        engine.close_sync()
+        store.close()
+
+    # Alice alone: her two batches, in order, on a trainer of her own from the same starting adapter.
+    alone_store = Store(tmp_path / "alone" / "store.sqlite")
+    try:
+        for sample in ALICE_SAMPLES:
+            add_owned_sample(alone_store, tiny_tokenizer, ALICE, *sample)
+        trainer = Trainer(config, alone_store, run_dir=tmp_path / "alone", console=None)
+        for _ in range(2):
+            lease_id, samples = alone_store.lease_samples(2)
+            assert trainer.run_batch(lease_id, samples) is not None
+        expected = trainable_state_dict(trainer.models)
+        trainer.close()
+    finally:
+        alone_store.close()
+    assert alice.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(alice[key], expected[key]), key
+
+
+def test_the_user_trained_longest_ago_goes_first(make_config, tiny_model_path, tiny_tokenizer, tmp_path):
+    config = per_user_config(make_config, rollout_batch_size=4, batch_wait_s=60.0)
+    store = Store(tmp_path / "run" / "store.sqlite")
+    for sample in ALICE_SAMPLES * 2:
+        add_owned_sample(store, tiny_tokenizer, ALICE, sample[0] + "?", *sample[1:])
+    add_owned_sample(store, tiny_tokenizer, BOB, *BOB_SAMPLES[0])
+    try:
+        policies = UserPolicies(config, store, engine=None, run_dir=tmp_path / "run", console=None)
+        now = time.time()
+        assert policies.next_owner(now, idle=False) == (ALICE, True)  # Bob's one sample waits for its batch...
+        assert policies.next_owner(now + 61, idle=False) == (ALICE, True)  # ...Alice was never trained either
+        policies.last_trained[ALICE] = now
+        assert policies.next_owner(now + 61, idle=False) == (BOB, False)  # ...then Bob, once his sample waited
+        assert policies.next_owner(now + 1, idle=False) == (ALICE, True)
+        assert policies.next_owner(now + 1, idle=True) == (BOB, False)  # an idle run trains what is ready
+        policies.close()
+    finally:
+        store.close()
