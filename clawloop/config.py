@@ -478,6 +478,10 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
         if not self.api_keys and not self.api_keys_file:
             raise ConfigError("policy_scope='per_user' gives every per-user key its own policy; set api_keys or "
                               "api_keys_file")
+        if self.admin_uses_api_key:
+            raise ConfigError("policy_scope='per_user' keeps every user's policy and data from the others; "
+                              "admin_uses_api_key would let any user key roll back or forget another user: set "
+                              "admin_key instead")
         if self.trainer != "embedded":
             raise ConfigError(f"policy_scope='per_user' trains every user's adapter in the API process; "
                               f"trainer={self.trainer!r} does not yet")

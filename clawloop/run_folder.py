@@ -11,8 +11,9 @@ to do about it.
 
   * ``resume``: from the newest intact checkpoint (``trainer.checkpoint.load_latest`` skips damaged ones and says
     which); a folder whose checkpoints are all damaged, or whose checkpoint's version folder is, stops start-up;
-  * ``fresh``: ``checkpoints/`` and ``versions/`` are moved to ``archive/<date-time>/`` (nothing is deleted) and
-    training starts again from the starting weights; the store's record stays and numbers go on;
+  * ``fresh``: ``checkpoints/`` and ``versions/`` (and under per-user policies ``users/``, every user's own, and
+    the adapters published to vLLM) are moved to ``archive/<date-time>/`` (nothing is deleted) and training starts
+    again from the starting weights; the store's record stays and numbers go on;
   * neither: refused, since the run would silently serve the starting weights, unless a rollback is pending
     (``clawloop rollback RUN_DIR --to N``), which serves version N.
 """
@@ -25,12 +26,14 @@ import os
 import sqlite3
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from clawloop.store import STORE_FILENAME, Store
 from clawloop.trainer import checkpoint as ckpt
+from clawloop.engines.vllm_publish import USER_ADAPTERS_DIR
 from clawloop.trainer import versions as history
+from clawloop.trainer.per_user import USERS_FOLDER, known_users, user_dir
 from clawloop.trainer.rollback import ROLLBACK_META
 
 log = logging.getLogger("clawloop.run_folder")
@@ -92,13 +95,17 @@ class TrainingState:
     """Kept version folders past version 0 (the starting weights), newest first."""
     pending_rollback: int | None
     """The version ``clawloop rollback RUN_DIR --to N`` asked the next start to serve."""
+    users: list[str] = field(default_factory=list)
+    """Users whose own policy (per-user policies, ``RUN_DIR/users/<owner>``) holds checkpoints or versions."""
 
     @property
     def exists(self) -> bool:
-        return bool(self.checkpoints or self.versions)
+        return bool(self.checkpoints or self.versions or self.users)
 
     def describe(self) -> str:
         parts = []
+        if self.users:
+            parts.append(f"the own policies of {len(self.users)} user(s) in {USERS_FOLDER}/")
         if self.checkpoints:
             parts.append(f"{len(self.checkpoints)} checkpoint(s) (newest {self.checkpoints[0]})")
         if self.versions:
@@ -110,7 +117,10 @@ def training_state(store: Store, run_dir: Path) -> TrainingState:
     checkpoints = [p.name for p in ckpt.list_checkpoints(run_dir)]
     versions = sorted((v for v in history.list_versions(run_dir) if v > 0), reverse=True)
     pending = store.get_meta(ROLLBACK_META) or ""
-    return TrainingState(checkpoints, versions, int(pending) if pending else None)
+    users = [owner for owner in known_users(run_dir)
+             if ckpt.list_checkpoints(user_dir(run_dir, owner))
+             or any(v > 0 for v in history.list_versions(user_dir(run_dir, owner)))]
+    return TrainingState(checkpoints, versions, int(pending) if pending else None, users)
 
 
 def prepare_training_state(store: Store, run_dir: str | Path, *, resume: bool, fresh: bool) -> None:
@@ -143,7 +153,13 @@ def prepare_training_state(store: Store, run_dir: str | Path, *, resume: bool, f
 
 
 def check_resumable(run_dir: Path) -> None:
-    """A resume needs an intact checkpoint (when there are any) and the version folder it serves."""
+    """A resume needs an intact checkpoint (when there are any) and the version folder it serves: the shared
+    policy's, and every user's own (per-user policies)."""
+    for folder in [run_dir, *(user_dir(run_dir, owner) for owner in known_users(run_dir))]:
+        check_resumable_folder(folder)
+
+
+def check_resumable_folder(run_dir: Path) -> None:
     found, skipped = ckpt.newest_intact_checkpoint(run_dir)
     root = ckpt.checkpoints_dir(run_dir)
     if found is None and skipped:
@@ -184,14 +200,17 @@ def archive_training_state(store: Store, run_dir: Path, state: TrainingState) ->
     """``fresh``: move ``checkpoints/`` and ``versions/`` to a new ``archive/<date-time>/`` folder (renames in the
     run folder: nothing is copied or deleted) and mark the store's accepted versions archived. Returns the
     archive."""
-    folders = [f for f in (ckpt.checkpoints_dir(run_dir), history.versions_dir(run_dir)) if f.exists()]
+    folders = [f for f in (ckpt.checkpoints_dir(run_dir), history.versions_dir(run_dir), run_dir / USERS_FOLDER,
+                           run_dir / USER_ADAPTERS_DIR) if f.exists()]
     archive = run_dir / "archive" / time.strftime("%Y%m%d-%H%M%S")
     while archive.exists():  # two fresh starts within a second
         archive = archive.with_name(archive.name + "-1")
     archive.mkdir(parents=True)
     for folder in folders:
-        os.replace(folder, archive / folder.name)
-    store.archive_versions({"archive": str(archive), "moved": [f.name for f in folders]})
+        target = archive / folder.relative_to(run_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(folder, target)
+    store.archive_versions({"archive": str(archive), "moved": [str(f.relative_to(run_dir)) for f in folders]})
     log.warning("--fresh: %s of %s moved to %s (%s); training starts again from the starting weights, the "
                 "store's record is kept and step and version numbers go on", " and ".join(f.name for f in folders),
                 run_dir, archive, state.describe())

@@ -181,7 +181,20 @@ def test_a_user_forgotten_on_the_running_server_is_served_the_base_model_and_lea
             while engine.adapter_version(a) is None:
                 assert time.time() < deadline, f"A's adapter was not published: {runtime.trainer.status()}"
                 time.sleep(0.2)
-            assert served(ask(user_a)) != served(a_before)
+            trained = ask(user_a)
+            assert served(trained) != served(a_before)
+            version_a = engine.adapter_version(a)
+
+            # Rolling A back (to the base model, then to A's version again) changes only A's answers.
+            assert admin.post("/v1/admin/rollback", json={"version": 0}).status_code == 400  # whose?
+            assert admin.post("/v1/admin/rollback", json={"version": 0, "user": "k_" + "0" * 24}).status_code == 404
+            assert admin.post("/v1/admin/rollback", json={"version": version_a, "user": b}).status_code == 404
+            assert admin.post("/v1/admin/rollback", json={"version": 0, "user": a}).status_code == 200
+            assert served(ask(user_a)) == served(a_before) and served(ask(user_b)) == served(b_before)
+            back = admin.post("/v1/admin/rollback", json={"version": version_a, "user": a})
+            assert back.status_code == 200, back.text
+            again = ask(user_a)
+            assert again["clawloop"]["policy_version"] == version_a and served(again) == served(trained)
             user_a.post("/v1/chat/completions", headers={"X-Session-Id": "a-open"},  # a session still open
                         json={"model": "clawloop", "max_tokens": 4,
                               "messages": [{"role": "user", "content": f"Hello. {MARKER}"}]}).raise_for_status()

@@ -28,6 +28,7 @@ from clawloop.api.auth import require_admin
 from clawloop.api.bodies import read_json_object
 from clawloop.api.errors import APIError
 from clawloop.store import Store
+from clawloop.trainer.per_user import OWNER_NAME, user_dir
 from clawloop.trainer.versions import DamagedVersion
 
 log = logging.getLogger(__name__)
@@ -49,9 +50,12 @@ def mount_admin_routes(app: FastAPI, store: Store, config: Any, trainer: Callabl
             raise APIError(409, "Rollback needs the embedded trainer of this run (this server has none).",
                            "invalid_request_error", None, "no_trainer")
         if online.policies is not None:
-            if not isinstance(user, str) or not user:
+            if not isinstance(user, str) or not OWNER_NAME.match(user):
                 raise APIError(400, "Every user has a policy of their own here (policy_scope per_user): 'user' "
                                "names whose to roll back (their k_… name).", "invalid_request_error", "user", None)
+            if not user_dir(config.run_dir, user).is_dir():
+                raise APIError(404, f"User {user} has no policy of their own in this run (nothing of theirs has "
+                               "trained).", "invalid_request_error", "user", "user_not_found")
             owned = {int(v["version"]) for v in await asyncio.to_thread(store.versions, owner=user)}
             if version != 0 and version not in owned:
                 raise APIError(404, f"Version {version} is not one of user {user}'s versions.",

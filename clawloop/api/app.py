@@ -237,11 +237,15 @@ class ChatService:
     def version_for(self, owner: str) -> int:
         """The version a new request of ``owner`` starts on."""
         adapter = self.adapter_of(owner)
-        return int(self.engine.policy_version) if adapter is None else int(self.engine.adapter_version(adapter))
+        version = None if adapter is None else self.engine.adapter_version(adapter)  # None: unpublished meanwhile
+        return int(self.engine.policy_version) if version is None else int(version)
 
     # ---- the request -----------------------------------------------------------------------------------
     async def chat(self, request: Request, path_session_id: str | None = None) -> Any:
         owner = require_user(request)
+        if self.sessions.is_closed(owner):
+            raise APIError(409, "This key's data is being forgotten right now; send the request again in a moment.",
+                           "invalid_request_error", None, "user_being_forgotten")
         body = await read_json_body(request, self.config.max_body_bytes)
         # Validation, the chat template and tokenisation run off the event loop (long agent prompts).
         prep = await asyncio.to_thread(self.prepare, body, request.headers, path_session_id)

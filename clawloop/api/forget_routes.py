@@ -3,23 +3,28 @@
 Under per-user policies (``policy_scope = "per_user"``) nothing but the user's own adapter trained on their
 samples, so the running server can forget them without touching anyone else's weights, in this order:
 
-1. their live sessions end (a request in flight finishes first), so no new turn of theirs is stored meanwhile;
-2. the trainer lets go of their trainer, optimizer state and adapter weights, after the step in progress
-   (``OnlineTrainer.let_go_of_user``); a batch of theirs leased meanwhile is skipped;
+1. their key is closed for the forget's duration (a request of theirs gets 409 ``user_being_forgotten``) and
+   their live sessions end (a request in flight finishes first), so no turn of theirs is stored meanwhile;
+2. training pauses (after the step in progress) until their records are gone, and the trainer lets go of their
+   trainer, optimizer state, gate and adapter weights (``OnlineTrainer.let_go_of_user``); a batch of theirs
+   leased meanwhile finds its samples gone afterwards and is skipped, so nothing of theirs trains again;
 3. the engine unpublishes their adapter: from the next step boundary their key is answered by the base model, an
    answer already running finishes;
 4. ``trainer.forget.forget_user`` on the server's own store: their records go (secure delete, vacuum, log
-   truncated), their versions are retired, ``RUN_DIR/users/<owner>/`` is deleted and the receipt is written
-   (``RUN_DIR/receipts/``; the dashboard lists it).
+   truncated), their versions are retired, ``RUN_DIR/users/<owner>/`` and their published adapters are deleted
+   and the receipt is written (``RUN_DIR/receipts/``; the dashboard lists it).
+
+Every store call of the server waits while the store is rewritten (seconds for a store of thousands of turns).
 
 The answer is the receipt (ids and counts, never text). Under the shared policy the forget retires versions and
 rebuilds the weights from a checkpoint, which needs the server stopped: the route answers 409 and says to run
-``clawloop forget``. The user's key keeps working: what they send from now on is new data.
+``clawloop forget``. Afterwards the user's key works again: what they send from then on is new data.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,9 +57,9 @@ def mount_forget_route(app: FastAPI, store: Store, config: Any, sessions: Sessio
                            "on their samples and rebuilds the weights from a checkpoint, which needs the server "
                            f"stopped. Stop it, then run: clawloop forget {config.run_dir} --user {user}",
                            "invalid_request_error", None, "needs_stopped_server")
-        async with lock:  # one forget at a time
-            ended = await sessions.end_owner(user)
-            online = trainer()
+        online = trainer()
+        async with lock, sessions.owner_closed(user) as ended, \
+                (online.paused() if online is not None else contextlib.nullcontext()):
             if online is not None:
                 await online.let_go_of_user(user)
             if engine.adapter_version(user) is not None:

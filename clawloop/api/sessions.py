@@ -82,6 +82,7 @@ owner holding the most). Their idle clock starts again at restore time. Shutdown
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import inspect
 import json
@@ -89,7 +90,7 @@ import logging
 import time
 import uuid
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -278,6 +279,8 @@ class SessionManager:
         self.on_judgeable = on_judgeable
         self.clock = clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self.closed_owners: set[str] = set()
+        """Owners who can start no request now (``owner_closed``)."""
         self._live_by_owner: Counter[str] = Counter()
         self._prefix: dict[str, tuple[str, int]] = {}
         """prefix key -> (session id, turn id) of the turn that ended with that answer."""
@@ -594,6 +597,20 @@ class SessionManager:
             await self._end_unlocked(s, why)
             ended += 1
         return ended
+
+    @contextlib.asynccontextmanager
+    async def owner_closed(self, owner: str) -> AsyncIterator[int]:
+        """While the block runs ``owner`` can start no request (``is_closed``; the chat route answers 409) and
+        none of their sessions is live: they are ended first (yields how many). For a forget, so that no turn of
+        theirs is stored while their records are deleted."""
+        self.closed_owners.add(owner)
+        try:
+            yield await self.end_owner(owner)
+        finally:
+            self.closed_owners.discard(owner)
+
+    def is_closed(self, owner: str) -> bool:
+        return owner in self.closed_owners
 
     async def end_if_exists(self, session_id: str, why: str, owner: str = "") -> None:
         s = self.get(session_id, owner)

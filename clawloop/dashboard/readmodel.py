@@ -102,6 +102,22 @@ def gate_decisions(versions: list[dict[str, Any]], events: list[dict[str, Any]])
 
 def step_fates(steps: list[dict[str, Any]], versions: list[dict[str, Any]],
                events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """``policy_fates`` for each policy of the run: the shared one, and under per-user policies every user's own
+    (their steps, versions and events carry their ``owner``), so a step only ever goes to its own policy's
+    decisions."""
+    def owner_of_event(e: dict[str, Any]) -> str:
+        return str(e["detail"].get("owner", "")) if isinstance(e["detail"], dict) else ""
+
+    fates: dict[int, dict[str, Any]] = {}
+    for owner in {s.get("owner", "") for s in steps}:
+        fates.update(policy_fates([s for s in steps if s.get("owner", "") == owner],
+                                  [v for v in versions if v.get("owner", "") == owner],
+                                  [e for e in events if owner_of_event(e) == owner]))
+    return fates
+
+
+def policy_fates(steps: list[dict[str, Any]], versions: list[dict[str, Any]],
+                 events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """Step number -> where its update went: ``in_version`` (with ``version`` and ``version_status``),
     ``rejected`` by the gate, ``discarded`` by a rollback, ``unchecked`` (the gate checks it later) or ``unknown``
     (a run recorded before versions were). A step belongs to the decision that names it, else to the first

@@ -148,14 +148,15 @@ class Fleet:
     # ---- engines ------------------------------------------------------------------------------------------
     def policy_engine(self, config: Any, tokenizer: Any) -> Any:
         """The ``VLLMEngine`` serving the policy, with the publisher new weights go through."""
-        from clawloop.engines.vllm_publish import CheckpointPublisher, LoRAPublisher, UserAdapterPublisher
+        from clawloop.engines.vllm_publish import USER_ADAPTERS_DIR, CheckpointPublisher, LoRAPublisher, \
+            UserAdapterPublisher
         from clawloop.engines.model_files import resolve_model
 
         assert self.policy is not None
         engine = _engine(self.policy, config, tokenizer, lora=config.lora)
         run_dir = Path(config.run_dir)
         if config.policy_scope == "per_user":  # every user's adapter under their own name; the base stays fixed
-            self.publisher = UserAdapterPublisher(engine, run_dir / "published" / "users")
+            self.publisher = UserAdapterPublisher(engine, run_dir / USER_ADAPTERS_DIR)
             return engine
         if config.lora:
             self.publisher = LoRAPublisher(engine, run_dir / "published" / "adapters",

@@ -313,6 +313,8 @@ class HFEngine:
                                    max_rank=adapter_rank) if adapter_slots > 0 else None
         self._adapter_versions: dict[str, int] = {}
         """Newest published version per adapter name (written by the worker)."""
+        self._unpublished_loaded = False
+        """A slot still holds an unpublished adapter that a running answer uses (freed after it finishes)."""
         self._adapter_sources: dict[str, tuple[dict[str, torch.Tensor], float]] = {}
         """Each name's newest published adapter as it was handed over: an adapter evicted from its slot by more
         recently used ones is loaded again from here when a request asks for it."""
@@ -596,6 +598,8 @@ class HFEngine:
                         if batch.seqs:
                             self._decode_step(batch)
                     self._batches = [b for b in self._batches if b.seqs]
+                    if self._unpublished_loaded:
+                        self._evict_unpublished()
         except BaseException:  # the loop itself broke: report it to everyone waiting
             log.exception("engine worker stopped by an unexpected error")
         finally:
@@ -683,11 +687,19 @@ class HFEngine:
         assert self._adapters is not None
         version = self._adapter_versions.pop(name, 0)
         self._adapter_sources.pop(name, None)
-        in_use = {seq.slot for batch in self._batches for seq in batch.seqs if seq.slot}
-        for slot in self._adapters.loaded:
-            if slot.rpartition("@")[0] == name and slot not in in_use:
-                self._adapters.evict(slot)
+        self._evict_unpublished()
         return version
+
+    def _evict_unpublished(self) -> None:
+        """Free the slots of unpublished adapters that no running answer uses (at removal, and after each step
+        until the last answer on one has finished)."""
+        assert self._adapters is not None
+        in_use = {seq.slot for batch in self._batches for seq in batch.seqs if seq.slot}
+        stale = [slot for slot in self._adapters.loaded if slot.rpartition("@")[0] not in self._adapter_versions]
+        for slot in stale:
+            if slot not in in_use:
+                self._adapters.evict(slot)
+        self._unpublished_loaded = any(slot in in_use for slot in stale)
 
     def _reload_evicted(self, seqs: list[_Seq]) -> None:
         """Load again the newest adapters of ``seqs`` that more recently used ones evicted (a new sequence always
@@ -749,8 +761,15 @@ class HFEngine:
         batch = self._current_batch()
         device = self.device
         seqs = []
+        unpublished = [req for req in group if req.params.adapter is not None
+                       and req.params.adapter not in self._adapter_versions]
+        for req in unpublished:  # removed (a forgotten user's) after ``_submit`` checked it: this request fails alone
+            self._deliver(req, EngineError(f"adapter {req.params.adapter!r} was unpublished"))
+        group = [req for req in group if req not in unpublished]
+        if not group:
+            return
         for req in group:
-            name = req.params.adapter  # published (``_submit`` checked), and a name is never unpublished
+            name = req.params.adapter
             if name is None:
                 seqs.append(_Seq(req, self.tokenizer, self.eos_token_ids, batch.version, device))
             else:

@@ -486,7 +486,9 @@ class VLLMEngine:
             fut = self.loop.create_future()
             self._gate_waiters.append(fut)
             await fut
-        route = self._route if adapter is None else self._adapter_routes[adapter]
+        route = self._route if adapter is None else self._adapter_routes.get(adapter)
+        if route is None:  # unpublished (a forgotten user's) while the request waited for a weight swap
+            raise EngineError(f"adapter {adapter!r} was unpublished")
         self._inflight[route.model] += 1
         return route
 

@@ -66,8 +66,8 @@ class Queries:
                              " >= ?", (float(since),)).fetchone()
         return {"turns": int(row["n"] or 0), "response_tokens": int(row["b"] or 0) // ID_BYTES}
 
-    def recent_prompts(self, n: int, *, corrected: bool = False,
-                       scan: int = 200) -> list[tuple[int, list[int], list[dict[str, Any]]]]:
+    def recent_prompts(self, n: int, *, corrected: bool = False, scan: int = 200,
+                       owner: str | None = None) -> list[tuple[int, list[int], list[dict[str, Any]]]]:
         """Up to ``n`` distinct recent prompts, spread across users and sessions: ``(turn id, prompt ids, request
         messages)``.
 
@@ -80,18 +80,25 @@ class Queries:
 
         ``corrected``: only the run's corrected prompts, the turns whose answer got a hint or a -1 vote and whose
         sample was trained into weights the gate accepted (consumed by a step that an accepted version includes and
-        no gate rejection undid), read the same way; the gate re-asks them to keep earlier fixes fixed."""
+        no gate rejection undid), read the same way; the gate re-asks them to keep earlier fixes fixed.
+
+        ``owner`` (per-user policies): only that owner's turns, and for ``corrected`` only what that owner's own
+        accepted versions hold, so no other user's prompts check (or steer) a user's adapter."""
         if n <= 0:
             return []
+        mine = owner is not None
         where = ("JOIN samples s ON s.turn_id = t.id WHERE (s.hints != '[]' OR s.reward < 0)"
                  " AND s.consumed_step IS NOT NULL"
-                 " AND EXISTS (SELECT 1 FROM versions v WHERE v.status = 'accepted' AND v.step >= s.consumed_step)"
+                 " AND EXISTS (SELECT 1 FROM versions v WHERE v.status = 'accepted' AND v.step >= s.consumed_step"
+                 + (" AND v.owner = t.owner" if mine else "") + ")"
                  " AND NOT EXISTS (SELECT 1 FROM events e, json_each(e.detail, '$.steps') j"
                  " WHERE e.kind = 'gate_rejected' AND j.value = s.consumed_step)") if corrected else ""
+        if mine:
+            where += (" AND" if where else " WHERE") + " t.owner = ?"
         with self.db.read() as db:
             rows = db.execute(f"SELECT t.id AS id, t.owner AS owner, t.session_id AS session_id, t.prompt_ids AS"
                               f" prompt_ids FROM turns t {where} ORDER BY t.id DESC LIMIT ?",
-                              (max(int(n), int(scan)),)).fetchall()
+                              ((owner,) if mine else ()) + (max(int(n), int(scan)),)).fetchall()
             distinct: list[Any] = []
             seen: set[bytes] = set()
             for r in rows:

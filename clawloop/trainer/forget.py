@@ -43,6 +43,7 @@ from clawloop.atomic import write_text_atomically
 from clawloop.store import ForgetResult, Store, StoreInUse, find_store
 from clawloop.store.forget import probe_sources, scrub_quotes
 from clawloop.store.history import put_meta, retire_owner_versions, retire_versions_from, shared_steps
+from clawloop.engines.vllm_publish import USER_ADAPTERS_DIR
 from clawloop.trainer.checkpoint import list_checkpoints, remove_checkpoints_from
 from clawloop.trainer.per_user import OWNER_NAME, USERS_FOLDER
 from clawloop.trainer.versions import META as VERSION_RECORD
@@ -71,7 +72,7 @@ def forget_user(store: Store, run_dir: str | Path, owner: str) -> dict[str, Any]
         retired = retire_versions_from(db, first, RETIRED) if first is not None else []
         retired = sorted(retired + retire_owner_versions(db, owner, RETIRED))
         entry = {"owner": owner, "forgotten_at": time.time(), "first_step": first, "retired_versions": retired,
-                 "user_policy_removed": _user_folder(run_dir, owner) is not None,
+                 "user_policy_removed": bool(_user_folders(run_dir, owner)),
                  **{k: v for k, v in result.as_dict().items() if k not in ("owner", "log_truncated")}}
         put_meta(db, FORGET_PENDING, json.dumps(entry))
 
@@ -109,8 +110,8 @@ def finish_pending_forget(store: Store, run_dir: str | Path, *, compact: bool = 
         if first is not None:
             checkpoints += [f"{ARCHIVE_DIR}/{archived.name}/{name}"
                             for name in remove_checkpoints_from(archived, int(first))]
-    own_folder = _user_folder(run_dir, entry["owner"])  # per-user policies: the user's adapter, versions, checkpoints
-    if own_folder is not None:
+    # Per-user policies: the user's adapter versions, checkpoints and metrics, and the adapters published to vLLM.
+    for own_folder in _user_folders(run_dir, entry["owner"]):
         shutil.rmtree(own_folder)
     export_lines = _scrub_export(run_dir / EXPORT_DIR, set(entry["turn_ids"]))
     version_records = _scrub_version_records(run_dir, set(entry["turn_ids"]))
@@ -126,8 +127,12 @@ def finish_pending_forget(store: Store, run_dir: str | Path, *, compact: bool = 
         "version_records_scrubbed": version_records,
         "user_policy_removed": bool(entry.get("user_policy_removed")),
         "training_resumes_from": left[0].name if left else "the starting weights",
-        "note": "ids and counts only; the next start with --resume serves the version of the checkpoint it "
-                "resumes from and trains the other users' samples of the retired steps again",
+        "note": "ids and counts only; " + (
+            "the next start with --resume serves the version of the checkpoint it resumes from and trains the "
+            "other users' samples of the retired steps again" if first is not None else
+            "no step of the shared policy trained on the user's samples, so it is unchanged"
+            + ("; the user's own policy was removed and their key is served the base model"
+               if entry.get("user_policy_removed") else "")),
     }
     path = run_dir / RECEIPTS_DIR / f"forget-{stamp}-{re.sub(r'[^A-Za-z0-9_.-]', '_', entry['owner'])}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -137,12 +142,15 @@ def finish_pending_forget(store: Store, run_dir: str | Path, *, compact: bool = 
     return receipt
 
 
-def _user_folder(run_dir: Path, owner: str) -> Path | None:
-    """``owner``'s own policy folder under per-user policies (``trainer.per_user``), if the run has one."""
+def _user_folders(run_dir: Path, owner: str) -> list[Path]:
+    """``owner``'s own policy folders under per-user policies, those the run has: their trainer's
+    (``RUN_DIR/users/<owner>``, ``trainer.per_user``) and their adapters published to vLLM
+    (``engines.vllm_publish.USER_ADAPTERS_DIR``), in ``archive/`` too."""
     if not OWNER_NAME.match(owner):
-        return None
-    folder = run_dir / USERS_FOLDER / owner
-    return folder if folder.is_dir() else None
+        return []
+    roots = [run_dir, *sorted(p for p in (run_dir / ARCHIVE_DIR).glob("*") if p.is_dir())]
+    return [folder for root in roots for folder in (root / USERS_FOLDER / owner, root / USER_ADAPTERS_DIR / owner)
+            if folder.is_dir()]
 
 
 def _scrub_version_records(run_dir: Path, turn_ids: set[int]) -> int:

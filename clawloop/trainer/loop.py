@@ -37,11 +37,12 @@ The teacher, when given, scores each step's OPD branches at the old policy's exa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
@@ -106,6 +107,7 @@ class OnlineTrainer:
         self.short_batches = 0
         """Batches leased with fewer samples than ``rollout_batch_size`` (``train_what_is_ready``)."""
         self._leasers: dict[str | None, BatchLeaser] = {}
+        self._next_publish_try = 0.0
         """The shared policy's leaser (key None) or each user's (``_leaser``)."""
 
     # ---- status (read by the API's status/metrics endpoints) ------------------------------------------
@@ -116,7 +118,7 @@ class OnlineTrainer:
     @property
     def step(self) -> int:
         if self.policies is not None:
-            return max((t.step for t in self.policies.trainers.values()), default=0)
+            return max((t.step for t in list(self.policies.trainers.values())), default=0)
         return self.core.step if self.core else 0
 
     @property
@@ -147,7 +149,7 @@ class OnlineTrainer:
     def serving_versions(self) -> int | dict[str, int] | None:
         """The version the trainer serves (per-user policies: each user's, by name); None before it started."""
         if self.policies is not None:
-            return {owner: t.policy_version for owner, t in self.policies.trainers.items()}
+            return {owner: t.policy_version for owner, t in list(self.policies.trainers.items())}
         return self.core.policy_version if self.core is not None else None
 
     def gate_status(self) -> dict[str, Any]:
@@ -243,14 +245,23 @@ class OnlineTrainer:
                 return await self._on_train_thread(self.policies.rollback, owner, int(version))
             return await self._on_train_thread(self.core.rollback, int(version))
 
-    async def let_go_of_user(self, owner: str) -> None:
-        """Per-user policies: drop ``owner``'s trainer, optimizer state and adapter weights (after the step in
-        progress), so a forget can delete their folder; a batch of theirs leased meanwhile is skipped."""
-        if self.policies is None or self._model_lock is None:
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """No training step runs while the block runs (it waits for the step in progress). A batch leased
+        meanwhile trains afterwards, or is skipped when its samples are gone (``UserPolicies.run_batch``)."""
+        if self._model_lock is None:
+            yield
             return
         async with self._model_lock:
-            await self._on_train_thread(self.policies.forget, owner)
-            self._leasers.pop(owner, None)
+            yield
+
+    async def let_go_of_user(self, owner: str) -> None:
+        """Per-user policies: drop ``owner``'s trainer, optimizer state, gate and adapter weights, so a forget can
+        delete their folder. Call it inside ``paused()``, and keep the pause until their records are deleted."""
+        if self.policies is None or self._executor is None:
+            return
+        await self._on_train_thread(self.policies.forget, owner)
+        self._leasers.pop(owner, None)
 
     async def _on_train_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the training thread (see ``start``)."""
@@ -296,6 +307,7 @@ class OnlineTrainer:
                 await self._sleep(self.error_backoff_s)
                 continue
             if not samples:
+                await self._retry_publications()
                 await self._sleep(self.poll_interval_s)
                 continue
             self._busy = True
@@ -320,6 +332,19 @@ class OnlineTrainer:
                 await self._sleep(min(self.max_backoff_s, self.error_backoff_s * 2 ** (consecutive - 1)))
             finally:
                 self._busy = False
+
+    async def _retry_publications(self) -> None:
+        """Per-user policies: an accepted adapter whose publication failed is published again while the loop is
+        idle (at most every ``error_backoff_s``), not only before that user's next step, which may never come.
+        ``AdapterSink`` publishes the accepted weights it is given, whichever user's adapter the model holds."""
+        if self.policies is None or self._model_lock is None or time.monotonic() < self._next_publish_try:
+            return
+        if not any(t.needs_publish for t in list(self.policies.trainers.values())):
+            return
+        self._next_publish_try = time.monotonic() + self.error_backoff_s
+        async with self._model_lock:  # a forget meanwhile has taken its user's trainer out
+            for trainer in [t for t in list(self.policies.trainers.values()) if t.needs_publish]:
+                await self._on_train_thread(trainer.publish)
 
     def _leaser(self, owner: str | None) -> BatchLeaser:
         """The leaser of the shared policy (``owner`` None) or of one user's (their own failure counts)."""

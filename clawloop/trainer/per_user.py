@@ -109,8 +109,8 @@ class OwnerSamples:
         return self.store.record_rollback(to_version, from_version, detail, owner=self.owner)
 
     def recent_prompts(self, n: int, *, corrected: bool = False) -> list[tuple[int, list[int], list[dict[str, Any]]]]:
-        # The gate's probes are spread across every user (a user cannot fill them); the answers stay in this process.
-        return self.store.recent_prompts(n, corrected=corrected)
+        # The user's own prompts only: another user's can neither steer this user's gate nor be kept in its evidence.
+        return self.store.recent_prompts(n, corrected=corrected, owner=self.owner)
 
     def requeue_after_step(self, step: int) -> int:
         return self.store.requeue_after_step(step, owner=self.owner)
@@ -176,6 +176,7 @@ class UserPolicies:
     def activate(self, owner: str) -> Trainer:
         """Load ``owner``'s adapter into the training model (keeping the active user's) and return its trainer,
         made on first use."""
+        folder = user_dir(self.run_dir, owner)  # a name that is no key's is refused before anything changes
         if self.active != owner:
             if self.active is not None:
                 self.kept_weights[self.active] = trainable_state_dict(self.models)
@@ -183,7 +184,6 @@ class UserPolicies:
             self.active = owner
         trainer = self.trainers.get(owner)
         if trainer is None:
-            folder = user_dir(self.run_dir, owner)
             folder.mkdir(parents=True, exist_ok=True)
             trainer = Trainer(self.config, OwnerSamples(self.store, owner), sink=AdapterSink(self.engine, owner),
                               run_dir=folder, teacher=self.teacher, models=self.models, console=self.console,
@@ -250,13 +250,16 @@ class UserPolicies:
         return {owner: {"policy_version": t.policy_version, "step": t.step, "gate_checks": t.gate_checks,
                         "gate_rejections": t.gate_rejections,
                         "samples_waiting": self.store.ready_count(owner=owner)}
-                for owner, t in self.trainers.items()}
+                for owner, t in list(self.trainers.items())}
 
     def checkpoint_all(self) -> None:
-        """Write every user's checkpoint that has steps since its last (at shutdown)."""
+        """Write every user's checkpoint that has steps since its last (at shutdown); one that fails is logged and
+        the others are still written."""
         for owner in list(self.trainers):
-            trainer = self.activate(owner)
-            trainer.checkpoint_if_due(force=True)
+            try:
+                self.activate(owner).checkpoint_if_due(force=True)
+            except Exception:  # noqa: BLE001 - the next start resumes that user from their last good checkpoint
+                log.exception("trainer: writing the checkpoint of user %s failed", owner)
 
     def close(self) -> None:
         for trainer in self.trainers.values():

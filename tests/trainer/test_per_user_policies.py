@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from clawloop.engines.hf import HFEngine
 from clawloop.store import Store
 from clawloop.trainer.core import Trainer
 from clawloop.trainer.model import trainable_state_dict
-from clawloop.trainer.per_user import UserPolicies, user_dir
+from clawloop.trainer.per_user import OwnerSamples, UserPolicies, user_dir
 from trainer_helpers import add_owned_sample
 
 ALICE, BOB = "k_alice", "k_bob"
@@ -92,5 +93,47 @@ def test_the_user_trained_longest_ago_goes_first(make_config, tiny_model_path, t
         assert policies.next_owner(now + 1, idle=False) == (ALICE, True)
         assert policies.next_owner(now + 1, idle=True) == (BOB, False)  # an idle run trains what is ready
         policies.close()
+    finally:
+        store.close()
+
+
+def test_a_users_gate_probes_only_that_users_prompts(tiny_tokenizer, tmp_path):
+    """Another user's prompts neither check (nor steer) a user's adapter, nor land in its gate evidence."""
+    store = Store(tmp_path / "store.sqlite")
+    try:
+        for sample in ALICE_SAMPLES:
+            add_owned_sample(store, tiny_tokenizer, ALICE, *sample)
+        for sample in BOB_SAMPLES:
+            add_owned_sample(store, tiny_tokenizer, BOB, *sample)
+        everyone = {messages[0]["content"] for _, _, messages in store.recent_prompts(8)}
+        alices = {messages[0]["content"] for _, _, messages in OwnerSamples(store, ALICE).recent_prompts(8)}
+        assert everyone == {q for q, _, _ in ALICE_SAMPLES + BOB_SAMPLES}
+        assert alices == {q for q, _, _ in ALICE_SAMPLES}
+        # Corrected prompts: only those trained into the user's own accepted versions.
+        lease_id, samples = store.lease_samples(2, owner=BOB)
+        store.commit_step(lease_id, 1, 1, {}, [s.turn_id for s in samples], owner=BOB)
+        store.record_version(1, 1, "accepted", {}, owner=BOB)
+        assert OwnerSamples(store, ALICE).recent_prompts(8, corrected=True) == []
+        assert [m[0]["content"] for _, _, m in OwnerSamples(store, BOB).recent_prompts(8, corrected=True)] == \
+            ["Name a bird."]  # the -1 one
+    finally:
+        store.close()
+
+
+def test_a_restart_over_users_training_is_refused_unless_resumed_or_fresh(tmp_path):
+    from clawloop.run_folder import RunFolderError, prepare_training_state
+    from clawloop.trainer.versions import save_version
+
+    run_dir = tmp_path / "run"
+    store = Store(run_dir / "store.sqlite")
+    try:
+        save_version(user_dir(run_dir, ALICE), 0, 0, {"w": torch.zeros(2)}, None, lora=True)
+        prepare_training_state(store, run_dir, resume=False, fresh=False)  # only the starting weights: fine
+        save_version(user_dir(run_dir, ALICE), 3, 3, {"w": torch.ones(2)}, None, lora=True)
+        with pytest.raises(RunFolderError, match="1 user"):
+            prepare_training_state(store, run_dir, resume=False, fresh=False)
+        prepare_training_state(store, run_dir, resume=False, fresh=True)
+        (archive,) = (run_dir / "archive").iterdir()
+        assert (archive / "users" / ALICE / "versions" / "v3").is_dir() and not (run_dir / "users").exists()
     finally:
         store.close()
