@@ -13,7 +13,8 @@ policy does and what per-user policies must not.
 Pacing: before each session a user waits until fewer than ``max_lag`` of *its own* answers wait to be judged or
 trained on, so a fast simulated user does not run far ahead of its own training.
 
-Written: ``OUT/summary.json`` and a table (printed, and in ``OUT/table.md``).
+Written: the run folder ``OUT/run`` (store, users' folders), its ``summary.json`` and a table (printed, and in
+``OUT/run/table.md``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from clawloop.api.auth import owner_of
 from clawloop.config import Config
 from clawloop.sim.demo import DEMO_INTERACTIONS, demo_config, wait_for_training
 from clawloop.sim.driver import EvalResult, Simulation, evaluate
+from clawloop.sim.persona_file import PersonaFileError, load_persona_file
 from clawloop.sim.personas import Persona, get_persona
 from clawloop.sim.sessions import session_record, sessions_to_stable_effect, share_after_base
 from clawloop.store import TurnState
@@ -40,8 +42,10 @@ DEFAULT_PERSONAS = ("brief", "inshort")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--personas", default=",".join(DEFAULT_PERSONAS),
-                        help="Comma-separated built-in personas, one simulated user each.")
+    parser.add_argument("--personas", default=None, help="Comma-separated built-in personas, one simulated user "
+                        f"each (default {','.join(DEFAULT_PERSONAS)}, or none when --persona-file is given).")
+    parser.add_argument("--persona-file", action="append", default=[], help="A persona from a TOML or JSON file "
+                        "(clawloop/sim/persona_file.py), one more simulated user; may be given several times.")
     parser.add_argument("--interactions", type=int, default=DEMO_INTERACTIONS, help="Answers per user.")
     parser.add_argument("--max-lag", type=int, default=8, help="A user waits before a session until fewer than "
                         "this many of its own answers wait to be judged or trained on (0 = never waits).")
@@ -166,16 +170,18 @@ def summary_table(summary: dict[str, Any]) -> str:
 
 
 def cmd_eval_users(args: argparse.Namespace, cli_settings: dict[str, Any]) -> int:
-    names = [n.strip() for n in args.personas.split(",") if n.strip()]
-    if len(names) < 2 or len(set(names)) != len(names):
-        print("clawloop eval-users: --personas needs two or more different personas", file=sys.stderr)
-        return 2
+    given = args.personas if args.personas is not None else ("" if args.persona_file else ",".join(DEFAULT_PERSONAS))
     try:
-        personas = [get_persona(n) for n in names]
-    except KeyError as exc:
+        personas = [get_persona(n.strip()) for n in given.split(",") if n.strip()]
+        personas += [load_persona_file(path) for path in args.persona_file]
+    except (KeyError, PersonaFileError) as exc:
         print(f"clawloop eval-users: {exc}", file=sys.stderr)
         return 2
-    keys = [f"sim-{n}-{secrets.token_hex(8)}" for n in names]
+    names = [p.name for p in personas]
+    if len(names) < 2 or len(set(names)) != len(names):
+        print("clawloop eval-users: give two or more different personas (--personas, --persona-file)", file=sys.stderr)
+        return 2
+    keys = [f"sim-{secrets.token_hex(12)}" for _ in names]
     config = demo_config(cli_settings, policy_scope="per_user", api_keys=keys, run_dir=str(Path(args.out) / "run"),
                          port=0)
     run_users(config, personas, seed=config.seed, interactions=args.interactions, max_lag=args.max_lag,
