@@ -670,7 +670,7 @@ class HFEngine:
         assert self._adapters is not None and job.adapter is not None
         name, tensors, scaling = job.adapter
         version = int(job.version) if job.version is not None else self._adapter_versions.get(name, 0) + 1
-        in_use = {seq.slot for batch in self._batches for seq in batch.seqs if seq.slot}
+        in_use = self._slots_in_use()
         slot = f"{name}@{version}"
         self._adapters.load(slot, tensors, scaling, pinned=sorted(in_use))
         for old in self._adapters.loaded:
@@ -682,19 +682,23 @@ class HFEngine:
 
     def _remove_adapter(self, name: str) -> int:
         """Unpublish ``name``: new requests can no longer name it, its kept tensors go, and its slots not used by
-        a running answer are freed (zeroed) now, the others when their slot is next taken. Returns the version
-        it had (0: none)."""
+        a running answer are freed (zeroed) now, the others after the step their last answer finishes in.
+        Returns the version it had (0: none)."""
         assert self._adapters is not None
         version = self._adapter_versions.pop(name, 0)
         self._adapter_sources.pop(name, None)
         self._evict_unpublished()
         return version
 
+    def _slots_in_use(self) -> set[str]:
+        """The adapter slots (``name@version``) of running sequences."""
+        return {seq.slot for batch in self._batches for seq in batch.seqs if seq.slot}
+
     def _evict_unpublished(self) -> None:
         """Free the slots of unpublished adapters that no running answer uses (at removal, and after each step
         until the last answer on one has finished)."""
         assert self._adapters is not None
-        in_use = {seq.slot for batch in self._batches for seq in batch.seqs if seq.slot}
+        in_use = self._slots_in_use()
         stale = [slot for slot in self._adapters.loaded if slot.rpartition("@")[0] not in self._adapter_versions]
         for slot in stale:
             if slot not in in_use:
@@ -709,7 +713,7 @@ class HFEngine:
         missing = sorted(wanted - set(self._adapters.loaded))
         if not missing:
             return
-        in_use = {seq.slot for batch in self._batches for seq in batch.seqs if seq.slot} | wanted
+        in_use = self._slots_in_use() | wanted
         for slot in missing:
             tensors, scaling = self._adapter_sources[slot.rpartition("@")[0]]
             self._adapters.load(slot, tensors, scaling, pinned=sorted(in_use - {slot}))

@@ -157,8 +157,8 @@ def run_users(config: Config, personas: list[Persona], *, seed: int = 0, interac
 
 def summary_table(summary: dict[str, Any]) -> str:
     names = summary["personas"]
-    head = ("| user | score before → after | guard after | " + " | ".join(f"follows {n} (before → after)" for n in names)
-            + " | sessions to stable effect | versions |")
+    columns = " | ".join(f"follows {n} (before → after)" for n in names)
+    head = f"| user | score before → after | guard after | {columns} | sessions to stable effect | versions |"
     lines = [head, "|" + "---|" * (5 + len(names))]
     for name in names:
         b, a = summary["before"][name], summary["after"][name]

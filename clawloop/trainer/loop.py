@@ -107,8 +107,9 @@ class OnlineTrainer:
         self.short_batches = 0
         """Batches leased with fewer samples than ``rollout_batch_size`` (``train_what_is_ready``)."""
         self._leasers: dict[str | None, BatchLeaser] = {}
-        self._next_publish_try = 0.0
         """The shared policy's leaser (key None) or each user's (``_leaser``)."""
+        self._next_publish_try = 0.0
+        """When ``_retry_publications`` may try again (monotonic seconds)."""
 
     # ---- status (read by the API's status/metrics endpoints) ------------------------------------------
     @property
@@ -362,7 +363,7 @@ class OnlineTrainer:
             leaser = self._leaser(None)
             return (leaser, None, *self._lease(leaser))
         now = time.time()
-        chosen = self.policies.next_owner(now, idle=self._idle(now))
+        chosen = self.policies.next_owner(now, idle=lambda: self._idle(now))
         if chosen is None:
             return self._leaser(None), None, "", []
         owner, whole = chosen

@@ -202,16 +202,17 @@ class UserPolicies:
         return {owner: self.activate(owner).resume() for owner in known_users(self.run_dir)}
 
     # ---- scheduling and steps -------------------------------------------------------------------------
-    def next_owner(self, now: float, idle: bool) -> tuple[str, bool] | None:
+    def next_owner(self, now: float, idle: Callable[[], bool]) -> tuple[str, bool] | None:
         """The user whose samples train next and whether a whole batch of theirs is ready (see the module
-        docstring); None when no user's samples may train yet. ``idle``: the run has gone idle."""
+        docstring); None when no user's samples may train yet. ``idle()``: whether the run has gone idle, asked
+        (two store reads) only when a user without a whole batch has not waited ``batch_wait_s``."""
         batch, wait_s = int(self.config.rollout_batch_size), float(self.config.batch_wait_s)
         due: list[tuple[float, str, bool]] = []
         for owner, (count, oldest) in self.store.ready_by_owner().items():
             if not OWNER_NAME.match(owner):
                 continue  # turns without a per-user key have no adapter to train
             whole = count >= batch
-            if whole or idle or (wait_s > 0 and now - oldest >= wait_s):
+            if whole or (wait_s > 0 and now - oldest >= wait_s) or idle():
                 due.append((self.last_trained.get(owner, 0.0), owner, whole))
         if not due:
             return None
@@ -234,8 +235,7 @@ class UserPolicies:
         and records are the forget command's to delete."""
         trainer = self.trainers.pop(owner, None)
         if trainer is not None:
-            trainer.teacher = None  # shared with the other users
-            trainer.close()
+            close_keeping_teacher(trainer)
         self.kept_weights.pop(owner, None)
         self.last_trained.pop(owner, None)
         if self.active == owner:
@@ -263,10 +263,15 @@ class UserPolicies:
 
     def close(self) -> None:
         for trainer in self.trainers.values():
-            trainer.teacher = None  # shared: closed once below
-            trainer.close()
-        if self.teacher is not None:
+            close_keeping_teacher(trainer)
+        if self.teacher is not None:  # shared by every user's trainer: closed once, here
             self.teacher.close()
         self.trainers.clear()
         self.kept_weights.clear()
         self.models = None  # type: ignore[assignment]
+
+
+def close_keeping_teacher(trainer: Trainer) -> None:
+    """Close one user's trainer but not the teacher every user's trainer shares (``UserPolicies.close`` closes it)."""
+    trainer.teacher = None
+    trainer.close()

@@ -86,12 +86,12 @@ def test_the_user_trained_longest_ago_goes_first(make_config, tiny_model_path, t
     try:
         policies = UserPolicies(config, store, engine=None, run_dir=tmp_path / "run", console=None)
         now = time.time()
-        assert policies.next_owner(now, idle=False) == (ALICE, True)  # Bob's one sample waits for its batch...
-        assert policies.next_owner(now + 61, idle=False) == (ALICE, True)  # ...Alice was never trained either
+        assert policies.next_owner(now, idle=lambda: False) == (ALICE, True)  # Bob's one sample waits for its batch...
+        assert policies.next_owner(now + 61, idle=lambda: False) == (ALICE, True)  # ...Alice was never trained either
         policies.last_trained[ALICE] = now
-        assert policies.next_owner(now + 61, idle=False) == (BOB, False)  # ...then Bob, once his sample waited
-        assert policies.next_owner(now + 1, idle=False) == (ALICE, True)
-        assert policies.next_owner(now + 1, idle=True) == (BOB, False)  # an idle run trains what is ready
+        assert policies.next_owner(now + 61, idle=lambda: False) == (BOB, False)  # ...then Bob, once his sample waited
+        assert policies.next_owner(now + 1, idle=lambda: False) == (ALICE, True)
+        assert policies.next_owner(now + 1, idle=lambda: True) == (BOB, False)  # an idle run trains what is ready
         policies.close()
     finally:
         store.close()
