@@ -10,7 +10,8 @@ correction gives a -1 and the rule judge's hint, a good answer +1), the samples 
 runs on them through the trainer everyone uses (``trainer.core.Trainer``: old-policy pass, the frozen base model
 as the hint-conditioned teacher, the objective, the optimizer). Every variant starts from the same weights, seed
 and settings (the demo preset, gate off: this measures what a step does, not what gets served) and differs only
-in the settings it names.
+in the settings it names. A variant with ``context_samples`` set also stores, for each hinted turn, the teacher's
+own answers as context samples, written as the judging pipeline writes them (under the variant's ``opd_target``).
 
 Printed per variant, on the persona's held-out questions (never trained on), before and after the rounds:
 
@@ -18,12 +19,15 @@ Printed per variant, on the persona's held-out questions (never trained on), bef
   (for ``inshort``, "In"), mean over the questions;
 * ``follows``: the share of greedy answers that follow the preference (the persona's checker) and pass the
   degeneracy guard: what the demo's score counts;
-* ``guard``: the share of greedy answers that pass the guard alone.
+* ``guard``: the share of greedy answers that pass the guard alone;
+* ``facts kept``: of the knowledge probes the starting model answers correctly (the publication gate's, greedy,
+  at the gate's token limit), how many it still does; each forgotten one is printed with its answer.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import sys
 import tempfile
@@ -41,6 +45,7 @@ from clawloop.assemble import offline_teacher  # noqa: E402
 from clawloop.engines import model_files  # noqa: E402
 from clawloop.gate.knowledge import KNOWLEDGE, KNOWLEDGE_TOKENS, knows  # noqa: E402
 from clawloop.judge.rules import decide_user  # noqa: E402
+from clawloop.pipeline import context_params, context_sample  # noqa: E402
 from clawloop.sim.demo import demo_config  # noqa: E402
 from clawloop.sim.personas import get_persona  # noqa: E402
 from clawloop.store import SampleRecord, Store, TurnRecord  # noqa: E402
@@ -106,16 +111,29 @@ def heldout(models: TrainModels, tokenizer: Any, persona: Any, first_id: int | N
         follows += verdict.ok
         sound += verdict.sound
     n = len(questions)
-    facts = [knows(tokenizer.decode(answer(models, tokenizer, k.question, temperature=0.0, seed=0,
-                                           max_new_tokens=KNOWLEDGE_TOKENS), skip_special_tokens=True), k.answers)
-             for k in KNOWLEDGE]
+    texts = [tokenizer.decode(answer(models, tokenizer, k.question, temperature=0.0, seed=0,
+                                     max_new_tokens=KNOWLEDGE_TOKENS), skip_special_tokens=True) for k in KNOWLEDGE]
+    facts = [knows(text, k.answers) for text, k in zip(texts, KNOWLEDGE)]
     return {"p_first": sum(p_first) / len(p_first) if p_first else float("nan"), "follows": follows / n,
-            "guard": sound / n, "facts": facts}
+            "guard": sound / n, "facts": facts, "fact_answers": texts}
+
+
+def context_answers(config: Any, teacher: Any, turn: TurnRecord, hints: list[str]) -> list[Any]:
+    """The turn's context answers (``context_samples`` of them, under ``opd_target``), as the judging pipeline
+    writes them."""
+    out = []
+    for i in range(int(config.context_samples)):
+        generated = asyncio.run(teacher.answer(turn, hints[i % len(hints)], context_params(config, turn, i),
+                                               config.opd_target))
+        if generated.token_ids and all(list(generated.token_ids) != c.turn.response_ids for c in out):
+            out.append(context_sample(config, turn, hints, i, i % len(hints), generated))
+    return out
 
 
 def store_round(store: Store, tokenizer: Any, models: TrainModels, persona: Any, questions: list[str],
-                rng: random.Random, round_index: int) -> tuple[int, int]:
-    """Sample, judge and store one batch; returns (answers following the preference, hinted samples)."""
+                rng: random.Random, round_index: int, config: Any = None, teacher: Any = None) -> tuple[int, int]:
+    """Sample, judge and store one batch; returns (answers following the preference, hinted samples). With
+    ``context_samples`` set, a hinted turn also gets the teacher's context answers."""
     good = hinted = 0
     for i, question in enumerate(questions):
         prompt = prompt_ids(tokenizer, question)
@@ -136,7 +154,13 @@ def store_round(store: Store, tokenizer: Any, models: TrainModels, persona: Any,
             hinted += bool(hints)
         store.set_next_state(tid, [{"role": "user", "content": reply}])
         store.claim_judgeable(1)
-        store.put_sample(SampleRecord(turn_id=tid, reward=reward, kind="rl+opd" if hints else "rl", hints=hints))
+        context = []
+        if hints and config is not None and config.context_samples > 0:
+            context = context_answers(config, teacher, store.get_turn(tid), hints)
+            if context and round_index == 0 and i == 0:
+                print(f"    context answer: {context[0].turn.response_text!r}", flush=True)
+        store.put_sample(SampleRecord(turn_id=tid, reward=reward, kind="rl+opd" if hints else "rl", hints=hints),
+                         context)
     return good, hinted
 
 
@@ -157,7 +181,7 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
         store = Store(Path(tmp) / "store.sqlite")
         trainer = Trainer(config, store, LocalVersion(), run_dir=tmp, teacher=in_process(teacher), models=models,
                           console=None)
-        leaser = BatchLeaser(store, args.batch, partial=True)
+        leaser = BatchLeaser(store, args.batch * (1 + int(config.context_samples)), partial=True)
         rng = random.Random(args.seed)
         pool = list(persona.train_questions)
         rng.shuffle(pool)
@@ -165,7 +189,7 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
         good_total = 0
         for r in range(args.rounds):
             questions = [pool[(r * args.batch + i) % len(pool)] for i in range(args.batch)]
-            good, hinted = store_round(store, tokenizer, models, persona, questions, rng, r)
+            good, hinted = store_round(store, tokenizer, models, persona, questions, rng, r, config, teacher)
             good_total += good
             lease_id, leased = leaser.lease()
             metrics = trainer.run_batch(lease_id, leased) or {}
@@ -215,6 +239,11 @@ def main() -> int:
         kept = sum(a["facts"][i] for i in known)
         print(f"{r['name']:<16} {b['p_first']:>8.4f} → {a['p_first']:<8.4f} {b['follows']:>5.2f} → {a['follows']:<5.2f}"
               f" {b['guard']:>5.2f} → {a['guard']:<5.2f} {kept:>5}/{len(known):<5} {r['seconds_per_round']:>8.1f}")
+    for r in results:
+        b, a = r["before"], r["after"]
+        for i, k in enumerate(KNOWLEDGE):
+            if b["facts"][i] and not a["facts"][i]:
+                print(f"  {r['name']} forgot: {k.question} → {a['fact_answers'][i]!r}")
     return 0
 
 

@@ -223,7 +223,8 @@ def assemble(config: Config, *, learning: Learning | None = None, engine: Any = 
         if learning is not None:
             render = chat_render_fn(engine.tokenizer)
             judge = build_judge(config, base_engine=base_engine, render=render)
-            teacher = build_teacher(config, render, policy_engine=engine, base_engine=base_engine)
+            teacher = build_teacher(config, render, policy_engine=engine, base_engine=base_engine,
+                                    tokenizer=engine.tokenizer)
             pipeline = Pipeline(store, config, judge=judge, poll_interval_s=learning.pipeline_poll_s, teacher=teacher,
                                 on_sample=lambda sample: trainer.wake() if trainer is not None else None)
             if trains_here:
@@ -290,11 +291,13 @@ def needs_base_engine(config: Config) -> bool:
 
 
 def build_teacher(config: Config, render: Callable[..., list[int]], *, policy_engine: Any,
-                  base_engine: Any = None) -> Teacher | None:
-    """The teacher of a method with an OPD branch (None otherwise): the frozen base model, or the policy itself."""
+                  base_engine: Any = None, tokenizer: Any = None) -> Teacher | None:
+    """The teacher of a method with an OPD branch (None otherwise): the frozen base model, or the policy itself.
+    ``tokenizer`` gives the ids that end an answer, which a mixed ``opd_target`` reads, and the text of a mixed
+    context answer."""
     if not config.needs_hints:
         return None
-    return Teacher(base_engine if config.teacher == "base" else policy_engine, render, config)
+    return Teacher(base_engine if config.teacher == "base" else policy_engine, render, config, tokenizer=tokenizer)
 
 
 @contextlib.contextmanager
@@ -313,7 +316,8 @@ def offline_teacher(config: Config) -> Iterator[Teacher | None]:
         return
     engine = load_base_engine(config)
     try:
-        yield build_teacher(config, chat_render_fn(engine.tokenizer), policy_engine=None, base_engine=engine)
+        yield build_teacher(config, chat_render_fn(engine.tokenizer), policy_engine=None, base_engine=engine,
+                            tokenizer=engine.tokenizer)
     finally:
         engine.close_sync()
 

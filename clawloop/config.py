@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 # The objective's choices and presets are the losses' own; imported here for validation and re-exported.
 from clawloop.losses.presets import (ADVANTAGE_MODES, HINT_SELECTIONS, METHOD_WEIGHTS, METHODS, OPD_ON_UNHINTED,
-                                     SUBSET_MODES, check_objective, method_weights)
+                                     OPD_TARGETS, SUBSET_MODES, check_objective, method_weights)
 from clawloop.temperature import GREEDY_BELOW
 
 
@@ -216,6 +216,12 @@ class MethodSettings:
                                 "entropy over its top-K plus tail exceeds support_min_entropy).")
     support_min_entropy: float = _f(0.5, "support_positions=entropy: the teacher entropy (nats) a position must "
                                     "exceed.")
+    opd_target: str = _f("hinted", "Which row of the teacher the distillation target follows per response "
+                         "position on hinted turns: hinted (the prompt with the hint, everywhere), end (the hinted "
+                         "row where its most likely token ends the answer, the un-hinted prompt elsewhere), "
+                         "opening_end (also the hinted row at the opening, until both rows' most likely tokens "
+                         "first agree). The mixed targets ask the teacher for one more row per sample "
+                         "(docs/method.md).")
     group_norm: bool = _f(False, "Normalise rewards within a group when it has more than one sample.")
     advantage_mode: str = _f("balanced", "GRPO advantages from a batch's votes: balanced (negatives scaled so "
                              "the batch never pushes down more than it pushes up; an all -1 batch trains no "
@@ -412,6 +418,7 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         choice("advantage_mode", ADVANTAGE_MODES)
+        choice("opd_target", OPD_TARGETS)
         choice("judge_context", JUDGE_CONTEXTS)
         choice("teacher", TEACHERS)
         choice("judge_backend", JUDGE_BACKENDS)

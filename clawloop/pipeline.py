@@ -317,7 +317,8 @@ class Pipeline:
             return []
         teacher = self.teacher
         plan = [(i, i % len(hints)) for i in range(self.context_samples)]
-        calls = [teacher.answer(turn, hints[h], context_params(self.config, turn, i)) for i, h in plan]
+        target = str(self.config.opd_target)
+        calls = [teacher.answer(turn, hints[h], context_params(self.config, turn, i), target) for i, h in plan]
         try:
             answers = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), self.turn_deadline_s)
         except asyncio.TimeoutError:

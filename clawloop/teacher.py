@@ -15,6 +15,12 @@ call covering every candidate of every request (the engine returns the teacher's
 the asked ids from one forward per candidate), all at the temperature the request names (the train-side
 ``train_temperature(config, turn)`` that the trainer also uses for the student).
 
+A request's ``target`` (the trainer's ``opd_target``) other than ``hinted`` adds one more prompt per sample, the
+stored un-hinted one, and each hint candidate's rows are then mixed per position from its own hinted row and that
+un-hinted row (``clawloop.losses.target_mix``); ``hinted_C_T`` records which positions took the hinted row. The
+rule reads the ids that end an answer, from the tokenizer the teacher is given at construction. Under the same
+target, ``Teacher.answer`` writes the answer that mix describes (context distillation, below).
+
 The teacher is scored at training time only, by the trainer (``clawloop.trainer.teacher_client``), so the ids
 are always the old policy's exact top-k. The judging pipeline asks it for one thing only, and only with
 ``context_samples > 0``: ``Teacher.answer``, the teacher's own sampled answer to the hint-augmented request (the
@@ -25,16 +31,23 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
 
 from clawloop.engines.base import Engine, Generation, SamplingParams, ScoreRequest
+from clawloop.engines.model_files import end_token_ids
 from clawloop.temperature import effective_temperature
 from clawloop.judge.prompts import content_text
+from clawloop.losses import OPD_TARGETS, hinted_positions, mix_rows
 from clawloop.store import TurnRecord
 from clawloop.wire import TeacherRequest, TeacherScores
+
+OPENING_TOKENS = 8
+"""The most tokens of the hinted prompt's own answer a mixed answer reads its opening from."""
 
 HINT_PREFIX = "[user's hint / instruction]\n"
 HINT_SEPARATOR = "\n\n"
@@ -75,11 +88,16 @@ def inject_hint(messages: Sequence[dict[str, Any]], hint: str) -> list[dict[str,
 class Teacher:
     """Scores a turn's stored response under hint-augmented prompts with a (normally frozen) engine."""
 
-    def __init__(self, engine: Engine, render: RenderFn, config: Any):
+    def __init__(self, engine: Engine, render: RenderFn, config: Any, *, tokenizer: Any = None):
         self.engine = engine
         self.render = render
         self.config = config
         self.topk = int(config.topk)
+        self.end_ids = torch.tensor(end_token_ids(tokenizer) if tokenizer is not None else [], dtype=torch.int64)
+        """The ids that end an answer (end of turn, end of text), which the mixed targets read; none without a
+        tokenizer, and then a mixed target is refused."""
+        self.decode: Callable[[list[int]], str] | None = (
+            None if tokenizer is None else lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
     # ---- prompts ----------------------------------------------------------------------------------------
     def prompt_ids(self, turn: TurnRecord, hint: str | None) -> list[int]:
@@ -93,12 +111,64 @@ class Teacher:
         return list(self.render(turn.messages, turn.tools)) == list(turn.prompt_ids)
 
     # ---- answering ----------------------------------------------------------------------------------------
-    async def answer(self, turn: TurnRecord, hint: str, params: SamplingParams) -> Generation:
+    async def answer(self, turn: TurnRecord, hint: str, params: SamplingParams, target: str = "hinted"
+                     ) -> Generation:
         """The teacher's own answer to ``turn``'s request with ``hint`` injected, rendered exactly as for
-        scoring. Rendering runs in a worker thread and the engine call is awaited: this coroutine runs on the
-        serving event loop."""
+        scoring; under a mixed ``target``, the answer that target describes (``_mixed_answer``). Rendering runs
+        in a worker thread and the engine calls are awaited: this coroutine runs on the serving event loop."""
         prompt_ids = await asyncio.to_thread(self.prompt_ids, turn, hint)
-        return await self.engine.generate(prompt_ids, params)
+        if target == "hinted":
+            return await self.engine.generate(prompt_ids, params)
+        if target not in OPD_TARGETS:
+            raise ValueError(f"target={target!r} is not one of: {', '.join(OPD_TARGETS)}")
+        if self.end_ids.numel() == 0:
+            raise ValueError(f"target={target!r} needs the ids that end an answer; this teacher has none")
+        return await self._mixed_answer(turn, prompt_ids, params, target)
+
+    async def _mixed_answer(self, turn: TurnRecord, hinted_prompt: list[int], params: SamplingParams,
+                            target: str) -> Generation:
+        """An answer from the hinted prompt's opening, the un-hinted prompt's content and the hinted prompt's
+        stop, sampled with the engine's own calls:
+
+        1. (``opening_end``) the hinted prompt samples up to ``OPENING_TOKENS``; its opening is the tokens before
+           the first one the un-hinted prompt also ranks first (one score call);
+        2. the un-hinted prompt, with the opening already written, samples the rest;
+        3. the hinted prompt scores the whole answer, which is cut at the first position after the opening where
+           its most likely token ends the answer, and ended there with that token.
+        """
+        plain_prompt = list(turn.prompt_ids)
+        temperature = params.temperature if params.temperature > 0 else 1.0
+        ends = {int(i) for i in self.end_ids.tolist()}
+        opening: list[int] = []
+        opening_logprobs: list[float] = []
+        if target == "opening_end":
+            probe = await self.engine.generate(hinted_prompt, replace(params, max_tokens=min(params.max_tokens,
+                                                                                             OPENING_TOKENS)))
+            ids = list(itertools.takewhile(lambda i: i not in ends, probe.token_ids))
+            if ids:
+                (plain,) = await self.engine.score([ScoreRequest(prompt_ids=plain_prompt, response_ids=ids, top_k=1,
+                                                                 temperature=temperature)])
+                plain_top = plain.topk_ids_T_K[:, 0].tolist()
+                agree = next((t for t, i in enumerate(ids) if i == plain_top[t]), len(ids))
+                opening, opening_logprobs = ids[:agree], list(probe.logprobs[:agree])
+        rest = await self.engine.generate(plain_prompt + opening,
+                                          replace(params, max_tokens=max(1, params.max_tokens - len(opening))))
+        ids = opening + list(rest.token_ids)
+        logprobs = opening_logprobs + list(rest.logprobs)
+        finish = rest.finish_reason
+        (hinted,) = await self.engine.score([ScoreRequest(prompt_ids=hinted_prompt, response_ids=ids, top_k=1,
+                                                          temperature=temperature)])
+        hinted_top = hinted.topk_ids_T_K[:, 0].tolist()
+        for t in range(len(opening), len(ids)):
+            if ids[t] in ends:
+                break
+            if hinted_top[t] in ends:
+                ids, logprobs = ids[:t] + [hinted_top[t]], logprobs[:t] + [float(hinted.topk_logprobs_T_K[t, 0])]
+                finish = "stop"
+                break
+        text = self.decode([i for i in ids if i not in ends]) if self.decode is not None else ""
+        return Generation(token_ids=ids, logprobs=logprobs, finish_reason=finish, policy_version=rest.policy_version,
+                          prompt_tokens=len(plain_prompt), text=text)
 
     # ---- scoring ------------------------------------------------------------------------------------------
     async def score(self, requests: Sequence[TeacherRequest]) -> list[TeacherScores]:
@@ -109,35 +179,68 @@ class Teacher:
         out = []
         for request, (first, count, candidates) in zip(requests, spans):
             mine = results[first:first + count]
-            out.append(TeacherScores(
+            scores = TeacherScores(
                 student_ids_T_K=request.student_ids_T_K.to(torch.int64).cpu().contiguous(),
                 teacher_ids_C_T_K=torch.stack([r.topk_ids_T_K.to(torch.int64).cpu() for r in mine]),
                 teacher_logprobs_C_T_K=torch.stack([r.topk_logprobs_T_K.float().cpu() for r in mine]),
                 teacher_at_student_C_T_K=torch.stack([_at_ids(r).float().cpu() for r in mine]),
                 hint_lens_C=torch.tensor([len(h) for h in candidates], dtype=torch.int64),
                 teacher_token_logprobs_C_T=torch.stack([r.logprobs_T.float().cpu() for r in mine]),
-                teacher_version=int(mine[0].policy_version)))
+                teacher_version=int(mine[0].policy_version))
+            out.append(self._mixed(scores, request.target) if _mixes(request) else scores)
         return out
 
     def _score_requests(self, requests: Sequence[TeacherRequest]
                         ) -> tuple[list[ScoreRequest], list[tuple[int, int, list[str]]]]:
-        """The engine's score requests for every candidate of every request, and each request's span of them."""
+        """The engine's score requests for every candidate of every request, and each request's span of them. A
+        request with a mixed target gets one more candidate at the end of its span: the un-hinted prompt."""
         prompts: list[ScoreRequest] = []
         spans: list[tuple[int, int, list[str]]] = []
         for request in requests:
             turn = request.turn
             if not turn.response_ids:
                 raise ValueError("the turn has no response tokens")
+            if request.target not in OPD_TARGETS:
+                raise ValueError(f"target={request.target!r} is not one of: {', '.join(OPD_TARGETS)}")
+            if _mixes(request) and self.end_ids.numel() == 0:
+                raise ValueError(f"target={request.target!r} needs the ids that end an answer; this teacher has none")
             at_ids_T_K = request.student_ids_T_K.to(torch.int64).cpu()
             if at_ids_T_K.dim() != 2 or at_ids_T_K.shape[0] != len(turn.response_ids):
                 raise ValueError(f"student ids of shape {tuple(at_ids_T_K.shape)} do not fit a response of "
                                  f"{len(turn.response_ids)} tokens")
             candidates: list[str] = list(request.hints) if request.hints else [""]
-            spans.append((len(prompts), len(candidates), candidates))
+            scored = candidates + [""] if _mixes(request) else candidates
+            spans.append((len(prompts), len(scored), candidates))
             prompts.extend(ScoreRequest(prompt_ids=self.prompt_ids(turn, h), response_ids=list(turn.response_ids),
                                         top_k=request.teacher_k or self.topk, temperature=float(request.temperature),
-                                        at_ids_T_K=at_ids_T_K) for h in candidates)
+                                        at_ids_T_K=at_ids_T_K) for h in scored)
         return prompts, spans
+
+    def _mixed(self, scores: TeacherScores, target: str) -> TeacherScores:
+        """The hinted candidates' rows mixed per position with the un-hinted row (the last one scored), by the
+        ``target`` rule (``losses.target_mix``)."""
+        ids_C_T_K = scores.teacher_ids_C_T_K
+        hinted = slice(0, ids_C_T_K.shape[0] - 1)
+        use_C_T = hinted_positions(ids_C_T_K[hinted, :, 0], ids_C_T_K[-1, :, 0], self.end_ids, target)
+        assert scores.teacher_token_logprobs_C_T is not None
+        token_C_T = scores.teacher_token_logprobs_C_T
+        return TeacherScores(
+            student_ids_T_K=scores.student_ids_T_K,
+            teacher_ids_C_T_K=mix_rows(ids_C_T_K[hinted], ids_C_T_K[-1], use_C_T),
+            teacher_logprobs_C_T_K=mix_rows(scores.teacher_logprobs_C_T_K[hinted], scores.teacher_logprobs_C_T_K[-1],
+                                            use_C_T),
+            teacher_at_student_C_T_K=mix_rows(scores.teacher_at_student_C_T_K[hinted],
+                                              scores.teacher_at_student_C_T_K[-1], use_C_T),
+            hint_lens_C=scores.hint_lens_C,
+            teacher_token_logprobs_C_T=torch.where(use_C_T, token_C_T[hinted], token_C_T[-1:]),
+            hinted_C_T=use_C_T.to(torch.uint8),
+            teacher_version=scores.teacher_version)
+
+
+def _mixes(request: TeacherRequest) -> bool:
+    """Whether the request's target mixes the hinted rows with the un-hinted one (a hinted request only: the
+    un-hinted anchor has nothing to mix)."""
+    return request.target != "hinted" and bool(request.hints)
 
 
 def _at_ids(result: Any) -> torch.Tensor:

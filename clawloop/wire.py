@@ -59,6 +59,9 @@ class TeacherScores:
     """[T, K] the old policy's log-probs at ``student_ids_T_K`` (record-only, filled by the trainer)."""
     student_token_logprobs_T: torch.Tensor | None = None
     """[T] the old policy's log-probs at the sampled ids (record-only, filled by the trainer)."""
+    hinted_C_T: torch.Tensor | None = None
+    """[C, T] uint8, for a request with a mixed ``target``: 1 where candidate c's row is its hinted prompt's, 0 where
+    it is the un-hinted prompt's (record-only; absent for ``target = "hinted"``)."""
     teacher_version: int = 0
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -101,6 +104,8 @@ class TeacherRequest:
     teacher_k: int = 0
     """K': how many of its own most likely ids per position the teacher returns; 0 = the teacher's ``topk``.
     Above ``topk`` when the objective's teacher-support term reads more teacher ids than the subset's k."""
+    target: str = "hinted"
+    """``opd_target``: which prompt each hinted candidate's rows come from per position (``losses.target_mix``)."""
 
 
 MAX_TEACHER_K = 1024
@@ -123,7 +128,7 @@ def request_to_json(request: TeacherRequest) -> dict[str, Any]:
     return {"turn_id": turn.id, "messages": turn.messages, "tools": turn.tools,
             "prompt_ids": list(turn.prompt_ids), "response_ids": list(turn.response_ids),
             "hints": list(request.hints), "temperature": float(request.temperature),
-            "teacher_k": int(request.teacher_k),
+            "teacher_k": int(request.teacher_k), "target": request.target,
             "student_ids": encode_tensors({"student_ids_T_K": request.student_ids_T_K.to(torch.int64)})}
 
 
@@ -143,8 +148,11 @@ def request_from_json(d: dict[str, Any]) -> TeacherRequest:
     teacher_k = d.get("teacher_k", 0)  # absent from an older trainer's requests
     if isinstance(teacher_k, bool) or not isinstance(teacher_k, int) or not 0 <= teacher_k <= MAX_TEACHER_K:
         raise ValueError(f"'teacher_k' must be an integer in [0, {MAX_TEACHER_K}], got {teacher_k!r}")
+    target = d.get("target", "hinted")  # absent from an older trainer's requests
+    if not isinstance(target, str):
+        raise ValueError(f"'target' must be a string, got {target!r}")
     return TeacherRequest(turn=turn, hints=hints, student_ids_T_K=ids["student_ids_T_K"].to(torch.int64),
-                          temperature=float(d["temperature"]), teacher_k=teacher_k)
+                          temperature=float(d["temperature"]), teacher_k=teacher_k, target=target)
 
 
 def sample_to_json(sample: SampleRecord, turn: TurnRecord) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from clawloop.config import Config, ConfigError
+from clawloop.engines.model_files import end_token_ids
 from clawloop.dashboard.readmodel import RunView
 from clawloop.judge.client import HTTPJudgeClient
 from clawloop.judge.scripted import ScriptedJudgeServer
@@ -59,7 +60,7 @@ def make_config(server, tmp_path, tiny_model_path, **overrides):
 def make_pipeline(store, config, teacher_engine, tokenizer):
     client = HTTPJudgeClient(config.judge_url, "m", timeout_s=config.judge_timeout_s, retries=config.judge_retries,
                              backoff_s=0.01, concurrency=8)
-    teacher = Teacher(teacher_engine, chat_render_fn(tokenizer), config)
+    teacher = Teacher(teacher_engine, chat_render_fn(tokenizer), config, tokenizer=tokenizer)
     return Pipeline(store, config, judge=Judge(client, JudgeSettings.from_config(config)), poll_interval_s=0.1,
                     teacher=teacher)
 
@@ -101,6 +102,22 @@ def test_a_hinted_turn_yields_the_teachers_answers_without_the_hint(tmp_path, ju
     assert all(HINT_PREFIX + HINT_TEXT in tiny_tokenizer.decode(ids) for ids in engine.asked)
     assert sorted(store.get_turn(s.turn_id).response_ids for s in contexts) == sorted(engine.answers)
     assert sum(1 for t in store.turns() if t.sample_kind == CONTEXT_KIND) == 2
+
+
+def test_under_a_mixed_target_the_answer_is_the_unhinted_ones_cut_where_the_hinted_prompt_would_stop(
+        tmp_path, judge_server, tiny_model_path, tiny_engine, tiny_tokenizer):
+    store, _, source, engine = judged_with_context(tmp_path, judge_server, tiny_model_path, tiny_engine,
+                                                   tiny_tokenizer, opd_target="end", context_max_tokens=12)
+    served = store.get_turn(source)
+    contexts = context_samples(store)
+    assert contexts and store.get_sample(source).info["context_answers"] == len(contexts)
+    # Sampled from the un-hinted prompt (the served one); the hinted prompt only scored them.
+    assert engine.asked and all(ids == served.prompt_ids for ids in engine.asked)
+    ends = set(end_token_ids(tiny_tokenizer))
+    for sample in contexts:
+        response = store.get_turn(sample.turn_id).response_ids
+        assert any(response == full or (response[-1] in ends and response[:-1] == full[:len(response) - 1])
+                   for full in engine.answers)
 
 
 def test_unhinted_turns_and_the_default_make_no_context_answers(tmp_path, judge_server, tiny_model_path,

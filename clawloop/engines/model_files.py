@@ -166,6 +166,16 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
+def end_token_ids(tokenizer: Any) -> list[int]:
+    """The ids that end an answer: the tokenizer's end of text and the chat template's end of turn
+    (``<|im_end|>``, where the vocabulary has it)."""
+    ids = {tokenizer.eos_token_id}
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return sorted(i for i in ids if i is not None)
+
+
 # ----------------------------------------------------------------------------------------- default model
 
 

@@ -52,6 +52,7 @@ from typing import Any, ContextManager
 
 import torch
 
+from clawloop.engines.model_files import end_token_ids
 from clawloop.gate.generation import answer_logprobs, greedy_answers, length_buckets
 from clawloop.gate.guard import check as guard_check
 from clawloop.gate.knowledge import KNOWLEDGE_TOKENS, KnowledgeProbe, knows
@@ -454,11 +455,7 @@ class PublicationGate:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _eos_ids(self) -> list[int]:
-        ids = {self.tokenizer.eos_token_id}
-        im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
-            ids.add(im_end)
-        return sorted(i for i in ids if i is not None)
+        return end_token_ids(self.tokenizer)
 
 
 WH_WORDS = frozenset("what why how where when who whom whose which".split())

@@ -19,6 +19,7 @@ One job per module:
 * ``advantages``  group normalisation and the batch shaping of GRPO advantages.
 * ``topk``        top-k targets, overlap, hint selection, the OPD subset, top-k select OPD, the tail KL.
 * ``support``     the teacher-support term: forward KL from the teacher's top-K plus a tail bin to the student.
+* ``target_mix``  which teacher row (hinted or plain) the distillation target follows at each position.
 * ``objective``   ``sample_objective``: one sample's loss and metrics for every method; ``MetricsAccumulator``.
 
 Everything the trainer, the dashboard and the tests use is importable from ``clawloop.losses`` itself.
@@ -31,22 +32,25 @@ from clawloop.losses.logsoftmax import logprobs_and_entropy, logprobs_at
 from clawloop.losses.objective import (MetricsAccumulator, ObjectiveConfig, ObjectiveSample, ObjectiveSettings,
                                        SampleObjective, sample_objective)
 from clawloop.losses.presets import (ADVANTAGE_MODES, HINT_SELECTIONS, METHOD_WEIGHTS, METHODS, OPD_ON_UNHINTED,
-                                     SUBSET_MODES, SUPPORT_METHODS, SUPPORT_POSITIONS, ObjectiveChoices,
-                                     check_objective, method_weights, support_active)
+                                     OPD_TARGETS, SUBSET_MODES, SUPPORT_METHODS, SUPPORT_POSITIONS,
+                                     ObjectiveChoices, check_objective, method_weights, support_active)
 from clawloop.losses.support import (support_metrics, support_positions, support_targets, teacher_entropy,
                                      teacher_support_kl)
+from clawloop.losses.target_mix import hinted_positions, mix_rows
 from clawloop.losses.surrogates import (combine_token_loss, grpo_token_loss, k3_kl, masked_token_mean,
                                         ppo_token_loss, truncated_importance_weights)
 from clawloop.losses.topk import (TopKSubset, TopKTargets, select_hints, tail_kl_metrics, topk_overlap,
                                   topk_select_loss, topk_subset, topk_tail_kl)
 
 __all__ = [
-    "ADVANTAGE_MODES", "HINT_SELECTIONS", "METHODS", "METHOD_WEIGHTS", "OPD_ON_UNHINTED", "SUBSET_MODES",
+    "ADVANTAGE_MODES", "HINT_SELECTIONS", "METHODS", "METHOD_WEIGHTS", "OPD_ON_UNHINTED", "OPD_TARGETS",
+    "SUBSET_MODES",
     "SUPPORT_METHODS", "SUPPORT_POSITIONS", "support_active",
     "MetricsAccumulator", "ObjectiveChoices", "ObjectiveConfig", "ObjectiveSample", "ObjectiveSettings",
     "SampleObjective", "TopKSubset", "TopKTargets", "check_objective", "combine_token_loss",
-    "group_normalized_rewards", "grpo_token_loss", "k3_kl", "logprobs_and_entropy", "logprobs_at",
-    "masked_token_mean", "method_weights", "ppo_token_loss", "sample_objective", "select_hints",
+    "group_normalized_rewards", "grpo_token_loss", "hinted_positions", "k3_kl", "logprobs_and_entropy",
+    "logprobs_at",
+    "masked_token_mean", "method_weights", "mix_rows", "ppo_token_loss", "sample_objective", "select_hints",
     "shape_advantages", "support_metrics", "support_positions", "support_targets", "tail_kl_metrics",
     "teacher_entropy", "teacher_support_kl", "topk_overlap", "topk_select_loss", "topk_subset", "topk_tail_kl",
     "truncated_importance_weights",

@@ -22,6 +22,8 @@ SUBSET_MODES = ("student", "teacher", "overlap")
 OPD_ON_UNHINTED = ("skip", "anchor")
 ADVANTAGE_MODES = ("raw", "baseline", "hinted_opd", "balanced")
 SUPPORT_POSITIONS = ("all", "outside", "entropy")
+# Which row of the teacher the distillation target follows per position (``losses.target_mix``).
+OPD_TARGETS = ("hinted", "end", "opening_end")
 # The methods whose OPD branch is top-k select, the surrogate the teacher-support term is added to.
 SUPPORT_METHODS = ("hybrid", "opd")
 

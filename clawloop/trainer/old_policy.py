@@ -69,6 +69,11 @@ def teacher_width(config: Config) -> int:
     return int(config.topk)
 
 
+def mixed_target(config: Config, item: TrainItem) -> bool:
+    """Whether the teacher mixes this sample's hinted rows with its un-hinted one (``opd_target``)."""
+    return config.opd_target != "hinted" and bool(item.sample.hints)
+
+
 def opd_expected(config: Config, item: TrainItem) -> bool:
     """Whether the sample trains an OPD term this step, as far as known before its loss: it wants one, and its
     teacher scores were had (or may be recorded with it)."""
@@ -101,11 +106,14 @@ def match_rows(new_ids_T_K: torch.Tensor, stored_ids_T_K: torch.Tensor) -> tuple
     return perm_T_K, found_T_K.all(-1)
 
 
-def recorded_at(item: TrainItem, ids_T_K: torch.Tensor, teacher_k: int = 1) -> TeacherScores | None:
-    """The sample's recorded scores re-ordered to ``ids_T_K``, when they were taken at the very same ids and carry
-    at least ``teacher_k`` teacher ids per position."""
+def recorded_at(item: TrainItem, ids_T_K: torch.Tensor, teacher_k: int = 1, *,
+                mixed: bool = False) -> TeacherScores | None:
+    """The sample's recorded scores re-ordered to ``ids_T_K``, when they were taken at the very same ids, carry
+    at least ``teacher_k`` teacher ids per position, and are mixed (``hinted_C_T`` recorded) exactly when
+    ``mixed`` asks for a mixed target."""
     recorded = item.recorded_scores
-    if recorded is None or recorded.teacher_ids_C_T_K.shape[-1] < teacher_k:
+    if recorded is None or recorded.teacher_ids_C_T_K.shape[-1] < teacher_k \
+            or (recorded.hinted_C_T is not None) != mixed:
         return None
     stored_ids_T_K = recorded.student_ids_T_K.to(device=ids_T_K.device, dtype=torch.long)
     if stored_ids_T_K.shape != ids_T_K.shape:
@@ -126,7 +134,7 @@ def student_topk(item: TrainItem, logits_T_V: torch.Tensor, config: Config) -> N
         return
     ids_T_K = logits_T_V.detach().topk(int(config.topk), dim=-1).indices  # same order as the tempered log-softmax
     item.student_ids_T_K = ids_T_K
-    item.scores = recorded_at(item, ids_T_K, teacher_width(config))
+    item.scores = recorded_at(item, ids_T_K, teacher_width(config), mixed=mixed_target(config, item))
     if item.scores is not None:
         item.info["teacher_reused"] = 1.0
 
@@ -283,7 +291,7 @@ def ask(teacher: TeacherClient | None, group: list[TrainItem], config: Config) -
     if items and teacher is not None:
         requests = [TeacherRequest(turn=it.turn, hints=list(it.sample.hints),
                                    student_ids_T_K=it.student_ids_T_K.cpu(), temperature=it.temperature,
-                                   teacher_k=teacher_width(config))
+                                   teacher_k=teacher_width(config), target=config.opd_target)
                     for it in items]
         try:
             future = teacher.submit(requests)
@@ -387,8 +395,13 @@ def fill_reference(models: TrainModels, group: list[TrainItem], runner: Runner) 
 
 def teacher_metrics(items: list[TrainItem]) -> dict[str, float]:
     """How each sample's OPD branch got its teacher scores this step."""
-    return {
+    mixed = [it.scores.hinted_C_T.float().mean() for it in items
+             if it.scores is not None and it.scores.hinted_C_T is not None and it.scores.hinted_C_T.numel()]
+    out = {
         "teacher_asked": float(sum(1 for it in items if it.info.get("teacher_asked"))),
         "teacher_reused": float(sum(1 for it in items if it.info.get("teacher_reused"))),
         "teacher_missing": float(sum(1 for it in items if it.info.get(TEACHER_MISSING))),
     }
+    if mixed:  # the share of positions whose target is the hinted row, over the samples with a mixed target
+        out["teacher_hinted_share"] = float(torch.stack(mixed).mean())
+    return out
