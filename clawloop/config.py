@@ -325,8 +325,14 @@ class GateSettings:
 
     gate: bool = _f(True, "Publication gate: check every candidate version on the probe set (greedy answers to the "
                     "shipped general prompts and the run's recent prompts) before it is served; a failing one is "
-                    "never served and training returns to the last accepted weights (docs/publication-gate.md).")
+                    "never served and training returns to the last accepted weights (see gate_restore_after; "
+                    "docs/publication-gate.md).")
     gate_every: int = _f(1, "Check (and publish) every N optimizer steps; the steps in between are not published.")
+    gate_restore_after: int = _f(1, "Consecutive rejected candidates after which training goes back to the last "
+                                 "accepted weights; before that a rejected candidate is only kept from users and "
+                                 "training goes on from it, so a preference whose way passes through versions that "
+                                 "fail a check can still be reached (docs/publication-gate.md). 1 = back at every "
+                                 "rejection.")
     gate_min_guard_pass: float = _f(0.95, "Smallest share of the probes the reference answers soundly that the "
                                     "candidate must answer soundly too (degeneracy guard): of n such probes, "
                                     "floor((1 - this) x n) may regress, always at least one (one more for a "
@@ -465,6 +471,7 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
             raise ConfigError(f"gate_min_guard_pass={self.gate_min_guard_pass!r} must be in [0, 1]")
         positive("gate_max_kl")
         positive("gate_recent_prompts", 0.0, strict=False)
+        positive("gate_restore_after", 1.0, strict=False)
         positive("gate_fixed_prompts", 0.0, strict=False)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port!r} must be in [0, 65535]")

@@ -75,7 +75,8 @@ def recorded_judge_setup(store: Store) -> dict[str, Any] | None:
 # ---- which weights a step's update ended up in ----------------------------------------------------------------
 def gate_decisions(versions: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every recorded decision about trained weights, ordered by the step it was taken at: a version (its steps
-    are in it), a gate rejection (its steps were thrown away and the last accepted weights restored) and a
+    are in it), a gate rejection that restored the last accepted weights (its steps were thrown away; one after
+    which training went on from the rejected weights decides nothing) and a
     rollback (steps not yet published were thrown away). ``steps`` is the list the record names, when it names
     one (the trainer's gate events do)."""
     named = {e["version"]: e["detail"].get("steps") for e in events
@@ -91,13 +92,19 @@ def gate_decisions(versions: list[dict[str, Any]], events: list[dict[str, Any]])
         if e["kind"] == "gate_accepted" and e["step"] is not None and e["version"] not in recorded:
             out.append({"kind": "version", "step": e["step"], "time": e["created_at"], "version": e["version"],
                         "version_status": "accepted", "steps": detail.get("steps")})
-        elif e["kind"] == "gate_rejected" and e["step"] is not None:
+        elif e["kind"] == "gate_rejected" and e["step"] is not None and not kept_training(detail):
             out.append({"kind": "rejected", "step": e["step"], "time": e["created_at"],
                         "restored_version": detail.get("restored_version", e["version"]), "steps": detail.get("steps")})
         elif e["kind"] == "rollback" and isinstance(detail.get("step"), int):
             out.append({"kind": "rollback", "step": detail["step"], "time": e["created_at"], "to_version": e["version"],
                         "steps": None})
     return sorted(out, key=lambda d: (d["step"], d["time"]))
+
+
+def kept_training(detail: dict[str, Any]) -> bool:
+    """Whether a gate rejection left training going on from the rejected weights (``gate_restore_after`` > 1):
+    its steps are not thrown away, the next decision names them."""
+    return "restored_version" in detail and detail["restored_version"] is None
 
 
 def step_fates(steps: list[dict[str, Any]], versions: list[dict[str, Any]],

@@ -482,8 +482,9 @@ def gate_line(event: dict[str, Any]) -> str:
              f"{event.get('seconds', 0):.0f}s")
     if event.get("kind") == "gate_accepted":
         return f"[gate] {what}: accepted, serving v{event.get('version')} ({facts})"
-    return (f"[gate] {what}: REJECTED ({'; '.join(event.get('reasons', []))}), never served; training back to "
-            f"v{event.get('restored_version')} ({facts})")
+    restored = event.get("restored_version")
+    then = "training goes on from it" if restored is None else f"training back to v{restored}"
+    return f"[gate] {what}: REJECTED ({'; '.join(event.get('reasons', []))}), never served; {then} ({facts})"
 
 
 def gate_summary(config: Config, events: list[dict[str, Any]]) -> dict[str, Any]:

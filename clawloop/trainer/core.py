@@ -11,7 +11,8 @@ Publication (docs/publication-gate.md): every ``gate_every`` steps the publicati
 number from the store (never one used before, across restarts), is written to the version history
 (``trainer.versions``), recorded in the store and published; a rejected one is never served: the trainable
 weights and the optimizer state go back to the last accepted version's, and a ``gate_rejected`` event records the
-evidence. The rejected steps stay committed (their samples were consumed by them; the event names them), so
+evidence (with ``gate_restore_after`` > 1, only once that many candidates in a row were rejected; until then
+training goes on from the rejected weights, which are never served). The rejected steps stay committed (their samples were consumed by them; the event names them), so
 nothing is lost silently and nothing is trained forever. With ``gate`` off every step is published unchecked.
 
 Ordering and crash safety:
@@ -144,6 +145,9 @@ class Trainer:
         self.unchecked_steps: list[int] = []
         self.gate_checks = 0
         self.gate_rejections = 0
+        self.rejections_in_row = 0
+        """Rejected candidates since the last accepted one (or restore): training goes back to the accepted
+        weights when it reaches ``gate_restore_after``. Not kept across a restart, which starts it at 0."""
         self.gate_seconds = 0.0
         self.voided = VoidedUpdates()
         """Samples of updates skipped as non-finite (see ``_void_update``)."""
@@ -422,6 +426,7 @@ class Trainer:
                        "gate_kl": result.kl, "gate_s": result.seconds}
             evidence = result.evidence()
             if result.accepted:
+                self.rejections_in_row = 0
                 published = self._accept(step, evidence, should_stop, candidate,
                                          gathered=self.parallel.gathers_candidate)
                 log.info("trainer: step %d accepted by the publication gate as version %d (%s)", step,
@@ -429,13 +434,21 @@ class Trainer:
                 self._gate_event("gate_accepted", step, self.accepted.version, {"steps": steps, **evidence})
                 return published, metrics
         self.gate_rejections += 1
-        self._restore(self.accepted)
-        self.unchecked_steps = []
+        self.rejections_in_row += 1
+        restore = self.rejections_in_row >= self.config.gate_restore_after
+        if restore:
+            self._restore(self.accepted)
+            self.rejections_in_row = 0
+            self.unchecked_steps = []
+        # else: the steps stay unchecked; the next decision (accepted, or a rejection that restores) names them
         self._gate_event("gate_rejected", step, self.policy_version,
-                         {"steps": steps, "restored_version": self.accepted.version, **evidence})
+                         {"steps": steps, "restored_version": self.accepted.version if restore else None,
+                          **evidence})
+        metrics["gate_restored"] = 1.0 if restore else 0.0
         reasons = result.reasons if result is not None else evidence["reasons"]
-        log.warning("trainer: step %d rejected by the publication gate (%s); back to version %d", step,
-                    "; ".join(reasons), self.accepted.version)
+        then = f"back to version {self.accepted.version}" if restore else \
+            f"training goes on from it ({self.rejections_in_row} rejected in a row)"
+        log.warning("trainer: step %d rejected by the publication gate (%s); %s", step, "; ".join(reasons), then)
         return False, metrics
 
     def rollback(self, version: int) -> dict[str, Any]:
@@ -463,6 +476,7 @@ class Trainer:
             self.gate.forget_accepted()  # the probe verdicts kept for the last accepted version are not this one's
         self.steps_since_check = 0
         self.unchecked_steps = []
+        self.rejections_in_row = 0
         rolled_back = self.parallel.share(lambda: self._source().record_rollback(
             version, previous, {"optimizer": optimizer, "step": self.step}))
         log.warning("trainer: rolled back from version %d to version %d (optimizer %s)", previous, version,
