@@ -42,7 +42,7 @@ from clawloop.engines.base import Engine, Generation, SamplingParams, ScoreReque
 from clawloop.engines.model_files import end_token_ids
 from clawloop.temperature import effective_temperature
 from clawloop.judge.prompts import content_text
-from clawloop.losses import OPD_TARGETS, hinted_positions, mix_rows
+from clawloop.losses import OPD_TARGETS, hinted_positions, mix_rows, mixes
 from clawloop.store import TurnRecord
 from clawloop.wire import TeacherRequest, TeacherScores
 
@@ -238,9 +238,7 @@ class Teacher:
 
 
 def _mixes(request: TeacherRequest) -> bool:
-    """Whether the request's target mixes the hinted rows with the un-hinted one (a hinted request only: the
-    un-hinted anchor has nothing to mix)."""
-    return request.target != "hinted" and bool(request.hints)
+    return mixes(request.target, bool(request.hints))
 
 
 def _at_ids(result: Any) -> torch.Tensor:

@@ -145,7 +145,9 @@ def policy_fates(steps: list[dict[str, Any]], versions: list[dict[str, Any]],
         if later is not None:
             fates[s["step"]] = fate_of_decision(later)
         else:
-            fates[s["step"]] = {"disposition": "unchecked" if "gate_due_in" in s["metrics"] else "unknown"}
+            # Not checked yet, or rejected while training went on from it: the gate's next decision settles it.
+            pending = "gate_due_in" in s["metrics"] or s["metrics"].get("gate_restored") == 0.0
+            fates[s["step"]] = {"disposition": "unchecked" if pending else "unknown"}
     return fates
 
 

@@ -36,7 +36,7 @@ from clawloop.losses.presets import (ADVANTAGE_MODES, HINT_SELECTIONS, METHOD_WE
                                      ObjectiveChoices, check_objective, method_weights, support_active)
 from clawloop.losses.support import (support_metrics, support_positions, support_targets, teacher_entropy,
                                      teacher_support_kl)
-from clawloop.losses.target_mix import hinted_positions, mix_rows
+from clawloop.losses.target_mix import hinted_positions, mix_rows, mixes
 from clawloop.losses.surrogates import (combine_token_loss, grpo_token_loss, k3_kl, masked_token_mean,
                                         ppo_token_loss, truncated_importance_weights)
 from clawloop.losses.topk import (TopKSubset, TopKTargets, select_hints, tail_kl_metrics, topk_overlap,
@@ -50,7 +50,7 @@ __all__ = [
     "SampleObjective", "TopKSubset", "TopKTargets", "check_objective", "combine_token_loss",
     "group_normalized_rewards", "grpo_token_loss", "hinted_positions", "k3_kl", "logprobs_and_entropy",
     "logprobs_at",
-    "masked_token_mean", "method_weights", "mix_rows", "ppo_token_loss", "sample_objective", "select_hints",
+    "masked_token_mean", "method_weights", "mix_rows", "mixes", "ppo_token_loss", "sample_objective", "select_hints",
     "shape_advantages", "support_metrics", "support_positions", "support_targets", "tail_kl_metrics",
     "teacher_entropy", "teacher_support_kl", "topk_overlap", "topk_select_loss", "topk_subset", "topk_tail_kl",
     "truncated_importance_weights",

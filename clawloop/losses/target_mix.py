@@ -31,6 +31,12 @@ import torch
 from clawloop.losses.presets import OPD_TARGETS
 
 
+def mixes(target: str, hinted: bool) -> bool:
+    """Whether ``target`` mixes a sample's rows: a mixed target on a sample with hint candidates (an un-hinted
+    sample's one row is the un-hinted prompt's already)."""
+    return target != "hinted" and hinted
+
+
 def hinted_positions(hinted_top_C_T: torch.Tensor, plain_top_T: torch.Tensor, end_ids: torch.Tensor,
                      target: str) -> torch.Tensor:
     """[C, T] bool: where candidate c's target is its hinted row. ``hinted_top_C_T`` is each candidate's most likely

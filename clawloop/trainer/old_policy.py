@@ -37,7 +37,7 @@ import torch
 
 from clawloop.config import Config
 from clawloop.temperature import effective_temperature
-from clawloop.losses import (TopKTargets, logprobs_at, select_hints, support_active, topk_overlap,
+from clawloop.losses import (TopKTargets, logprobs_at, mixes, select_hints, support_active, topk_overlap,
                              truncated_importance_weights)
 from clawloop.trainer.batch import TrainItem, micro_batches
 from clawloop.trainer.model import TrainModels
@@ -71,7 +71,7 @@ def teacher_width(config: Config) -> int:
 
 def mixed_target(config: Config, item: TrainItem) -> bool:
     """Whether the teacher mixes this sample's hinted rows with its un-hinted one (``opd_target``)."""
-    return config.opd_target != "hinted" and bool(item.sample.hints)
+    return mixes(config.opd_target, bool(item.sample.hints))
 
 
 def opd_expected(config: Config, item: TrainItem) -> bool:

@@ -49,6 +49,8 @@ def test_training_goes_on_from_rejected_candidates_until_the_limit(make_config, 
     assert not _same(kept, accepted)  # training goes on from the rejected weights
     (event,) = store.events("gate_rejected")
     assert event["detail"]["restored_version"] is None and event["detail"]["steps"] == [2]
+    # Its step waits for the next decision, as an unchecked one does.
+    assert step_fates(store.steps(), store.versions(), store.events())[2]["disposition"] == "unchecked"
 
     second = trainer.run_batch(*store.lease_samples(2))
     assert second["gate_accepted"] == 0.0 and second["gate_restored"] == 1.0
