@@ -10,13 +10,18 @@ arguments; call ids and other client decorations are ignored; an answer's text w
 "Rewritten answers" below), so one pass over the messages gives the hash of
 every prefix. Each session is indexed under two keys: the exact one, and one that ignores system messages (so
 an agent whose system prompt changes between turns, e.g. with the date in it, still continues its session);
-the exact key wins at equal length. The index holds two keys per live session, so it is bounded by
-``max_sessions``.
+the exact key wins at equal length. A request that matches no such prefix but starts with a pending turn's own
+request messages, followed by more, continues that session too (the client left the answer out of the history, or
+sent back an answer clawloop did not write: changed by rules clawloop does not know, edited, or from elsewhere).
+The index holds five keys per live session, so it is bounded by ``max_sessions``.
 
 Pairing. A session has at most one *pending* turn: the last stored main turn, awaiting its next state. The
 next main request of the session supplies it, before that request is generated:
 
-1. its messages start with the pending turn's messages + answer: the next state is everything after them;
+1. its messages start with the pending turn's messages + answer: the next state is everything after them. Found
+   by the request messages alone, with no answer after them: everything after them; with another answer after
+   them, the turn is dropped with reason ``answer_changed`` (the user's next message replies to an answer the
+   turn does not hold, so it cannot judge it);
 2. otherwise (the client trimmed or rewrote older history) the answer is searched for, last occurrence first;
    the next state is everything after it;
 3. otherwise, when the messages equal the pending turn's own request, the client asked again for the same
@@ -102,6 +107,7 @@ log = logging.getLogger("clawloop.sessions")
 NO_NEXT_STATE = "no_next_state"
 REGENERATED = "regenerated"
 EMPTY_NEXT_STATE = "empty_next_state"
+ANSWER_CHANGED = "answer_changed"
 
 JudgeableHook = Callable[[int], Any]
 
@@ -148,6 +154,12 @@ def prefix_keys(messages: list[dict[str, Any]]) -> tuple[str, str]:
     return prefix_hashes(messages)[-1], "nosys:" + prefix_hashes(messages, skip_system=True)[-1]
 
 
+def request_keys(messages: list[dict[str, Any]]) -> tuple[str, str]:
+    """Index keys of a turn's request messages alone (its answer came back changed, or not at all)."""
+    exact, loose = prefix_keys(messages)
+    return "request:" + exact, "request:" + loose
+
+
 def answer_key(answer: dict[str, Any]) -> str:
     """Index key of an answer alone (compacted histories keep only the answer of the previous turn)."""
     return "answer:" + prefix_hashes([answer])[-1]
@@ -162,7 +174,7 @@ class Pairing:
     next_state: list[dict[str, Any]] | None
     """The messages after the stored answer; None when the turn must be dropped (see ``drop_reason``)."""
     how: str
-    """prefix, search, fallback, regenerated or empty."""
+    """prefix, request, search, fallback, regenerated or empty."""
     drop_reason: str = ""
 
 
@@ -244,7 +256,7 @@ class TurnContext:
         self.manager = manager
         self.session = session
         self.how = how
-        """How the session was found: explicit, prefix, new, or fork."""
+        """How the session was found: explicit, prefix, request, new, or fork."""
         self.paired_turn_id: int | None = None
         """The session's previous turn, if this request gave it its next state."""
         self._released = False
@@ -420,6 +432,18 @@ class SessionManager:
                     return hit[0], hit[1], k
         return None
 
+    def match_request(self, messages: list[dict[str, Any]], owner: str = "") -> tuple[str, int, int] | None:
+        """Like ``match_prefix``, by the longest prefix that is a pending turn's request, with more after it (the
+        messages consumed are that request's)."""
+        exact = prefix_hashes(messages)
+        loose = prefix_hashes(messages, skip_system=True)
+        for k in range(len(messages) - 1, 0, -1):
+            for key in (exact[k - 1], "nosys:" + loose[k - 1]):
+                hit = self._prefix.get(session_key(owner, "request:" + key))
+                if hit is not None and session_key(owner, hit[0]) in self._sessions:
+                    return hit[0], hit[1], k
+        return None
+
     def match_answer(self, messages: list[dict[str, Any]], owner: str = "") -> tuple[str, int, int] | None:
         """Like ``match_prefix``, by the last assistant message alone (for compacted histories)."""
         k = len(messages)
@@ -448,12 +472,14 @@ class SessionManager:
         """(session, how it was found, messages consumed by a prefix match, the turn that match ended with)."""
         if explicit_id is not None:
             return self._touch(explicit_id, owner), "explicit", None, None
-        hit = self.match_prefix(messages, owner)
+        hit, how = self.match_prefix(messages, owner), "prefix"
         if hit is None and is_compacted_history(messages):
             hit = self.match_answer(messages, owner)
         if hit is None:
+            hit, how = self.match_request(messages, owner), "request"
+        if hit is None:
             return self._touch(new_session_id(), owner), "new", None, None
-        return self._touch(hit[0], owner), "prefix", hit[2], hit[1]
+        return self._touch(hit[0], owner), how, hit[2], hit[1]
 
     async def begin_main(self, explicit_id: str | None, messages: list[dict[str, Any]],
                          owner: str = "") -> TurnContext:
@@ -465,28 +491,31 @@ class SessionManager:
             if session.ended:  # ended while we waited for it: start over with a fresh session
                 self._let_go(session)
                 continue
-            if how == "prefix" and session.last_turn_id != matched_turn:
+            if how in ("prefix", "request") and session.last_turn_id != matched_turn:
                 # Someone continued this session from the same point first: this request branches off.
                 self._let_go(session)
                 session, how, consumed = self._touch(new_session_id(), owner), "fork", None
                 await self._hold(session)
             ctx = TurnContext(self, session, how)
             try:
-                await self._pair(ctx, messages, consumed)
+                await self._pair(ctx, messages, consumed, how)
             except BaseException:
                 ctx.release()
                 raise
             self.stats["main_turns"] += 1
             return ctx
 
-    async def _pair(self, ctx: TurnContext, messages: list[dict[str, Any]], consumed: int | None) -> None:
+    async def _pair(self, ctx: TurnContext, messages: list[dict[str, Any]], consumed: int | None,
+                    how: str) -> None:
         s = ctx.session
         pending = s.pending
         if pending is None:
             return
-        if consumed is not None:
+        if how == "request" and messages[consumed].get("role") == "assistant":
+            pairing = Pairing(None, how, ANSWER_CHANGED)
+        elif consumed is not None:
             rest = messages[consumed:]
-            pairing = Pairing(rest, "prefix") if rest else Pairing(None, "empty", EMPTY_NEXT_STATE)
+            pairing = Pairing(rest, how) if rest else Pairing(None, "empty", EMPTY_NEXT_STATE)
         else:
             pairing = find_next_state(conversation_messages(pending.messages), pending.answer, messages)
         # Store first: when the write fails (disk full) the pending turn stays, and a retry pairs it again.
@@ -524,9 +553,10 @@ class SessionManager:
         self._clear_pending(s)
         s.pending = pending
         self._drop_keys(s)
+        request = conversation_messages(pending.messages)
         s.prefix_keys = tuple(session_key(s.owner, k) for k in
-                              prefix_keys(conversation_messages(pending.messages) + [pending.answer])
-                              + (answer_key(pending.answer),))
+                              prefix_keys(request + [pending.answer]) + (answer_key(pending.answer),)
+                              + request_keys(request))
         for key in s.prefix_keys:
             self._prefix[key] = (s.id, pending.turn_id)
 

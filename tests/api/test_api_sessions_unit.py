@@ -47,6 +47,41 @@ def test_prefix_keys_ignore_call_ids_and_outer_whitespace_but_not_text():
     assert prefix_keys([SYS, U1])[1] == prefix_keys([U1])[1] and prefix_keys([SYS, U1])[0] != prefix_keys([U1])[0]
 
 
+def test_a_client_that_leaves_the_answer_out_or_sends_another_keeps_its_session(tmp_path):
+    """OpenClaw leaves out of the history an answer that was nothing but its timestamp envelope; another client may
+    send back an answer it edited. Either way the conversation stays one session: an answer left out is paired
+    with what follows the request; an answer the user never saw is dropped, never judged by a reply to another."""
+    store = Store(tmp_path / "store.sqlite")
+    dated = {"role": "system", "content": "You are terse. Today is Wednesday."}
+
+    async def scenario():
+        m = SessionManager(store)
+        ctx = await m.begin_main(None, [SYS, U1])
+        t1 = await ctx.commit(_turn([SYS, U1], "[Tue 2026-11-24 10:00 UTC]"))
+        ctx.release()
+        # The answer left out of the history (and the system prompt's date changed).
+        ctx = await m.begin_main(None, [dated, U1, U2])
+        sid = ctx.session_id
+        assert (ctx.how, ctx.paired_turn_id) == ("request", t1) and m.get(sid).turn_index == 1
+        t2 = await ctx.commit(_turn([dated, U1, U2], "5"))
+        ctx.release()
+        # The client shows the user another answer than the one it got: same session, the turn is not judged.
+        edited = {"role": "assistant", "content": "4, sorry."}
+        ctx = await m.begin_main(None, [dated, U1, U2, edited, U1])
+        assert (ctx.session_id, ctx.how, ctx.paired_turn_id) == (sid, "request", None)
+        ctx.release()
+        # A request that only shares the opening with nothing after it opens a new session (a regeneration).
+        ctx = await m.begin_main(None, [SYS])
+        assert ctx.how == "new"
+        ctx.release()
+        return t1, t2, m.stats
+
+    t1, t2, stats = asyncio.run(scenario())
+    assert store.get_turn(t1).state == TurnState.JUDGEABLE and store.get_turn(t1).next_state == [U2]
+    assert (store.get_turn(t2).state, store.get_turn(t2).reason) == (TurnState.DROPPED, "answer_changed")
+    assert stats["pairing_request"] == 2 and stats["turns_stored"] == 2
+
+
 def _turn(messages, answer_text):
     return TurnRecord(session_id="", messages=messages, prompt_ids=[1, 2, 3], response_ids=[7, 8],
                       logprobs=[-0.1, -0.2], temperature=1.0, top_p=1.0, policy_version=0,
