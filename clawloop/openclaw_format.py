@@ -17,7 +17,11 @@ Envelopes, removed before a judge reads a turn and when answers are compared (``
 * an internal-context block (``<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> … <<<END_OPENCLAW_INTERNAL_CONTEXT>>>``:
   active exec sessions, subagents). OpenClaw appends a user message holding only such a block to each request and
   leaves it out of the history it sends next time (``is_ephemeral``, ``conversation_messages``); it escapes these
-  markers inside real user text, so a message that is nothing but one such block is always OpenClaw's own.
+  markers inside real user text, so a message that is nothing but one such block is always OpenClaw's own;
+* an answer retry: when an answer showed the user nothing (empty, ``NO_REPLY``, reasoning only, tool calls with no
+  answer after them), OpenClaw asks again within the same turn with one more user message, without the timestamp
+  envelope (``The previous attempt did not produce a user-visible answer. …``), which its next request leaves out
+  of the history like the block above (``is_ephemeral``; ``asks_again`` tells such a request).
 
 Requests that are not the conversation with the user:
 
@@ -53,6 +57,9 @@ _RUNTIME_RE = re.compile(r"(?m)^[ \t]*Runtime: [\w.-]+=[^\n]*\|[^\n]*$\n?")
 _RUNTIME_SESSION_RE = re.compile(r"(?m)^[ \t]*Runtime: .*?(?:^|[|\s])sessionId=([^\s|]+)")
 # "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> ... <<<END_OPENCLAW_INTERNAL_CONTEXT>>>" (to the end when unclosed).
 _INTERNAL_RE = re.compile(r"<<<BEGIN_([A-Z_]*INTERNAL_CONTEXT)>>>.*?(?:<<<END_\1>>>|\Z)", re.DOTALL)
+# OpenClaw's three wordings of "ask again": after an attempt that showed nothing, after reasoning only, after tool
+# calls with no answer. A person's message starts with the timestamp envelope, so it never matches.
+_ANSWER_RETRY_RE = re.compile(r"The previous (?:assistant turn|attempt)\b[^.]*did not produce a user-visible answer\.")
 
 # The memory-flush prompt is sent as the last user message without the timestamp envelope OpenClaw puts on
 # every message a person typed; it always ends by naming the silent reply token.
@@ -89,12 +96,28 @@ def runtime_session_id(text: str) -> str:
     return match.group(1) if match else ""
 
 
+def is_answer_retry(msg: dict[str, Any]) -> bool:
+    """A user message that is OpenClaw asking again for an answer the user can see."""
+    return msg.get("role") == "user" and _ANSWER_RETRY_RE.match(message_text(msg).strip()) is not None
+
+
 def is_ephemeral(msg: dict[str, Any]) -> bool:
-    """A user message that holds only OpenClaw's internal runtime-context block."""
+    """A user message that holds only OpenClaw's internal runtime-context block, or an answer retry."""
     if msg.get("role") != "user":
         return False
     text = message_text(msg).strip()
-    return text.startswith(INTERNAL_CONTEXT_BEGIN) and text.endswith(INTERNAL_CONTEXT_END)
+    return (text.startswith(INTERNAL_CONTEXT_BEGIN) and text.endswith(INTERNAL_CONTEXT_END)) or is_answer_retry(msg)
+
+
+def asks_again(messages: list[dict[str, Any]]) -> bool:
+    """True when the request is OpenClaw asking again, within one turn, for an answer the user can see: an answer
+    retry among the messages after the last answer."""
+    for msg in reversed(messages):
+        if msg.get("role") == "assistant":
+            return False
+        if is_answer_retry(msg):
+            return True
+    return False
 
 
 def conversation_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

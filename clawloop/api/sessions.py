@@ -21,7 +21,9 @@ next main request of the session supplies it, before that request is generated:
 1. its messages start with the pending turn's messages + answer: the next state is everything after them. Found
    by the request messages alone, with no answer after them: everything after them; with another answer after
    them, the turn is dropped with reason ``answer_changed`` (the user's next message replies to an answer the
-   turn does not hold, so it cannot judge it);
+   turn does not hold, so it cannot judge it). OpenClaw asking again for an answer the user can see
+   (``openclaw_format.asks_again``; its retry message is ephemeral) finds the session by the request alone, and
+   the pending turn is dropped as ``regenerated``;
 2. otherwise (the client trimmed or rewrote older history) the answer is searched for, last occurrence first;
    the next state is everything after it;
 3. otherwise, when the messages equal the pending turn's own request, the client asked again for the same
@@ -99,7 +101,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from clawloop.openclaw_format import conversation_messages, is_compacted_history, strip_text
+from clawloop.openclaw_format import asks_again, conversation_messages, is_compacted_history, strip_text
 from clawloop.store import Store, TurnRecord, TurnState
 
 log = logging.getLogger("clawloop.sessions")
@@ -432,12 +434,14 @@ class SessionManager:
                     return hit[0], hit[1], k
         return None
 
-    def match_request(self, messages: list[dict[str, Any]], owner: str = "") -> tuple[str, int, int] | None:
+    def match_request(self, messages: list[dict[str, Any]], owner: str = "",
+                      whole: bool = False) -> tuple[str, int, int] | None:
         """Like ``match_prefix``, by the longest prefix that is a pending turn's request, with more after it (the
-        messages consumed are that request's)."""
+        messages consumed are that request's); with ``whole`` all of ``messages`` may be that request (a client
+        asking again for the same context)."""
         exact = prefix_hashes(messages)
         loose = prefix_hashes(messages, skip_system=True)
-        for k in range(len(messages) - 1, 0, -1):
+        for k in range(len(messages) - (not whole), 0, -1):
             for key in (exact[k - 1], "nosys:" + loose[k - 1]):
                 hit = self._prefix.get(session_key(owner, "request:" + key))
                 if hit is not None and session_key(owner, hit[0]) in self._sessions:
@@ -467,8 +471,8 @@ class SessionManager:
         self.stats["side_turns"] += 1
         return sid
 
-    def _find_main(self, explicit_id: str | None, messages: list[dict[str, Any]],
-                   owner: str) -> tuple[Session, str, int | None, int | None]:
+    def _find_main(self, explicit_id: str | None, messages: list[dict[str, Any]], owner: str,
+                   again: bool) -> tuple[Session, str, int | None, int | None]:
         """(session, how it was found, messages consumed by a prefix match, the turn that match ended with)."""
         if explicit_id is not None:
             return self._touch(explicit_id, owner), "explicit", None, None
@@ -476,7 +480,7 @@ class SessionManager:
         if hit is None and is_compacted_history(messages):
             hit = self.match_answer(messages, owner)
         if hit is None:
-            hit, how = self.match_request(messages, owner), "request"
+            hit, how = self.match_request(messages, owner, whole=again), "request"
         if hit is None:
             return self._touch(new_session_id(), owner), "new", None, None
         return self._touch(hit[0], owner), how, hit[2], hit[1]
@@ -484,9 +488,10 @@ class SessionManager:
     async def begin_main(self, explicit_id: str | None, messages: list[dict[str, Any]],
                          owner: str = "") -> TurnContext:
         """Find (or open) ``owner``'s session of a main request, lock it, and pair its pending turn."""
+        again = asks_again(messages)
         messages = conversation_messages(messages)
         while True:
-            session, how, consumed, matched_turn = self._find_main(explicit_id, messages, owner)
+            session, how, consumed, matched_turn = self._find_main(explicit_id, messages, owner, again)
             await self._hold(session)
             if session.ended:  # ended while we waited for it: start over with a fresh session
                 self._let_go(session)
@@ -511,7 +516,9 @@ class SessionManager:
         pending = s.pending
         if pending is None:
             return
-        if how == "request" and messages[consumed].get("role") == "assistant":
+        if how == "request" and consumed == len(messages):
+            pairing = Pairing(None, "regenerated", REGENERATED)
+        elif how == "request" and messages[consumed].get("role") == "assistant":
             pairing = Pairing(None, how, ANSWER_CHANGED)
         elif consumed is not None:
             rest = messages[consumed:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from clawloop.api.sessions import SessionManager, find_next_state, prefix_keys
+from clawloop.openclaw_format import is_answer_retry, is_ephemeral
 from clawloop.store import Store, TurnRecord, TurnState
 
 U1 = {"role": "user", "content": "What is 2+2?"}
@@ -80,6 +81,47 @@ def test_a_client_that_leaves_the_answer_out_or_sends_another_keeps_its_session(
     assert store.get_turn(t1).state == TurnState.JUDGEABLE and store.get_turn(t1).next_state == [U2]
     assert (store.get_turn(t2).state, store.get_turn(t2).reason) == (TurnState.DROPPED, "answer_changed")
     assert stats["pairing_request"] == 2 and stats["turns_stored"] == 2
+
+
+RETRY = {"role": "user", "content": "The previous attempt did not produce a user-visible answer. Continue from the "
+                                    "current state and produce the visible answer now. Do not restart from scratch."}
+
+
+def test_openclaw_asking_again_for_a_visible_answer_stays_in_the_session(tmp_path):
+    """An answer that showed the user nothing (here NO_REPLY): OpenClaw asks again within the same turn with one more
+    user message, and its next request holds the second answer only. One session; the unseen answer is dropped as
+    regenerated, the second is paired with the user's next message."""
+    assert is_answer_retry(RETRY) and is_ephemeral(RETRY)
+    for wording in ("The previous assistant turn recorded reasoning but did not produce a user-visible answer. "
+                    "Continue from that partial turn and produce the visible answer now.",
+                    "The previous assistant turn completed its tool calls but did not produce a user-visible answer."):
+        assert is_answer_retry({"role": "user", "content": wording})
+    typed = {"role": "user", "content": "[Mon 2026-11-23 19:50 UTC] " + RETRY["content"]}
+    assert not is_answer_retry(typed) and not is_answer_retry({"role": "assistant", "content": RETRY["content"]})
+    store = Store(tmp_path / "store.sqlite")
+
+    async def scenario():
+        m = SessionManager(store)
+        ctx = await m.begin_main(None, [SYS, U1])
+        t1 = await ctx.commit(_turn([SYS, U1], "NO_REPLY"))
+        ctx.release()
+        ctx = await m.begin_main(None, [SYS, U1, RETRY])
+        sid = ctx.session_id
+        assert (ctx.how, ctx.paired_turn_id) == ("request", None) and m.get(sid).turn_index == 1
+        t2 = await ctx.commit(_turn([SYS, U1, RETRY], "4"))
+        ctx.release()
+        ctx = await m.begin_main(None, [SYS, U1, {"role": "assistant", "content": "4"}, U2])
+        assert (ctx.session_id, ctx.how, ctx.paired_turn_id) == (sid, "prefix", t2)
+        ctx.release()
+        # Without the retry message the same request again is another conversation, not a retry.
+        ctx = await m.begin_main(None, [SYS, U1])
+        assert ctx.how == "new"
+        ctx.release()
+        return t1, t2
+
+    t1, t2 = asyncio.run(scenario())
+    assert (store.get_turn(t1).state, store.get_turn(t1).reason) == (TurnState.DROPPED, "regenerated")
+    assert store.get_turn(t2).next_state == [U2]
 
 
 def _turn(messages, answer_text):
