@@ -10,20 +10,22 @@ arguments; call ids and other client decorations are ignored; an answer's text w
 "Rewritten answers" below), so one pass over the messages gives the hash of
 every prefix. Each session is indexed under two keys: the exact one, and one that ignores system messages (so
 an agent whose system prompt changes between turns, e.g. with the date in it, still continues its session);
-the exact key wins at equal length. A request that matches no such prefix but starts with a pending turn's own
-request messages, followed by more, continues that session too (the client left the answer out of the history, or
-sent back an answer clawloop did not write: changed by rules clawloop does not know, edited, or from elsewhere).
-The index holds five keys per live session, so it is bounded by ``max_sessions``.
+the exact key wins at equal length. A request that matches no such prefix but starts with a pending turn's exact
+request messages followed by a *trimmed echo* of its answer (``is_trimmed_echo``: the same tool calls, and text
+whose words are the stored answer's with some left out, as when OpenClaw removes a ``<think>`` block or a reply
+tag clawloop has no rule for) continues that session too. An answer the client left out, or one with words the
+model never wrote, matches nothing by its request: pairing it would judge an answer by a reply to another, and
+two conversations with the same opening (same system prompt, same first message) would take each other's turns.
+The index holds four keys per live session (three when the request is all ephemeral), so it is bounded by
+``max_sessions``.
 
 Pairing. A session has at most one *pending* turn: the last stored main turn, awaiting its next state. The
 next main request of the session supplies it, before that request is generated:
 
-1. its messages start with the pending turn's messages + answer: the next state is everything after them. Found
-   by the request messages alone, with no answer after them: everything after them; with another answer after
-   them, the turn is dropped with reason ``answer_changed`` (the user's next message replies to an answer the
-   turn does not hold, so it cannot judge it). OpenClaw asking again for an answer the user can see
-   (``openclaw_format.asks_again``; its retry message is ephemeral) finds the session by the request alone, and
-   the pending turn is dropped as ``regenerated``;
+1. its messages start with the pending turn's messages + answer (or its trimmed echo): the next state is
+   everything after them. OpenClaw asking again for an answer the user can see (``openclaw_format.asks_again``;
+   its retry message is ephemeral) finds the session by the pending turn's exact request alone, and the pending
+   turn, which the user never saw, is dropped as ``regenerated``;
 2. otherwise (the client trimmed or rewrote older history) the answer is searched for, last occurrence first;
    the next state is everything after it;
 3. otherwise, when the messages equal the pending turn's own request, the client asked again for the same
@@ -94,6 +96,7 @@ import hashlib
 import inspect
 import json
 import logging
+import re
 import time
 import uuid
 from collections import Counter, OrderedDict, deque
@@ -109,7 +112,6 @@ log = logging.getLogger("clawloop.sessions")
 NO_NEXT_STATE = "no_next_state"
 REGENERATED = "regenerated"
 EMPTY_NEXT_STATE = "empty_next_state"
-ANSWER_CHANGED = "answer_changed"
 
 JudgeableHook = Callable[[int], Any]
 
@@ -156,10 +158,22 @@ def prefix_keys(messages: list[dict[str, Any]]) -> tuple[str, str]:
     return prefix_hashes(messages)[-1], "nosys:" + prefix_hashes(messages, skip_system=True)[-1]
 
 
-def request_keys(messages: list[dict[str, Any]]) -> tuple[str, str]:
-    """Index keys of a turn's request messages alone (its answer came back changed, or not at all)."""
-    exact, loose = prefix_keys(messages)
-    return "request:" + exact, "request:" + loose
+def request_key(messages: list[dict[str, Any]]) -> str:
+    """Index key of a turn's exact request messages alone (its answer came back trimmed, or asked for again)."""
+    return "request:" + prefix_hashes(messages)[-1]
+
+
+def is_trimmed_echo(echo: dict[str, Any], answer: dict[str, Any]) -> bool:
+    """True when ``echo``, an assistant message a client sent back, is ``answer`` with parts left out: the same
+    tool calls, and text (envelopes removed) whose words are some of the answer's, in order, at least one."""
+    if echo.get("role") != "assistant":
+        return False
+    shown, written = canonical_message(echo), canonical_message(answer)
+    if shown.get("t") != written.get("t"):
+        return False
+    kept = re.findall(r"\w+", shown["c"])
+    remaining = iter(re.findall(r"\w+", written["c"]))
+    return bool(kept) and all(word in remaining for word in kept)
 
 
 def answer_key(answer: dict[str, Any]) -> str:
@@ -258,7 +272,8 @@ class TurnContext:
         self.manager = manager
         self.session = session
         self.how = how
-        """How the session was found: explicit, prefix, request, new, or fork."""
+        """How the session was found: explicit, prefix, request (a trimmed echo), again (asked again), new, or
+        fork."""
         self.paired_turn_id: int | None = None
         """The session's previous turn, if this request gave it its next state."""
         self._released = False
@@ -435,17 +450,21 @@ class SessionManager:
         return None
 
     def match_request(self, messages: list[dict[str, Any]], owner: str = "",
-                      whole: bool = False) -> tuple[str, int, int] | None:
-        """Like ``match_prefix``, by the longest prefix that is a pending turn's request, with more after it (the
-        messages consumed are that request's); with ``whole`` all of ``messages`` may be that request (a client
-        asking again for the same context)."""
+                      again: bool = False) -> tuple[str, int, int, str] | None:
+        """Like ``match_prefix``, by the longest prefix that is a pending turn's exact request followed by a
+        trimmed echo of its answer (consumed with it; found ``request``); with ``again`` (the client asks again
+        for the same context) also by ``messages`` that are that request and nothing more (found ``again``)."""
         exact = prefix_hashes(messages)
-        loose = prefix_hashes(messages, skip_system=True)
-        for k in range(len(messages) - (not whole), 0, -1):
-            for key in (exact[k - 1], "nosys:" + loose[k - 1]):
-                hit = self._prefix.get(session_key(owner, "request:" + key))
-                if hit is not None and session_key(owner, hit[0]) in self._sessions:
-                    return hit[0], hit[1], k
+        for k in range(len(messages), 0, -1):
+            hit = self._prefix.get(session_key(owner, "request:" + exact[k - 1]))
+            s = self._sessions.get(session_key(owner, hit[0])) if hit is not None else None
+            if s is None or s.pending is None or s.pending.turn_id != hit[1]:
+                continue
+            if k == len(messages):
+                if again:
+                    return hit[0], hit[1], k, "again"
+            elif is_trimmed_echo(messages[k], s.pending.answer):
+                return hit[0], hit[1], k + 1, "request"
         return None
 
     def match_answer(self, messages: list[dict[str, Any]], owner: str = "") -> tuple[str, int, int] | None:
@@ -480,7 +499,9 @@ class SessionManager:
         if hit is None and is_compacted_history(messages):
             hit = self.match_answer(messages, owner)
         if hit is None:
-            hit, how = self.match_request(messages, owner, whole=again), "request"
+            found = self.match_request(messages, owner, again=again)
+            if found is not None:
+                hit, how = found[:3], found[3]
         if hit is None:
             return self._touch(new_session_id(), owner), "new", None, None
         return self._touch(hit[0], owner), how, hit[2], hit[1]
@@ -496,7 +517,7 @@ class SessionManager:
             if session.ended:  # ended while we waited for it: start over with a fresh session
                 self._let_go(session)
                 continue
-            if how in ("prefix", "request") and session.last_turn_id != matched_turn:
+            if how in ("prefix", "request", "again") and session.last_turn_id != matched_turn:
                 # Someone continued this session from the same point first: this request branches off.
                 self._let_go(session)
                 session, how, consumed = self._touch(new_session_id(), owner), "fork", None
@@ -516,10 +537,8 @@ class SessionManager:
         pending = s.pending
         if pending is None:
             return
-        if how == "request" and consumed == len(messages):
+        if how == "again":
             pairing = Pairing(None, "regenerated", REGENERATED)
-        elif how == "request" and messages[consumed].get("role") == "assistant":
-            pairing = Pairing(None, how, ANSWER_CHANGED)
         elif consumed is not None:
             rest = messages[consumed:]
             pairing = Pairing(rest, how) if rest else Pairing(None, "empty", EMPTY_NEXT_STATE)
@@ -561,9 +580,10 @@ class SessionManager:
         s.pending = pending
         self._drop_keys(s)
         request = conversation_messages(pending.messages)
-        s.prefix_keys = tuple(session_key(s.owner, k) for k in
-                              prefix_keys(request + [pending.answer]) + (answer_key(pending.answer),)
-                              + request_keys(request))
+        keys = prefix_keys(request + [pending.answer]) + (answer_key(pending.answer),)
+        if request:  # a request of ephemeral messages only has no key of its own
+            keys += (request_key(request),)
+        s.prefix_keys = tuple(session_key(s.owner, k) for k in keys)
         for key in s.prefix_keys:
             self._prefix[key] = (s.id, pending.turn_id)
 

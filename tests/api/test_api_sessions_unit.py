@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from clawloop.api.sessions import SessionManager, find_next_state, prefix_keys
+from clawloop.api.sessions import SessionManager, find_next_state, is_trimmed_echo, prefix_keys
 from clawloop.openclaw_format import is_answer_retry, is_ephemeral
 from clawloop.store import Store, TurnRecord, TurnState
 
@@ -48,43 +48,55 @@ def test_prefix_keys_ignore_call_ids_and_outer_whitespace_but_not_text():
     assert prefix_keys([SYS, U1])[1] == prefix_keys([U1])[1] and prefix_keys([SYS, U1])[0] != prefix_keys([U1])[0]
 
 
-def test_a_client_that_leaves_the_answer_out_or_sends_another_keeps_its_session(tmp_path):
-    """OpenClaw leaves out of the history an answer that was nothing but its timestamp envelope; another client may
-    send back an answer it edited. Either way the conversation stays one session: an answer left out is paired
-    with what follows the request; an answer the user never saw is dropped, never judged by a reply to another."""
+RETRY = {"role": "user", "content": "The previous attempt did not produce a user-visible answer. Continue from the "
+                                    "current state and produce the visible answer now. Do not restart from scratch."}
+
+
+def test_an_answer_the_client_sends_back_trimmed_keeps_its_session_and_nothing_else_does(tmp_path):
+    """OpenClaw removes a <think> block or a reply tag from an answer before sending it back, which no envelope rule
+    covers: the conversation stays one session and the turn is paired. An answer with words the model never wrote,
+    or none, continues nothing by its request, so two conversations with the same opening never take each
+    other's turns."""
+    written = "Paris <think>the user wants a city</think> is the capital."
+    trimmed = {"role": "assistant", "content": "Paris  is the capital."}
+    assert is_trimmed_echo(trimmed, {"role": "assistant", "content": written})
+    assert not is_trimmed_echo({"role": "assistant", "content": "Lyon is the capital."},
+                               {"role": "assistant", "content": written})
     store = Store(tmp_path / "store.sqlite")
-    dated = {"role": "system", "content": "You are terse. Today is Wednesday."}
 
     async def scenario():
         m = SessionManager(store)
         ctx = await m.begin_main(None, [SYS, U1])
-        t1 = await ctx.commit(_turn([SYS, U1], "[Tue 2026-11-24 10:00 UTC]"))
+        t1 = await ctx.commit(_turn([SYS, U1], written))
         ctx.release()
-        # The answer left out of the history (and the system prompt's date changed).
-        ctx = await m.begin_main(None, [dated, U1, U2])
         sid = ctx.session_id
-        assert (ctx.how, ctx.paired_turn_id) == ("request", t1) and m.get(sid).turn_index == 1
-        t2 = await ctx.commit(_turn([dated, U1, U2], "5"))
+        ctx = await m.begin_main(None, [SYS, U1, trimmed, U2])
+        assert (ctx.session_id, ctx.how, ctx.paired_turn_id) == (sid, "request", t1)
+        t2 = await ctx.commit(_turn([SYS, U1, trimmed, U2], "Paris."))
         ctx.release()
-        # The client shows the user another answer than the one it got: same session, the turn is not judged.
-        edited = {"role": "assistant", "content": "4, sorry."}
-        ctx = await m.begin_main(None, [dated, U1, U2, edited, U1])
-        assert (ctx.session_id, ctx.how, ctx.paired_turn_id) == (sid, "request", None)
+        # Another conversation with the same opening and its own answer; one leaving the answer out; one whose
+        # system prompt differs: each opens a session of its own, and the pending turn stays pending.
+        for other in ([SYS, U1, trimmed, U2, {"role": "assistant", "content": "Lyon, I think."}, U1],
+                      [SYS, U1, trimmed, U2, U1],
+                      [{"role": "system", "content": "Other agent."}, U1, trimmed, U2,
+                       {"role": "assistant", "content": "Paris"}, U1]):
+            ctx = await m.begin_main(None, other)
+            assert ctx.how == "new" and ctx.paired_turn_id is None, other
+            ctx.release()
+        assert m.pending_turn_id(sid) == t2
+        ctx = await m.begin_main(None, [SYS, U1, trimmed, U2, {"role": "assistant", "content": "Paris"}, U1])
+        assert (ctx.session_id, ctx.how, ctx.paired_turn_id) == (sid, "request", t2)
         ctx.release()
-        # A request that only shares the opening with nothing after it opens a new session (a regeneration).
-        ctx = await m.begin_main(None, [SYS])
-        assert ctx.how == "new"
+        # A request of ephemeral messages only is stored and keyed without a request key of its own.
+        ctx = await m.begin_main(None, [RETRY])
+        await ctx.commit(_turn([RETRY], "Hello."))
         ctx.release()
-        return t1, t2, m.stats
+        return t1, m.stats
 
-    t1, t2, stats = asyncio.run(scenario())
+    t1, stats = asyncio.run(scenario())
     assert store.get_turn(t1).state == TurnState.JUDGEABLE and store.get_turn(t1).next_state == [U2]
-    assert (store.get_turn(t2).state, store.get_turn(t2).reason) == (TurnState.DROPPED, "answer_changed")
-    assert stats["pairing_request"] == 2 and stats["turns_stored"] == 2
-
-
-RETRY = {"role": "user", "content": "The previous attempt did not produce a user-visible answer. Continue from the "
-                                    "current state and produce the visible answer now. Do not restart from scratch."}
+    assert stats["pairing_request"] == 2 and stats["turns_stored"] == 3
+    assert asyncio.run(SessionManager(store).restore()) == 1  # a restart rebuilds the ephemeral-only one
 
 
 def test_openclaw_asking_again_for_a_visible_answer_stays_in_the_session(tmp_path):
@@ -107,7 +119,7 @@ def test_openclaw_asking_again_for_a_visible_answer_stays_in_the_session(tmp_pat
         ctx.release()
         ctx = await m.begin_main(None, [SYS, U1, RETRY])
         sid = ctx.session_id
-        assert (ctx.how, ctx.paired_turn_id) == ("request", None) and m.get(sid).turn_index == 1
+        assert (ctx.how, ctx.paired_turn_id) == ("again", None) and m.get(sid).turn_index == 1
         t2 = await ctx.commit(_turn([SYS, U1, RETRY], "4"))
         ctx.release()
         ctx = await m.begin_main(None, [SYS, U1, {"role": "assistant", "content": "4"}, U2])
