@@ -13,11 +13,12 @@ an agent whose system prompt changes between turns, e.g. with the date in it, st
 the exact key wins at equal length. A request that matches no such prefix but starts with a pending turn's exact
 request messages followed by a *trimmed echo* of its answer (``is_trimmed_echo``: the same tool calls, and text
 whose words are the stored answer's with some left out, as when OpenClaw removes a ``<think>`` block or a reply
-tag clawloop has no rule for) continues that session too. An answer the client left out, or one with words the
-model never wrote, matches nothing by its request: pairing it would judge an answer by a reply to another, and
-two conversations with the same opening (same system prompt, same first message) would take each other's turns.
-The index holds four keys per live session (three when the request is all ephemeral), so it is bounded by
-``max_sessions``.
+tag clawloop has no rule for) continues that session too, unless the echo fits the pending turns of several
+sessions that opened alike: then it continues none. An answer the client left out, or one with words the model
+never wrote, matches nothing by its request: pairing it would judge an answer by a reply to another, and two
+conversations with the same opening (same system prompt, same first message) would take each other's turns.
+The index holds three keys per live session and one request key per pending turn (none for a request of
+ephemeral messages only), so it is bounded by ``max_sessions``.
 
 Pairing. A session has at most one *pending* turn: the last stored main turn, awaiting its next state. The
 next main request of the session supplies it, before that request is generated:
@@ -165,7 +166,8 @@ def request_key(messages: list[dict[str, Any]]) -> str:
 
 def is_trimmed_echo(echo: dict[str, Any], answer: dict[str, Any]) -> bool:
     """True when ``echo``, an assistant message a client sent back, is ``answer`` with parts left out: the same
-    tool calls, and text (envelopes removed) whose words are some of the answer's, in order, at least one."""
+    tool calls, and text (envelopes removed) whose words are some of the answer's, in order: at least one, or at
+    least one tool call."""
     if echo.get("role") != "assistant":
         return False
     shown, written = canonical_message(echo), canonical_message(answer)
@@ -173,7 +175,7 @@ def is_trimmed_echo(echo: dict[str, Any], answer: dict[str, Any]) -> bool:
         return False
     kept = re.findall(r"\w+", shown["c"])
     remaining = iter(re.findall(r"\w+", written["c"]))
-    return bool(kept) and all(word in remaining for word in kept)
+    return bool(kept or shown.get("t")) and all(word in remaining for word in kept)
 
 
 def answer_key(answer: dict[str, Any]) -> str:
@@ -234,6 +236,8 @@ class Session:
     pending: PendingTurn | None = None
     last_turn_id: int | None = None
     prefix_keys: tuple[str, ...] = ()
+    request_key: str = ""
+    """Its pending turn's request key (in its owner's namespace), or "" when it has none."""
     ended: bool = False
     holders: int = 0
     """Requests holding the session's lock or waiting for it (a session nobody holds may be forgotten)."""
@@ -313,6 +317,9 @@ class SessionManager:
         self._live_by_owner: Counter[str] = Counter()
         self._prefix: dict[str, tuple[str, int]] = {}
         """prefix key -> (session id, turn id) of the turn that ended with that answer."""
+        self._requests: dict[str, set[str]] = {}
+        """request key -> the ids of the sessions whose pending turn has that exact request (several when
+        conversations open alike)."""
         self.stats: Counter[str] = Counter()
         self._tasks: set[asyncio.Task] = set()
         self._sweeper: asyncio.Task | None = None
@@ -453,18 +460,20 @@ class SessionManager:
                       again: bool = False) -> tuple[str, int, int, str] | None:
         """Like ``match_prefix``, by the longest prefix that is a pending turn's exact request followed by a
         trimmed echo of its answer (consumed with it; found ``request``); with ``again`` (the client asks again
-        for the same context) also by ``messages`` that are that request and nothing more (found ``again``)."""
+        for the same context) also by ``messages`` that are that request and nothing more (found ``again``).
+        Where several sessions' pending turns fit (conversations that opened alike, a short echo), nothing does:
+        the request opens a session of its own rather than take a turn that may be another conversation's."""
         exact = prefix_hashes(messages)
         for k in range(len(messages), 0, -1):
-            hit = self._prefix.get(session_key(owner, "request:" + exact[k - 1]))
-            s = self._sessions.get(session_key(owner, hit[0])) if hit is not None else None
-            if s is None or s.pending is None or s.pending.turn_id != hit[1]:
-                continue
-            if k == len(messages):
-                if again:
-                    return hit[0], hit[1], k, "again"
-            elif is_trimmed_echo(messages[k], s.pending.answer):
-                return hit[0], hit[1], k + 1, "request"
+            fits = []
+            for sid in self._requests.get(session_key(owner, "request:" + exact[k - 1]), ()):
+                s = self._sessions[session_key(owner, sid)]
+                if k < len(messages) and is_trimmed_echo(messages[k], s.pending.answer):
+                    fits.append((sid, s.pending.turn_id, k + 1, "request"))
+                elif k == len(messages) and again:
+                    fits.append((sid, s.pending.turn_id, k, "again"))
+            if fits:
+                return fits[0] if len(fits) == 1 else None
         return None
 
     def match_answer(self, messages: list[dict[str, Any]], owner: str = "") -> tuple[str, int, int] | None:
@@ -580,10 +589,11 @@ class SessionManager:
         s.pending = pending
         self._drop_keys(s)
         request = conversation_messages(pending.messages)
-        keys = prefix_keys(request + [pending.answer]) + (answer_key(pending.answer),)
+        s.prefix_keys = tuple(session_key(s.owner, k) for k in
+                              prefix_keys(request + [pending.answer]) + (answer_key(pending.answer),))
         if request:  # a request of ephemeral messages only has no key of its own
-            keys += (request_key(request),)
-        s.prefix_keys = tuple(session_key(s.owner, k) for k in keys)
+            s.request_key = session_key(s.owner, request_key(request))
+            self._requests.setdefault(s.request_key, set()).add(s.id)
         for key in s.prefix_keys:
             self._prefix[key] = (s.id, pending.turn_id)
 
@@ -592,11 +602,22 @@ class SessionManager:
             if self._prefix.get(key, ("",))[0] == s.id:
                 del self._prefix[key]
         s.prefix_keys = ()
+        self._drop_request_key(s)
+
+    def _drop_request_key(self, s: Session) -> None:
+        sessions = self._requests.get(s.request_key)
+        if sessions is not None:
+            sessions.discard(s.id)
+            if not sessions:
+                del self._requests[s.request_key]
+        s.request_key = ""
 
     def _clear_pending(self, s: Session) -> None:
-        # The prefix key stays while the session lives (a retried continuation still finds the session); the
-        # next commit replaces it and ending the session removes it.
+        # The prefix keys stay while the session lives (a retried continuation still finds the session by its
+        # prefix); the next commit replaces them and ending the session removes them. The request key goes with
+        # the pending turn: it only ever leads to a pending turn.
         s.pending = None
+        self._drop_request_key(s)
 
     async def _commit(self, s: Session, turn: TurnRecord) -> int:
         turn.session_id = s.id

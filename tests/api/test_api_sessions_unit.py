@@ -87,6 +87,31 @@ def test_an_answer_the_client_sends_back_trimmed_keeps_its_session_and_nothing_e
         ctx = await m.begin_main(None, [SYS, U1, trimmed, U2, {"role": "assistant", "content": "Paris"}, U1])
         assert (ctx.session_id, ctx.how, ctx.paired_turn_id) == (sid, "request", t2)
         ctx.release()
+        # Two conversations that opened alike, each answered: an echo that fits both answers continues neither,
+        # one that fits only its own continues its own, and a tool call echoed without its reasoning text too.
+        hello = [SYS, {"role": "user", "content": "Hi"}]
+        call = {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}
+        answers = ["<think>greet</think> Hello! How can I help you today?", "Hi there! How can I help you today?"]
+        ids = []
+        for text in answers:
+            ctx = await m.begin_main(None, hello)
+            await ctx.commit(_turn(hello, text))
+            ctx.release()
+            ids.append(ctx.session_id)
+        short = {"role": "assistant", "content": "Hello! How can I help you today?"}
+        ctx = await m.begin_main(None, hello + [{"role": "assistant", "content": "How can I help you today?"}, U1])
+        assert ctx.how == "new"
+        ctx.release()
+        ctx = await m.begin_main(None, hello + [short, U1])
+        assert (ctx.session_id, ctx.how) == (ids[0], "request")
+        calling = _turn(hello + [short, U1], "<think>look</think>")
+        calling.assistant_message["tool_calls"] = [call]
+        await ctx.commit(calling)
+        ctx.release()
+        echo = {"role": "assistant", "content": "", "tool_calls": [dict(call, id="other")]}
+        ctx = await m.begin_main(None, hello + [short, U1, echo, {"role": "tool", "content": "a.txt"}])
+        assert (ctx.session_id, ctx.how) == (ids[0], "request")
+        ctx.release()
         # A request of ephemeral messages only is stored and keyed without a request key of its own.
         ctx = await m.begin_main(None, [RETRY])
         await ctx.commit(_turn([RETRY], "Hello."))
@@ -95,8 +120,8 @@ def test_an_answer_the_client_sends_back_trimmed_keeps_its_session_and_nothing_e
 
     t1, stats = asyncio.run(scenario())
     assert store.get_turn(t1).state == TurnState.JUDGEABLE and store.get_turn(t1).next_state == [U2]
-    assert stats["pairing_request"] == 2 and stats["turns_stored"] == 3
-    assert asyncio.run(SessionManager(store).restore()) == 1  # a restart rebuilds the ephemeral-only one
+    assert stats["pairing_request"] == 4 and stats["turns_stored"] == 6
+    assert asyncio.run(SessionManager(store).restore()) == 2  # the second greeting and the ephemeral-only one
 
 
 def test_openclaw_asking_again_for_a_visible_answer_stays_in_the_session(tmp_path):
