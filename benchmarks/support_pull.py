@@ -21,13 +21,19 @@ Printed per variant, on the persona's held-out questions (never trained on), bef
   degeneracy guard: what the demo's score counts;
 * ``guard``: the share of greedy answers that pass the guard alone;
 * ``facts kept``: of the knowledge probes the starting model answers correctly (the publication gate's, greedy,
-  at the gate's token limit), how many it still does; each forgotten one is printed with its answer.
+  at the gate's token limit), how many it still does; each forgotten one is printed with its answer;
+* the share of 8 answers per knowledge probe, sampled at the serving temperature (0.6, the same seed before and
+  after), that state the fact, overall and per probe (before>after), which is what users are served.
+
+``--scales 0.3 0.5`` also scores each variant with its LoRA update multiplied by those factors (weight-space
+interpolation toward the starting weights): how much of a preference and of the facts a smaller move keeps.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import sys
 import tempfile
@@ -96,6 +102,21 @@ def answer(models: TrainModels, tokenizer: Any, question: str, *, temperature: f
     return out[0, ids.shape[1]:].tolist()
 
 
+SAMPLED_FACT_ANSWERS = 8
+
+
+def sampled_knows(models: TrainModels, tokenizer: Any, probe: Any) -> float:
+    """Share of ``SAMPLED_FACT_ANSWERS`` answers sampled at the serving temperature (0.6) that state the fact."""
+    ids = torch.tensor([prompt_ids(tokenizer, probe.question)]).repeat(SAMPLED_FACT_ANSWERS, 1)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = models.policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=KNOWLEDGE_TOKENS, do_sample=True, temperature=0.6, top_p=1.0,
+                                     use_cache=True, pad_token_id=tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+    return sum(knows(t, probe.answers) for t in texts) / len(texts)
+
+
 def heldout(models: TrainModels, tokenizer: Any, persona: Any, first_id: int | None) -> dict[str, float]:
     p_first, follows, sound = [], 0, 0
     questions = persona.heldout_questions
@@ -114,7 +135,8 @@ def heldout(models: TrainModels, tokenizer: Any, persona: Any, first_id: int | N
     texts = [tokenizer.decode(answer(models, tokenizer, k.question, temperature=0.0, seed=0,
                                      max_new_tokens=KNOWLEDGE_TOKENS), skip_special_tokens=True) for k in KNOWLEDGE]
     facts = [knows(text, k.answers) for text, k in zip(texts, KNOWLEDGE)]
-    return {"p_first": sum(p_first) / len(p_first) if p_first else float("nan"), "follows": follows / n,
+    sampled = [sampled_knows(models, tokenizer, k) for k in KNOWLEDGE]
+    return {"sampled_facts": sampled, "p_first": sum(p_first) / len(p_first) if p_first else float("nan"), "follows": follows / n,
             "guard": sound / n, "facts": facts, "fact_answers": texts}
 
 
@@ -164,6 +186,20 @@ def store_round(store: Store, tokenizer: Any, models: TrainModels, persona: Any,
     return good, hinted
 
 
+@contextlib.contextmanager
+def adapter_scaled(policy: Any, scale: float) -> Any:
+    """The policy with every LoRA update multiplied by ``scale`` (0 = the starting weights, 1 = as trained)."""
+    layers = [m for m in policy.modules() if isinstance(getattr(m, "scaling", None), dict)]
+    saved = [dict(m.scaling) for m in layers]
+    for m in layers:
+        m.scaling = {k: v * scale for k, v in m.scaling.items()}
+    try:
+        yield policy
+    finally:
+        for m, s in zip(layers, saved):
+            m.scaling = s
+
+
 def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, persona: Any, tokenizer: Any,
                 teacher: Any, out: Any, before: dict[str, Any]) -> dict[str, Any]:
     """One variant's rounds from the starting weights; ``before`` is their held-out scores (the same for every
@@ -199,10 +235,14 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
                 f"{hinted} hinted; {terms}")
         step_s = (time.perf_counter() - started) / max(1, args.rounds)
         after = heldout(models, tokenizer, persona, first_id)
+        scaled = {}
+        for scale in args.scales:
+            with adapter_scaled(models.policy, scale):
+                scaled[scale] = heldout(models, tokenizer, persona, first_id)
         trainer.close()
         store.close()
     return {"name": name, "settings": settings, "before": dict(before), "after": after, "sampled_followed": good_total,
-            "seconds_per_round": step_s}
+            "seconds_per_round": step_s, "scaled": scaled}
 
 
 def main() -> int:
@@ -215,6 +255,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variant", action="append", default=[],
                         help="name:key=value,... (settings on top of the demo preset); repeatable.")
+    parser.add_argument("--scales", type=float, nargs="*", default=[],
+                        help="Also score each variant with its LoRA update scaled by these factors (weight-space "
+                             "interpolation toward the starting weights).")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     variants = [parse_variant(v) for v in (args.variant or ["select-only:support_coef=0",
@@ -239,6 +282,14 @@ def main() -> int:
         kept = sum(a["facts"][i] for i in known)
         print(f"{r['name']:<16} {b['p_first']:>8.4f} → {a['p_first']:<8.4f} {b['follows']:>5.2f} → {a['follows']:<5.2f}"
               f" {b['guard']:>5.2f} → {a['guard']:<5.2f} {kept:>5}/{len(known):<5} {r['seconds_per_round']:>8.1f}")
+        print(f"{'':<16} sampled fact rate {sum(b['sampled_facts']) / len(KNOWLEDGE):.2f} → "
+              f"{sum(a['sampled_facts']) / len(KNOWLEDGE):.2f}; per fact "
+              + " ".join(f"{x:.2f}>{y:.2f}" for x, y in zip(b['sampled_facts'], a['sampled_facts'])))
+        for scale, sa in r["scaled"].items():
+            kept_s = sum(sa["facts"][i] for i in known)
+            print(f"{'  × ' + format(scale, 'g'):<16} {b['p_first']:>8.4f} → {sa['p_first']:<8.4f} "
+                  f"{b['follows']:>5.2f} → {sa['follows']:<5.2f} {b['guard']:>5.2f} → {sa['guard']:<5.2f} "
+                  f"{kept_s:>5}/{len(known):<5}")
     for r in results:
         b, a = r["before"], r["after"]
         for i, k in enumerate(KNOWLEDGE):

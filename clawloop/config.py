@@ -350,6 +350,15 @@ class GateSettings:
                                  "sessions: an earlier fix the last accepted version kept must stay fixed; 0 = none.")
     gate_knowledge: bool = _f(True, "Ask the shipped knowledge probes (clawloop/gate/knowledge.py: facts and sums with "
                               "known answers): a candidate that forgets facts the reference knew is rejected.")
+    gate_knowledge_samples: int = _f(8, "Answers sampled per knowledge probe at default_temperature (what users are "
+                                     "served), drawn with the same uniforms for the reference and the candidate: a "
+                                     "fact counts when the reference states it in at least half of its answers and "
+                                     "is forgotten when the candidate states it in at most a quarter as many; 0 = "
+                                     "one greedy answer per probe, as for the guard probes (a small model's greedy "
+                                     "answer to a fact it states in half its answers flips at the slightest change; "
+                                     "docs/publication-gate.md). Greedy too when default_temperature is 0.")
+    gate_max_fact_drop: float = _f(0.1, "Largest share by which the candidate's sampled knowledge answers may state "
+                                   "their facts less often than the reference's, over all facts asked.")
 
 
 # The sections in reverse reading order: a dataclass collects its bases' fields from the last base to the first,
@@ -473,6 +482,9 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
         positive("gate_recent_prompts", 0.0, strict=False)
         positive("gate_restore_after", 1.0, strict=False)
         positive("gate_fixed_prompts", 0.0, strict=False)
+        positive("gate_knowledge_samples", 0.0, strict=False)
+        if not 0.0 <= self.gate_max_fact_drop <= 1.0:
+            raise ConfigError(f"gate_max_fact_drop={self.gate_max_fact_drop!r} must be in [0, 1]")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port!r} must be in [0, 65535]")
         if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):

@@ -15,13 +15,19 @@ A check:
 2. has the reference answer each probe once, the first time it appears, and keeps its verdict;
 3. finds the candidate's greedy answer to each probe (``probe_tokens`` at most, ``knowledge_tokens`` for the
    knowledge probes; probes of similar length batched together whatever their cap, ``length_buckets``, each row
-   leaving the batch when its answer ends);
+   leaving the batch when its answer ends); with ``knowledge_samples`` set, each knowledge probe instead gets that
+   many answers sampled at the serving temperature, drawn with the same uniforms as the reference's
+   (``sampling_uniforms``), since users are served sampled answers and a small model's greedy answer to a fact
+   it states in half its answers flips at the slightest change;
 4. runs the degeneracy guard on every answer: the text rules everywhere (empty, symbol soup, loops, low
    diversity) and, where the question is known (the shipped probes, and a recent prompt whose last user message
    ends in a wh-question, ``question_of``),
    the question rules too (the answer must mention the question's topic and must not merely echo it: "A tree
    is a tree is a tree." and "The answer is:" are early signs of collapse that the text rules miss). A knowledge
-   probe's answer must also contain one of its right answers. A probe counts against the candidate when the
+   probe's answer must also contain one of its right answers; sampled, the fact is forgotten when the candidate
+   states it in at most a quarter as many answers as the reference (``forgot_sampled``), it counts where the
+   reference stated it in at least half, and over all facts the candidate's answers may state them at most
+   ``max_fact_drop`` less often than the reference's. A probe counts against the candidate when the
    reference or the last accepted version answered it soundly (the last accepted version's verdicts are recorded
    by the check that accepted it; before any, the reference's stand for them). ``guard_pass`` = candidate-sound
    / counted; the candidate fails when more of the counted probes regress than ``tolerated_regressions`` allows
@@ -53,7 +59,7 @@ from typing import Any, ContextManager
 import torch
 
 from clawloop.engines.model_files import end_token_ids
-from clawloop.gate.generation import answer_logprobs, greedy_answers, length_buckets
+from clawloop.gate.generation import answer_logprobs, greedy_answers, length_buckets, sampling_uniforms
 from clawloop.gate.guard import check as guard_check
 from clawloop.gate.knowledge import KNOWLEDGE_TOKENS, KnowledgeProbe, knows
 from clawloop.gate.probes import PROBES
@@ -88,10 +94,21 @@ class ProbeOutcome:
     gate started (the reference's verdict then stands for it)."""
     accepted_answer: str | None = None
     """The last accepted version's answer, for the evidence."""
+    samples: int = 0
+    """A knowledge probe answered by sampling: how many answers each model gave (0: one greedy answer)."""
+    right: int | None = None
+    """Sampled knowledge probe: how many of the candidate's answers state the fact (``answer`` shows one that does
+    not, if any)."""
+    reference_right: int | None = None
+    """Sampled knowledge probe: how many of the reference's answers, drawn with the same uniforms, state it."""
 
     @property
     def counted(self) -> bool:
-        """Whether the candidate's verdict counts: the reference or the last accepted version answered soundly."""
+        """Whether the candidate's verdict counts: the reference or the last accepted version answered soundly (a
+        sampled knowledge probe: the reference stated the fact in at least half of its answers; the last accepted
+        version's count, itself a draw, does not raise the bar)."""
+        if self.samples:
+            return self.reference_ok
         return self.reference_ok or bool(self.accepted_ok)
 
     @property
@@ -116,7 +133,12 @@ class GateResult:
     knowledge_counted: int = 0
     """Knowledge probes the reference (or the last accepted version) answers rightly."""
     forgotten: int = 0
-    """Counted knowledge probes whose fact the candidate's answer lacks (or that it answers unsoundly)."""
+    """Counted knowledge probes whose fact the candidate's answer lacks (or that it answers unsoundly); sampled:
+    whose fact it states in at most a quarter as many answers as the reference."""
+    facts_right: int = 0
+    """Sampled knowledge probes: the candidate's answers that state their fact, over every probe asked."""
+    facts_reference_right: int = 0
+    """The same count for the reference's answers."""
     broken_fixes: int = 0
     """Corrected prompts the last accepted version answered soundly and the candidate does not."""
     unanswered: int = 0
@@ -125,14 +147,17 @@ class GateResult:
 
     def summary(self) -> str:
         verdict = "accepted" if self.accepted else "rejected (" + "; ".join(self.reasons) + ")"
+        delivered = (f" (stated in {self.facts_right} sampled answers, the reference's {self.facts_reference_right})"
+                     if self.facts_reference_right else "")
         return (f"{verdict}: guard {self.guard_pass:.2f} ({self.regressions} of {self.counted} regressed), "
-                f"{self.forgotten} of {self.knowledge_counted} facts forgotten, KL {self.kl:.2f} nats/token, "
-                f"{self.seconds:.1f}s")
+                f"{self.forgotten} of {self.knowledge_counted} facts forgotten{delivered}, KL {self.kl:.2f} "
+                f"nats/token, {self.seconds:.1f}s")
 
     def evidence(self) -> dict[str, Any]:
         return {"accepted": self.accepted, "reasons": list(self.reasons), "guard_pass": self.guard_pass,
                 "counted": self.counted, "regressions": self.regressions,
                 "knowledge_counted": self.knowledge_counted, "forgotten": self.forgotten,
+                "facts_right": self.facts_right, "facts_reference_right": self.facts_reference_right,
                 "broken_fixes": self.broken_fixes, "unanswered": self.unanswered,
                 "kl": self.kl, "kl_to": self.kl_to, "seconds": round(self.seconds, 3),
                 "thresholds": dict(self.thresholds), "probes": [asdict(p) for p in self.probes]}
@@ -152,6 +177,20 @@ class Decision:
     forgotten: int = 0
     tolerated_forgotten: int = 0
     broken_fixes: int = 0
+    facts_right: int = 0
+    facts_reference_right: int = 0
+
+
+MAX_FACT_DROP = 0.1
+"""Largest share by which the sampled answers stating their fact may fall below the reference's (``decide``)."""
+
+
+def forgot_sampled(right: int, reference_right: int) -> bool:
+    """A sampled knowledge probe's fact is forgotten when the candidate states it in at most a quarter as many of
+    its answers as the reference did with the same uniforms (8 of 8 → 2 or fewer; 4 of 8 → 1 or fewer): a drop that
+    large is rare by chance where the reference states the fact in at least half of its answers (the probe counts
+    only then), while a candidate steered off the fact states it in none."""
+    return right <= reference_right // 4
 
 
 NEAR_IDENTICAL_KL = 1e-3
@@ -172,7 +211,8 @@ def tolerated_regressions(counted: int, min_guard_pass: float, *, near_identical
     return max(share, 1) + (1 if near_identical else 0)
 
 
-def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float, max_kl: float) -> Decision:
+def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float, max_kl: float,
+           max_fact_drop: float = MAX_FACT_DROP) -> Decision:
     """Accept or reject on the probe outcomes and the mean KL. Rejected when
 
     * more counted guard probes regress than ``tolerated_regressions`` allows: a probe counts when the reference or
@@ -181,6 +221,8 @@ def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float
       accepted version yet;
     * more counted knowledge probes are forgotten than the same rule allows for their own number (a separate count,
       so adding facts does not loosen the guard's allowance);
+    * over the sampled knowledge probes asked, the candidate's answers state their facts more than ``max_fact_drop``
+      less often than the reference's (each fact a little less known is as much a loss as one fact gone);
     * a corrected prompt that the last accepted version answered soundly is not answered soundly any more (an
       earlier fix broken; none tolerated, except by a near-identical candidate, whose failures are near-ties);
     * the KL is above ``max_kl`` (or not a number)."""
@@ -193,6 +235,9 @@ def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float
     forgotten = [o for o in facts if not o.ok]
     tolerated_facts = tolerated_regressions(len(facts), min_guard_pass, near_identical=near_identical)
     broken = [o for o in guard if o.source.startswith("fixed:") and o.accepted_ok and not o.ok]
+    sampled = [o for o in outcomes if o.source == "knowledge" and o.samples and o.reference_right]
+    facts_right = sum(int(o.right or 0) for o in sampled)
+    facts_reference_right = sum(int(o.reference_right or 0) for o in sampled)
     reasons = []
     if len(regressed) > tolerated:
         failed = sorted({r for o in regressed for r in o.reasons})
@@ -201,13 +246,17 @@ def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float
     if len(forgotten) > tolerated_facts:
         reasons.append(f"{len(forgotten)} of {len(facts)} known facts forgotten, {tolerated_facts} tolerated ("
                        + "; ".join(o.prompt for o in forgotten) + ")")
+    if facts_right < (1.0 - max_fact_drop) * facts_reference_right - 1e-9:
+        reasons.append(f"facts stated in {facts_right} of the sampled answers, the reference's in "
+                       f"{facts_reference_right}: more than {max_fact_drop:.0%} fewer")
     if broken and not near_identical:
         reasons.append(f"{len(broken)} earlier fix(es) broken (" + "; ".join(o.prompt for o in broken) + ")")
     if not kl <= max_kl:  # also rejects a NaN
         reasons.append(f"KL {kl:.2f} > {max_kl:.2f} nats/token")
     return Decision(accepted=not reasons, reasons=reasons, guard_pass=guard_pass, counted=len(guard),
                     regressions=len(regressed), tolerated=tolerated, knowledge_counted=len(facts),
-                    forgotten=len(forgotten), tolerated_forgotten=tolerated_facts, broken_fixes=len(broken))
+                    forgotten=len(forgotten), tolerated_forgotten=tolerated_facts, broken_fixes=len(broken),
+                    facts_right=facts_right, facts_reference_right=facts_reference_right)
 
 
 def certain_rejection(outcomes: Sequence[ProbeOutcome], pending_guard: int, pending_facts: int, *,
@@ -245,12 +294,18 @@ class PublicationGate:
     def __init__(self, tokenizer: Any, *, min_guard_pass: float = 0.9, max_kl: float = 4.0, probe_tokens: int = 32,
                  recent_prompts: PromptSource | None = None, probes: Sequence[str] = PROBES,
                  knowledge: Sequence[KnowledgeProbe] = (), knowledge_tokens: int = KNOWLEDGE_TOKENS,
-                 fixed_prompts: PromptSource | None = None):
+                 fixed_prompts: PromptSource | None = None, knowledge_samples: int = 0,
+                 knowledge_temperature: float = 0.6, max_fact_drop: float = MAX_FACT_DROP):
         self.tokenizer = tokenizer
         self.min_guard_pass = float(min_guard_pass)
         self.max_kl = float(max_kl)
         self.probe_tokens = int(probe_tokens)
         self.knowledge_tokens = min(int(knowledge_tokens), self.probe_tokens)
+        self.knowledge_samples = int(knowledge_samples)
+        """Answers sampled per knowledge probe (at ``knowledge_temperature``, the serving default: what users get);
+        0 asks one greedy answer, counted like a guard probe."""
+        self.knowledge_temperature = float(knowledge_temperature)
+        self.max_fact_drop = float(max_fact_drop)
         self.recent_prompts = recent_prompts
         self.fixed_prompts = fixed_prompts
         self.renderer = ChatRenderer(tokenizer)
@@ -260,6 +315,8 @@ class PublicationGate:
         self._reference_ok: dict[str | bytes, bool] = {}
         """Reference verdict per probe key (``_key``); computed once each, so a question asked again in a new turn
         costs the reference no second answer."""
+        self._reference_right: dict[str | bytes, int] = {}
+        """Sampled knowledge probes: how many of the reference's answers state the fact."""
         self._accepted: dict[str | bytes, tuple[bool, str, list[int]]] = {}
         """The last accepted version's verdict and answer per probe key, recorded by the check that accepted it;
         empty at start and after ``forget_accepted`` (the reference's verdicts then stand for it)."""
@@ -363,10 +420,42 @@ class PublicationGate:
         known = self._accepted.get(_key(p))
         return None if known is None else known[0]
 
+    def _sampled(self, p: _Probe) -> bool:
+        return p.source == "knowledge" and self.knowledge_samples > 0
+
     def _worth_asking(self, p: _Probe) -> bool:
         """A knowledge probe is asked only when its verdict can count: the reference or the last accepted version
-        knew the fact. Every other probe is asked (its answer also feeds the KL and the evidence)."""
-        return p.source != "knowledge" or self._reference_ok[_key(p)] or bool(self._accepted_ok(p))
+        knew the fact (sampled: the reference stated it at least once, so it also counts in the share of answers
+        stating facts). Every other probe is asked (its answer also feeds the KL and the evidence)."""
+        if p.source != "knowledge":
+            return True
+        if self._sampled(p):
+            return self._reference_right[_key(p)] > 0
+        return self._reference_ok[_key(p)] or bool(self._accepted_ok(p))
+
+    def _ask(self, model: torch.nn.Module, probes: list[_Probe],
+             eos: list[int]) -> list[tuple[list[list[int]], torch.Tensor | None]]:
+        """Each probe's answers: one greedy answer with its log-softmax rows, or for a sampled knowledge probe
+        ``knowledge_samples`` answers drawn with the probe's own uniforms (``sampling_uniforms``), and None."""
+        prompts: list[list[int]] = []
+        caps: list[int] = []
+        dice: list[torch.Tensor | None] = []
+        done: list[Callable[[list[int]], bool] | None] = []
+        for p in probes:
+            sampled = self._sampled(p)
+            for i in range(self.knowledge_samples if sampled else 1):
+                prompts.append(p.ids)
+                caps.append(self._cap(p))
+                dice.append(sampling_uniforms(p.prompt, i, self._cap(p)) if sampled else None)
+                done.append(self._names_fact(p.answers) if sampled else None)
+        answers, logprobs = greedy_answers(model, prompts, caps, eos, uniforms=dice,
+                                           temperature=self.knowledge_temperature, done=done)
+        out, row = [], 0
+        for p in probes:
+            n = self.knowledge_samples if self._sampled(p) else 1
+            out.append((answers[row:row + n], None if self._sampled(p) else logprobs[row]))
+            row += n
+        return out
 
     @torch.no_grad()
     def check(self, candidate: torch.nn.Module, reference: Callable[[], ContextManager[torch.nn.Module]],
@@ -382,29 +471,27 @@ class PublicationGate:
         t0 = time.monotonic()
         if kl_to != "reference":
             self._reference_ok.clear()
+            self._reference_right.clear()
         probe_set = self.probe_set()
         eos = self._eos_ids()
         missing = [p for p in probe_set if _key(p) not in self._reference_ok]
         if missing:  # the reference answers each probe once, the first time it appears
             with reference() as ref:
-                ref_answers, _ = greedy_answers(ref, [p.ids for p in missing], [self._cap(p) for p in missing], eos)
-                for p, ans in zip(missing, ref_answers):
-                    self._reference_ok[_key(p)] = self._verdict(p, ans)[0]
+                for p, (answers, _) in zip(missing, self._ask(ref, missing, eos)):
+                    right = sum(self._verdict(p, ans)[0] for ans in answers)
+                    self._reference_right[_key(p)] = right
+                    self._reference_ok[_key(p)] = 2 * right >= len(answers)
         probes = [p for p in probe_set if self._worth_asking(p)]
         unasked = len(probe_set) - len(probes)
-        answered: list[tuple[_Probe, list[int], torch.Tensor]] = []
+        answered: list[tuple[_Probe, list[int], torch.Tensor | None]] = []
         outcomes: list[ProbeOutcome] = []
         batches = [[probes[i] for i in idx] for idx in length_buckets([len(p.ids) for p in probes])]
         for n, batch in enumerate(batches):
-            answers, logprobs = self._answer(candidate, batch, eos)
-            for p, ans, lp in zip(batch, answers, logprobs):
-                ok, reasons = self._verdict(p, ans)
-                known = self._accepted.get(_key(p))
+            for p, (answers, lp) in zip(batch, self._ask(candidate, batch, eos)):
+                outcome, ans = (self._sampled_outcome(p, answers) if lp is None
+                                else (self._outcome(p, answers[0]), answers[0]))
                 answered.append((p, ans, lp))
-                outcomes.append(ProbeOutcome(source=p.source, prompt=p.prompt, answer=self._text(ans), ok=ok,
-                                             reasons=reasons, reference_ok=self._reference_ok[_key(p)], kl=0.0,
-                                             tokens=len(ans), accepted_ok=None if known is None else known[0],
-                                             accepted_answer=None if known is None else known[1]))
+                outcomes.append(outcome)
             pending = [p for rest in batches[n + 1:] for p in rest]
             if pending and certain_rejection(outcomes, sum(p.source != "knowledge" for p in pending),
                                              sum(p.source == "knowledge" for p in pending),
@@ -414,16 +501,21 @@ class PublicationGate:
         order = {id(p): i for i, p in enumerate(probe_set)}  # the evidence lists probes in the probe set's order
         pairs = sorted(zip(answered, outcomes), key=lambda pair: order[id(pair[0][0])])
         answered, outcomes = [a for a, _ in pairs], [o for _, o in pairs]
+        greedy = [(p, a) for p, a, lp in answered if lp is not None]
         with reference() as ref:
-            ref_lp = answer_logprobs(ref, [p.ids for p, _, _ in answered], [a for _, a, _ in answered])
+            scored = iter(answer_logprobs(ref, [p.ids for p, _ in greedy], [a for _, a in greedy]))
+        ref_lp = [next(scored) if lp is not None else None for _, _, lp in answered]
         kl_sum, kl_tokens = 0.0, 0
         for outcome, (_, ans, c_T_V), r_T_V in zip(outcomes, answered, ref_lp):
+            if c_T_V is None:  # sampled answers: the KL is measured on the greedy ones
+                continue
             kl_T = (c_T_V.exp() * (c_T_V - r_T_V)).sum(-1) if len(ans) else torch.zeros(0)
             kl_sum += float(kl_T.sum())
             kl_tokens += len(ans)
             outcome.kl = float(kl_T.mean()) if len(ans) else 0.0
         kl = kl_sum / kl_tokens if kl_tokens else 0.0
-        decision = decide(outcomes, kl, min_guard_pass=self.min_guard_pass, max_kl=self.max_kl)
+        decision = decide(outcomes, kl, min_guard_pass=self.min_guard_pass, max_kl=self.max_kl,
+                          max_fact_drop=self.max_fact_drop)
         if decision.accepted:
             # The new last accepted version's verdicts replace the old ones; a fact it was not asked (neither an
             # accepted version nor the reference knew it) keeps its earlier verdict.
@@ -435,17 +527,44 @@ class PublicationGate:
                           thresholds={"min_guard_pass": self.min_guard_pass, "max_kl": self.max_kl,
                                       "probe_tokens": float(self.probe_tokens),
                                       "knowledge_tokens": float(self.knowledge_tokens),
+                                      "knowledge_samples": float(self.knowledge_samples),
+                                      "knowledge_temperature": self.knowledge_temperature,
+                                      "max_fact_drop": self.max_fact_drop,
                                       "near_identical_kl": NEAR_IDENTICAL_KL,
                                       "tolerated_regressions": float(decision.tolerated),
                                       "tolerated_forgotten": float(decision.tolerated_forgotten)},
                           counted=decision.counted, regressions=decision.regressions,
                           knowledge_counted=decision.knowledge_counted, forgotten=decision.forgotten,
+                          facts_right=decision.facts_right, facts_reference_right=decision.facts_reference_right,
                           broken_fixes=decision.broken_fixes, unanswered=unasked)
 
-    def _answer(self, model: torch.nn.Module, batch: list[_Probe],
-                eos: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
-        """Greedy answers to ``batch`` and their log-softmax rows (for the KL)."""
-        return greedy_answers(model, [p.ids for p in batch], [self._cap(p) for p in batch], eos)
+    def _outcome(self, p: _Probe, ans: list[int]) -> ProbeOutcome:
+        """A greedy answer's outcome, with the reference's and the last accepted version's verdicts."""
+        ok, reasons = self._verdict(p, ans)
+        known = self._accepted.get(_key(p))
+        return ProbeOutcome(source=p.source, prompt=p.prompt, answer=self._text(ans), ok=ok, reasons=reasons,
+                            reference_ok=self._reference_ok[_key(p)], kl=0.0, tokens=len(ans),
+                            accepted_ok=None if known is None else known[0],
+                            accepted_answer=None if known is None else known[1])
+
+    def _names_fact(self, answers: tuple[str, ...]) -> Callable[[list[int]], bool]:
+        """Whether a sampled answer so far names the fact: it ends there, its verdict settled, since the rest of
+        the answer can only cost time (a sampled answer that runs on to the cap costs the check 24 decoding steps for
+        every one of its rows)."""
+        return lambda ids: knows(self._text(ids), answers)
+
+    def _sampled_outcome(self, p: _Probe, answers: list[list[int]]) -> tuple[ProbeOutcome, list[int]]:
+        """A sampled knowledge probe's outcome (``forgot_sampled``), shown by its first answer that lacks the fact
+        (else its first answer), which is also returned."""
+        verdicts = [self._verdict(p, ans) for ans in answers]
+        right = sum(ok for ok, _ in verdicts)
+        reference_right = self._reference_right[_key(p)]
+        shown = next((i for i, (ok, _) in enumerate(verdicts) if not ok), 0)
+        ok = not forgot_sampled(right, reference_right)
+        return ProbeOutcome(source=p.source, prompt=p.prompt, answer=self._text(answers[shown]), ok=ok,
+                            reasons=[] if ok else sorted(set(verdicts[shown][1]) | {"forgot"}),
+                            reference_ok=self._reference_ok[_key(p)], kl=0.0, tokens=len(answers[shown]),
+                            samples=len(answers), right=right, reference_right=reference_right), answers[shown]
 
     def _cap(self, p: _Probe) -> int:
         """Most tokens of a probe's answer: ``knowledge_tokens`` for a knowledge probe, else ``probe_tokens``."""

@@ -1,13 +1,18 @@
-"""Greedy answers to the gate's probes and the log-probabilities the KL needs, batched by prompt length.
+"""Answers to the gate's probes and the log-probabilities the KL needs, batched by prompt length.
 
 ``greedy_answers`` answers a list of prompts with a KV cache, one left-padded batch per group of similar lengths
 (``length_buckets``) from which each row leaves as soon as its answer ends, and returns the model's log-softmax at
-every answer position from the generation's own logits;
+every answer position from the generation's own logits. A row given uniforms (``sampling_uniforms``) is sampled
+instead, at ``temperature``, by inverse transform: its token at answer position t is the first whose cumulative
+probability reaches its t-th uniform. Two models given the same uniforms draw coupled answers (the same tokens
+wherever their distributions barely differ), so a comparison of the reference's sampled answers with a candidate's
+measures the models, not the dice;
 ``answer_logprobs`` scores given answers under another model (the reference) in one forward per group.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -30,29 +35,48 @@ def length_buckets(lengths: Sequence[int], *, ratio: float = 2.0, slack: int = 3
     return groups
 
 
+def sampling_uniforms(key: str, index: int, tokens: int) -> torch.Tensor:
+    """The uniforms of the ``index``-th sampled answer to the prompt named ``key``, one per answer token: the same
+    on every call, whatever else is in the batch, so every model asked that prompt draws with the same dice."""
+    digest = hashlib.blake2b(f"{key}\0{index}".encode(), digest_size=8).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2 ** 63 - 1))
+    return torch.rand(tokens, generator=generator, dtype=torch.float64)
+
+
 @torch.no_grad()
 def greedy_answers(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int | Sequence[int],
                    eos_ids: list[int], *,
                    batches: Callable[[Sequence[int]], list[list[int]]] = length_buckets,
+                   uniforms: Sequence[torch.Tensor | None] | None = None, temperature: float = 1.0,
+                   done: Sequence[Callable[[list[int]], bool] | None] | None = None,
                    ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy continuations of ``prompts`` (one left-padded batch with a KV cache per group of ``batches``, by
     default ``length_buckets``, decoded only for the rows still answering), each cut before its first end-of-turn
     token or after ``max_tokens`` (one cap for all, or one per prompt), and the
     model's log-softmax ``[T, V]`` at each answer position (read from the generation's own logits, so no second
-    forward is needed)."""
+    forward is needed). A prompt whose entry in ``uniforms`` is a tensor (``sampling_uniforms``, at least its cap
+    long) is sampled at ``temperature`` instead, and its log-softmax is not kept (an empty ``[0, V]``): the KL is
+    measured on greedy answers only, and keeping ``[T, V]`` rows for many sampled answers would cost more memory
+    than the check's model. A prompt whose entry in ``done`` is a function ends its answer as soon as that function
+    says the tokens so far settle it (a knowledge probe's answer once it names the fact)."""
     caps = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else [int(c) for c in max_tokens]
+    dice = list(uniforms) if uniforms is not None else [None] * len(prompts)
+    settled = list(done) if done is not None else [None] * len(prompts)
     answers: list[list[int]] = [[] for _ in prompts]
     logprobs: list[torch.Tensor] = [torch.zeros(0) for _ in prompts]
     for group in batches([len(p) for p in prompts]):
         group_answers, group_logprobs = _greedy_batch(model, [prompts[i] for i in group], [caps[i] for i in group],
-                                                      eos_ids)
+                                                      eos_ids, [dice[i] for i in group], temperature,
+                                                      [settled[i] for i in group])
         for i, a, lp in zip(group, group_answers, group_logprobs):
             answers[i], logprobs[i] = a, lp
     return answers, logprobs
 
 
-def _greedy_batch(model: torch.nn.Module, prompts: list[list[int]], caps: list[int],
-                  eos_ids: list[int]) -> tuple[list[list[int]], list[torch.Tensor]]:
+def _greedy_batch(model: torch.nn.Module, prompts: list[list[int]], caps: list[int], eos_ids: list[int],
+                  uniforms: list[torch.Tensor | None], temperature: float,
+                  done: list[Callable[[list[int]], bool] | None],
+                  ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """One left-padded prefill, then one forward per token for the rows still answering: a row that wrote an
     end-of-turn token (or its cap of tokens) leaves the batch and its KV cache at once, and leading cache columns
     that are padding for every row left are dropped. On a CPU a decoding step costs nearly the same for 8 rows as
@@ -79,13 +103,18 @@ def _greedy_batch(model: torch.nn.Module, prompts: list[list[int]], caps: list[i
     for _ in range(max(caps, default=0)):
         logprobs_B_V = torch.log_softmax(logits_B_V.float(), dim=-1)
         next_B = logprobs_B_V.argmax(dim=-1)
+        sampled = [b for b, i in enumerate(live) if uniforms[i] is not None]
+        if sampled:
+            next_B[sampled] = _inverse_transform(logits_B_V[sampled].float() / temperature,
+                                                 [uniforms[live[b]][len(answers[live[b]])] for b in sampled])
         keep = []
         for b, (i, token) in enumerate(zip(live, next_B.tolist())):
             if token in eos or len(answers[i]) >= caps[i]:
                 continue
             answers[i].append(token)
-            rows[i].append(logprobs_B_V[b])
-            if len(answers[i]) < caps[i]:
+            if uniforms[i] is None:
+                rows[i].append(logprobs_B_V[b])
+            if len(answers[i]) < caps[i] and not (done[i] is not None and done[i](answers[i])):
                 keep.append(b)
         if not keep:
             break
@@ -102,6 +131,14 @@ def _greedy_batch(model: torch.nn.Module, prompts: list[list[int]], caps: list[i
     vocab = int(logits_B_V.shape[-1])
     logprobs = [torch.stack(r) if r else torch.zeros((0, vocab)) for r in rows]
     return answers, logprobs
+
+
+def _inverse_transform(logits_S_V: torch.Tensor, uniforms: list[torch.Tensor]) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability reaches the row's uniform (scaled by the row's total,
+    so that a float sum just under 1 never runs past the vocabulary)."""
+    cdf_S_V = torch.softmax(logits_S_V, dim=-1).double().cumsum(dim=-1)
+    u_S = torch.stack(uniforms).to(cdf_S_V.device) * cdf_S_V[:, -1]
+    return torch.searchsorted(cdf_S_V, u_S[:, None]).squeeze(1).clamp(max=cdf_S_V.shape[-1] - 1)
 
 
 @torch.no_grad()

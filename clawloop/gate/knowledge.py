@@ -3,9 +3,11 @@
 The degeneracy guard sees whether an answer is sound text on topic; it cannot see that "The capital of France is
 Lyon." is wrong. A policy trained toward one user's preferences can lose facts while still writing fluent
 sentences, and users would be served the wrong facts. Each probe below names the answers that count as right
-(``KnowledgeProbe.answers``); a greedy answer knows the fact when it contains one of them as a whole word, in any
-case (``knows``). A probe counts against a candidate only where the reference's own answer knew it, so a fact the
-starting model never had cannot block publication.
+(``KnowledgeProbe.answers``); an answer knows the fact when it contains one of them as a whole word, in any case
+(``knows``). A probe counts against a candidate only where the reference's own answers knew it, so a fact the
+starting model never had cannot block publication. How many answers each probe gets (sampled at the serving
+temperature, or one greedy answer) and when a fact counts as forgotten is the gate's business
+(``clawloop.gate.gate``).
 
 The set was chosen so that the default model (SmolLM2-135M-Instruct) knows most of it (docs/publication-gate.md
 gives the measured count): capitals, a few everyday counts, simple sums and well-known science facts, each with a
@@ -26,7 +28,7 @@ class KnowledgeProbe:
 
 
 KNOWLEDGE_TOKENS = 24
-"""Most tokens of a knowledge probe's greedy answer: the fact comes in the first sentence ("The capital of France
+"""Most tokens of a knowledge probe's answer: the fact comes in the first sentence ("The capital of France
 is Paris."); a longer answer would cost a check more without telling more."""
 
 KNOWLEDGE: tuple[KnowledgeProbe, ...] = (

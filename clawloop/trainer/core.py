@@ -175,7 +175,10 @@ class Trainer:
                                max_kl=c.gate_max_kl, probe_tokens=c.gate_probe_tokens,
                                recent_prompts=lambda: store.recent_prompts(c.gate_recent_prompts),
                                knowledge=KNOWLEDGE if c.gate_knowledge else (),
-                               fixed_prompts=lambda: store.recent_prompts(c.gate_fixed_prompts, corrected=True))
+                               fixed_prompts=lambda: store.recent_prompts(c.gate_fixed_prompts, corrected=True),
+                               knowledge_samples=c.gate_knowledge_samples if c.default_temperature > 0 else 0,
+                               knowledge_temperature=c.default_temperature or 1.0,
+                               max_fact_drop=c.gate_max_fact_drop)
 
     def _source(self) -> SampleSource:
         """The store, on the main process (every call to it runs there)."""

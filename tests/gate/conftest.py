@@ -3,7 +3,7 @@
 * ``base_model`` — a fresh copy of the tiny model (the reference of a check).
 * ``perturb(model, scale, seed)`` — a seeded noisy copy of a model: a candidate that moved.
 * ``scripted`` — ``scripted(monkeypatch, {model: {prompt text: answer text}})`` makes ``greedy_answers`` answer
-  each probe with the given text for that model (the guard, the kept verdicts, the decision and the KL between
+  each probe with the given text for that model (a list of texts: a sampled probe's answers, in order) (the guard, the kept verdicts, the decision and the KL between
   the real models over those answers stay the gate's own); it returns the list of (model, prompt count) calls.
 """
 
@@ -33,12 +33,18 @@ def scripted(tiny_tokenizer):
     def install(monkeypatch, answers_by_model):
         calls = []
 
-        def replay(model, prompts, max_tokens, eos_ids):
+        def replay(model, prompts, max_tokens, eos_ids, *, uniforms=None, temperature=1.0, done=None):
             script = answers_by_model[id(model)]
             texts = []
-            for ids in prompts:
+            drawn: dict[str, int] = {}
+            for row, ids in enumerate(prompts):
                 shown = tiny_tokenizer.decode(ids)
-                texts.append(next(answer for prompt, answer in script.items() if prompt in shown))
+                key, answer = next((prompt, answer) for prompt, answer in script.items() if prompt in shown)
+                if isinstance(answer, list):  # sampled answers, in the order they are drawn
+                    assert uniforms is not None and uniforms[row] is not None
+                    answer = answer[drawn.get(key, 0) % len(answer)]
+                    drawn[key] = drawn.get(key, 0) + 1
+                texts.append(answer)
             calls.append((id(model), len(prompts)))
             caps = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
             answers = [list(tiny_tokenizer(t, add_special_tokens=False)["input_ids"])[:cap]

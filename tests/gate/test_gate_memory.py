@@ -130,6 +130,57 @@ def test_a_candidate_steered_off_known_facts_is_rejected(monkeypatch, tiny_token
     assert one_lost.accepted and one_lost.forgotten == 1  # one fact more or less is within the allowance
 
 
+def test_sampled_knowledge_counts_how_often_a_fact_is_stated(monkeypatch, tiny_tokenizer, base_model, perturb,
+                                                            scripted):
+    """With ``knowledge_samples`` each fact is asked several times at the serving temperature, as users are served:
+    a fact counts where the reference states it in at least half of its answers, is forgotten where the candidate
+    states it in at most a quarter as many, and over all facts the candidate may state them at most
+    ``max_fact_drop`` less often. A fact the reference never stated is not asked."""
+    paris, lyon = "The capital of France is Paris.", "The capital of France is Lyon."
+    tokyo, osaka = "The capital of Japan is Tokyo.", "The capital of Japan is Osaka."
+    twelve, eleven = "7 + 5 equals 12.", "7 + 5 equals 11."
+    facts = [KnowledgeProbe("What is the capital of France?", ("Paris",)),
+             KnowledgeProbe("What is the capital of Japan?", ("Tokyo",)),
+             KnowledgeProbe("What is 7 + 5?", ("12", "twelve")),
+             KnowledgeProbe("Who wrote Romeo and Juliet?", ("Shakespeare",))]
+
+    def draws(right, wrong, n_right):
+        return [right] * n_right + [wrong] * (8 - n_right)
+
+    reference = {"France": draws(paris, lyon, 8), "Japan": draws(tokyo, osaka, 4), "7 + 5": draws(twelve, eleven, 2),
+                 "Romeo": ["It was written by Charles Dickens."] * 8, TURTLE: SOUND}
+    candidate = perturb(base_model, 0.05, 3)
+    gate = PublicationGate(tiny_tokenizer, min_guard_pass=0.95, probes=[TURTLE], knowledge=facts,
+                           knowledge_samples=8)
+
+    def check(france, japan, sums):
+        scripted(monkeypatch, {id(base_model): reference, id(candidate): {
+            "France": draws(paris, lyon, france), "Japan": draws(tokyo, osaka, japan),
+            "7 + 5": draws(twelve, eleven, sums), TURTLE: SOUND}})
+        return _check(gate, candidate, base_model)
+
+    kept = check(7, 4, 2)
+    assert kept.accepted, kept.reasons
+    assert [p.prompt for p in kept.probes] == [TURTLE] + [f.question for f in facts[:3]] and kept.unanswered == 1
+    assert [(p.right, p.reference_right, p.counted) for p in kept.probes[1:]] == [(7, 8, True), (4, 4, True),
+                                                                                  (2, 2, False)]
+    assert (kept.knowledge_counted, kept.forgotten, kept.facts_right, kept.facts_reference_right) == (2, 0, 13, 14)
+    assert kept.probes[0].kl > 0.0 and all(p.kl == 0.0 for p in kept.probes[1:])  # the KL: greedy answers only
+
+    # Paris in 2 of 8 answers is forgotten (8 → at most 2); one forgotten fact is tolerated, but 8 of the
+    # reference's 14 right answers is more than 10 % fewer.
+    fewer = check(2, 4, 2)
+    assert (fewer.forgotten, fewer.facts_right) == (1, 8) and fewer.probes[1].answer == lyon
+    assert fewer.reasons == ["facts stated in 8 of the sampled answers, the reference's in 14: more than 10% fewer"]
+
+    both = check(0, 1, 2)  # Japan 4 → 1 is forgotten too
+    assert not both.accepted and "2 of 2 known facts forgotten, 1 tolerated" in both.reasons[0]
+
+    # A fact the reference states in fewer than half of its answers never counts as forgotten, only in the share.
+    lost_unknown = check(8, 5, 0)
+    assert lost_unknown.accepted and (lost_unknown.forgotten, lost_unknown.facts_right) == (0, 13)
+
+
 def test_a_check_stops_once_the_candidate_cannot_pass(monkeypatch, tiny_tokenizer, base_model, perturb, scripted):
     shipped = ["What is a kettle?", "What is an owl?", "What is a lizard?"]
     long_question = "Here is some context about my garden. " * 12 + "What is a turtle?"

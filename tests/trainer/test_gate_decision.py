@@ -120,7 +120,7 @@ def _replayed_check(monkeypatch, tokenizer, candidate_model, reference_model, ca
     recorded = {id(candidate_model): candidate_answers, id(reference_model): DATA["reference"]}
     by_prompt = {tuple(p.ids): i for i, p in enumerate(gate.shipped)}
 
-    def replay(model, prompts, max_tokens, eos_ids):
+    def replay(model, prompts, max_tokens, eos_ids, **sampling):  # no knowledge probes here: all greedy
         texts = recorded[id(model)]
         answers = [list(tokenizer(texts[by_prompt[tuple(p)]], add_special_tokens=False)["input_ids"])
                    for p in prompts]

@@ -15,6 +15,7 @@ from clawloop.api.schemas import parse_chat_request
 from clawloop.gate import gate as gate_module
 from clawloop.gate.gate import (MAX_PROMPT_TOKENS, RECENT_TAIL_TOKENS, PublicationGate, answer_logprobs,
                                 closing_exchanges, greedy_answers, length_buckets, question_of)
+from clawloop.gate.generation import sampling_uniforms
 from clawloop.gate.probes import PROBES
 from clawloop.renderers.chat import ChatRenderer
 from clawloop.store import Store, TurnRecord
@@ -95,6 +96,32 @@ def test_greedy_answers_in_buckets_equal_each_prompt_answered_alone(base_model, 
         torch.testing.assert_close(lp, again, atol=1e-4, rtol=1e-4)
 
 
+def test_sampled_rows_draw_the_same_answer_whatever_shares_their_batch(base_model, tiny_tokenizer):
+    """A sampled row's answer depends only on the model, its prompt and its uniforms: the reference and a candidate
+    drawing a knowledge probe's answers with the same uniforms compare models, not dice. Near temperature 0 a draw
+    is the greedy answer; other uniforms draw other answers; no log-softmax rows are kept for a sampled answer."""
+    torch.manual_seed(2)
+    prompts = [[1] + [int(t) for t in torch.randint(3, 200, (n,))] for n in (6, 9, 7)]
+    eos = [tiny_tokenizer.eos_token_id]
+    dice = [sampling_uniforms("What is 7 + 5?", i, 10) for i in range(3)]
+    together, logprobs = greedy_answers(base_model, prompts, 10, eos, uniforms=[dice[0], None, dice[2]],
+                                        temperature=1.0)
+    alone, _ = greedy_answers(base_model, [prompts[2]], 10, eos, uniforms=[dice[2]], temperature=1.0)
+    assert together[2] == alone[0] and len(together[2]) == 10
+    assert logprobs[0].shape[0] == 0 and logprobs[1].shape[0] == len(together[1])  # greedy rows keep theirs
+    assert together[1] == greedy_answers(base_model, [prompts[1]], 10, eos)[0][0]
+    cold, _ = greedy_answers(base_model, [prompts[0]], 10, eos, uniforms=[dice[0]], temperature=1e-4)
+    assert cold[0] == greedy_answers(base_model, [prompts[0]], 10, eos)[0][0]
+    draws = {tuple(greedy_answers(base_model, [prompts[0]], 10, eos, uniforms=[d], temperature=1.0)[0][0])
+             for d in dice}
+    assert len(draws) == 3  # the tiny random model's distributions are flat: other dice, other answers
+    torch.testing.assert_close(sampling_uniforms("What is 7 + 5?", 1, 10), dice[1])
+    # A row whose answer is settled (a knowledge probe's, once it names the fact) leaves at once; the others go on.
+    settled, _ = greedy_answers(base_model, prompts, 10, eos, uniforms=[dice[0], None, dice[2]], temperature=1.0,
+                                done=[lambda ids: len(ids) >= 3, None, None])
+    assert settled[0] == together[0][:3] and settled[1:] == together[1:]
+
+
 def test_rows_that_end_early_leave_the_batch_without_changing_any_answer(base_model, tiny_tokenizer):
     """The gate decodes only the rows still answering; every answer and its log-softmax rows equal those of the
     model's own ``generate`` on that prompt alone, also when the rows end at different steps."""
@@ -129,9 +156,9 @@ def test_a_question_asked_again_costs_the_reference_no_second_answer(tmp_path, t
                            recent_prompts=lambda: store.recent_prompts(4))
     answered = []
 
-    def counting_greedy_answers(model, prompts, max_tokens, eos_ids):
+    def counting_greedy_answers(model, prompts, max_tokens, eos_ids, **sampling):
         answered.append(len(prompts))
-        return greedy_answers(model, prompts, max_tokens, eos_ids)
+        return greedy_answers(model, prompts, max_tokens, eos_ids, **sampling)
 
     monkeypatch.setattr(gate_module, "greedy_answers", counting_greedy_answers)
     gate.check(base_model, lambda: contextlib.nullcontext(base_model))
