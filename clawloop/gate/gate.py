@@ -36,8 +36,8 @@ A check:
    than the same rule allows for their own count, or when it breaks a corrected prompt the last accepted version
    answered soundly (``decide``). The check stops as soon as the candidate can no longer pass
    (``certain_rejection``);
-5. measures KL(candidate || reference) at every position of the candidate's answers (full vocabulary, nats per
-   token, mean over all answer tokens); the candidate fails when it is above ``max_kl``. The reference is the
+5. measures KL(candidate || reference) at every position of the candidate's greedy answers (full vocabulary, nats
+   per token, mean over all their tokens; sampled knowledge answers are left out); the candidate fails when it is above ``max_kl``. The reference is the
    starting weights (LoRA: the adapter switched off; full fine-tuning: the frozen copy kept for ``kl_coef > 0``);
    a full fine-tuning run without that copy measures against the last accepted weights instead.
 
@@ -61,7 +61,7 @@ import torch
 from clawloop.engines.model_files import end_token_ids
 from clawloop.gate.generation import answer_logprobs, greedy_answers, length_buckets, sampling_uniforms
 from clawloop.gate.guard import check as guard_check
-from clawloop.gate.knowledge import KNOWLEDGE_TOKENS, KnowledgeProbe, knows
+from clawloop.gate.knowledge import KNOWLEDGE_TOKENS, KnowledgeProbe, knows, names_fact
 from clawloop.gate.probes import PROBES
 from clawloop.judge.envelopes import strip_messages
 from clawloop.renderers.chat import ChatRenderer
@@ -131,7 +131,8 @@ class GateResult:
     regressions: int = 0
     """Counted guard probes the candidate does not answer soundly."""
     knowledge_counted: int = 0
-    """Knowledge probes the reference (or the last accepted version) answers rightly."""
+    """Knowledge probes the reference (or, greedy, the last accepted version) answers rightly; sampled: the
+    reference states their fact in at least half of its answers."""
     forgotten: int = 0
     """Counted knowledge probes whose fact the candidate's answer lacks (or that it answers unsoundly); sampled:
     whose fact it states in at most a quarter as many answers as the reference."""
@@ -301,6 +302,9 @@ class PublicationGate:
         self.max_kl = float(max_kl)
         self.probe_tokens = int(probe_tokens)
         self.knowledge_tokens = min(int(knowledge_tokens), self.probe_tokens)
+        if knowledge_samples < 0 or (knowledge_samples > 0 and not knowledge_temperature > 0):
+            raise ValueError("knowledge_samples must be >= 0, and sampling needs knowledge_temperature > 0 "
+                             f"(got {knowledge_samples}, {knowledge_temperature})")
         self.knowledge_samples = int(knowledge_samples)
         """Answers sampled per knowledge probe (at ``knowledge_temperature``, the serving default: what users get);
         0 asks one greedy answer, counted like a guard probe."""
@@ -520,6 +524,8 @@ class PublicationGate:
             # The new last accepted version's verdicts replace the old ones; a fact it was not asked (neither an
             # accepted version nor the reference knew it) keeps its earlier verdict.
             unasked_keys = {_key(p) for p in probe_set} - {_key(p) for p, _, _ in answered}
+            # (A sampled knowledge probe's entry is kept for the evidence only: its facts count against the
+            # reference alone, ``ProbeOutcome.counted``.)
             self._accepted = {**{k: v for k, v in self._accepted.items() if k in unasked_keys},
                               **{_key(p): (o.ok, o.answer, list(a)) for (p, a, _), o in zip(answered, outcomes)}}
         return GateResult(accepted=decision.accepted, reasons=decision.reasons, guard_pass=decision.guard_pass,
@@ -548,10 +554,10 @@ class PublicationGate:
                             accepted_answer=None if known is None else known[1])
 
     def _names_fact(self, answers: tuple[str, ...]) -> Callable[[list[int]], bool]:
-        """Whether a sampled answer so far names the fact: it ends there, its verdict settled, since the rest of
-        the answer can only cost time (a sampled answer that runs on to the cap costs the check 24 decoding steps for
-        every one of its rows)."""
-        return lambda ids: knows(self._text(ids), answers)
+        """Whether a sampled answer so far names the fact for good (``names_fact``: "= 12." but not "= 12", which
+        could become "= 120"): it ends there, since an answer running on to the cap costs the check up to 24
+        decoding steps for each of its rows. The text rules then judge the answer as far as it went."""
+        return lambda ids: names_fact(self._text(ids), answers)
 
     def _sampled_outcome(self, p: _Probe, answers: list[list[int]]) -> tuple[ProbeOutcome, list[int]]:
         """A sampled knowledge probe's outcome (``forgot_sampled``), shown by its first answer that lacks the fact

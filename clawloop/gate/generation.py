@@ -61,6 +61,10 @@ def greedy_answers(model: torch.nn.Module, prompts: list[list[int]], max_tokens:
     says the tokens so far settle it (a knowledge probe's answer once it names the fact)."""
     caps = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else [int(c) for c in max_tokens]
     dice = list(uniforms) if uniforms is not None else [None] * len(prompts)
+    if any(u is not None and len(u) < cap for u, cap in zip(dice, caps)):
+        raise ValueError("a sampled prompt needs one uniform per answer token it may write (its cap)")
+    if any(u is not None for u in dice) and not temperature > 0:
+        raise ValueError(f"sampling needs a temperature > 0, got {temperature}")
     settled = list(done) if done is not None else [None] * len(prompts)
     answers: list[list[int]] = [[] for _ in prompts]
     logprobs: list[torch.Tensor] = [torch.zeros(0) for _ in prompts]

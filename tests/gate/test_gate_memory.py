@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 
 from clawloop.gate.gate import PublicationGate, ProbeOutcome, decide
-from clawloop.gate.knowledge import KNOWLEDGE, KnowledgeProbe, knows
+from clawloop.gate.knowledge import KNOWLEDGE, KnowledgeProbe, knows, names_fact
 
 TURTLE = "What is a turtle?"
 LOOP = "A turtle is a turtle is a turtle is a turtle is a turtle is a turtle."
@@ -179,6 +179,40 @@ def test_sampled_knowledge_counts_how_often_a_fact_is_stated(monkeypatch, tiny_t
     # A fact the reference states in fewer than half of its answers never counts as forgotten, only in the share.
     lost_unknown = check(8, 5, 0)
     assert lost_unknown.accepted and (lost_unknown.forgotten, lost_unknown.facts_right) == (0, 13)
+
+
+def test_sampled_knowledge_draws_the_reference_and_the_candidate_with_the_same_dice(tiny_tokenizer, base_model,
+                                                                                   perturb):
+    """The real decoding on the tiny model: the same model as candidate draws exactly the reference's answers
+    (so a fact's count moves only where the models differ), and the draws of one probe are not all alike."""
+    import collections
+    import re
+
+    from clawloop.engines.model_files import end_token_ids
+    from clawloop.gate.generation import greedy_answers, sampling_uniforms
+
+    question = "What is the capital of France?"
+    ids = tiny_tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    draws, _ = greedy_answers(base_model, [ids] * 8, 24, end_token_ids(tiny_tokenizer),
+                              uniforms=[sampling_uniforms(question, i, 24) for i in range(8)], temperature=0.6)
+    texts = [tiny_tokenizer.decode(d, skip_special_tokens=True) for d in draws]
+    assert len(set(texts)) > 1
+    # The tiny model knows no facts: let its most frequent word that some draws lack be "the fact", so that the
+    # probe is asked, and a gate drawing its 8 answers with one set of dice would count 0 or 8 of them.
+    words = collections.Counter(w for t in texts for w in set(re.findall(r"[A-Za-z]{3,}", t)))
+    fact = KnowledgeProbe(question, (next(w for w, n in words.most_common() if n < 8),))
+    gate = PublicationGate(tiny_tokenizer, min_guard_pass=0.95, probes=[], knowledge=[fact], knowledge_samples=8)
+    same = _check(gate, base_model, base_model).probes
+    assert len(same) == 1 and 0 < same[0].reference_right < 8 and same[0].right == same[0].reference_right
+    moved = _check(gate, perturb(base_model, 0.5, 7), base_model).probes
+    assert moved[0].reference_right == same[0].reference_right  # the reference's count is kept, not redrawn
+
+
+def test_an_answer_names_a_fact_for_good_only_once_something_follows_it():
+    assert names_fact("7 + 5 = 12.", ("12", "twelve")) and names_fact("It is Paris, of course", ("Paris",))
+    assert not names_fact("7 + 5 = 12", ("12", "twelve"))  # the next token could make it 120
+    assert not names_fact("7 + 5 = 120.", ("12", "twelve")) and not names_fact("Parisian ", ("Paris",))
 
 
 def test_a_check_stops_once_the_candidate_cannot_pass(monkeypatch, tiny_tokenizer, base_model, perturb, scripted):
