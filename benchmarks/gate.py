@@ -134,7 +134,7 @@ def compare_batching(trainer, tokenizer, probe_tokens: int) -> None:
     """Greedy answers to the shipped probes plus 8 prompts of growing length, up to about 500 tokens
     (conversations, as recent prompts are), once in a single batch padded to the longest prompt and once in
     length groups (the gate's default), on the same weights, side by side."""
-    from clawloop.gate.gate import greedy_answers, length_buckets
+    from clawloop.gate.gate import length_buckets, probe_answers
 
     prompts = [p.ids for p in trainer.gate.shipped]
     for n in range(8):
@@ -148,7 +148,7 @@ def compare_batching(trainer, tokenizer, probe_tokens: int) -> None:
     one_batch = lambda lengths: [list(range(len(lengths)))]  # noqa: E731
     for name, batches in (("one batch", one_batch), ("length groups", length_buckets)):
         t0 = time.perf_counter()
-        outputs[name], _ = greedy_answers(model, prompts, probe_tokens, eos, batches=batches)
+        outputs[name], _ = probe_answers(model, prompts, probe_tokens, eos, batches=batches)
         timings[name] = time.perf_counter() - t0
     groups = [len(g) for g in length_buckets([len(p) for p in prompts])]
     print(f"greedy answers to {len(prompts)} probes ({min(map(len, prompts))}-{max(map(len, prompts))} prompt tokens):"
@@ -163,12 +163,12 @@ def compare_decoding(model, prompts: list[list[int]], probe_tokens: int, eos: li
     decodes every row until the group's last one ends, on the same prompts and weights: once as the model answers,
     and once with three answers in four cut short (an extra end-of-turn id: a token each of those answers wrote
     early), the mix a candidate that learnt to answer briefly gives, with a few answers still long."""
-    from clawloop.gate.gate import greedy_answers, length_buckets
+    from clawloop.gate.gate import length_buckets, probe_answers
 
     groups = length_buckets([len(p) for p in prompts])
     for label in ("as answered", "3 in 4 cut short"):
         t0 = time.perf_counter()
-        ours, _ = greedy_answers(model, prompts, probe_tokens, eos)
+        ours, _ = probe_answers(model, prompts, probe_tokens, eos)
         ours_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         theirs = {i: a for g in groups for i, a in zip(g, generate_group(model, [prompts[i] for i in g],

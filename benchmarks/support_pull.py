@@ -136,8 +136,8 @@ def heldout(models: TrainModels, tokenizer: Any, persona: Any, first_id: int | N
                                      max_new_tokens=KNOWLEDGE_TOKENS), skip_special_tokens=True) for k in KNOWLEDGE]
     facts = [knows(text, k.answers) for text, k in zip(texts, KNOWLEDGE)]
     sampled = [sampled_knows(models, tokenizer, k) for k in KNOWLEDGE]
-    return {"sampled_facts": sampled, "p_first": sum(p_first) / len(p_first) if p_first else float("nan"), "follows": follows / n,
-            "guard": sound / n, "facts": facts, "fact_answers": texts}
+    return {"p_first": sum(p_first) / len(p_first) if p_first else float("nan"), "follows": follows / n,
+            "guard": sound / n, "facts": facts, "fact_answers": texts, "sampled_facts": sampled}
 
 
 def context_answers(config: Any, teacher: Any, turn: TurnRecord, hints: list[str]) -> list[Any]:

@@ -37,7 +37,8 @@ A check:
    answered soundly (``decide``). The check stops as soon as the candidate can no longer pass
    (``certain_rejection``);
 5. measures KL(candidate || reference) at every position of the candidate's greedy answers (full vocabulary, nats
-   per token, mean over all their tokens; sampled knowledge answers are left out); the candidate fails when it is above ``max_kl``. The reference is the
+   per token, mean over all their tokens; sampled knowledge answers are left out); the candidate fails when it is
+   above ``max_kl``. The reference is the
    starting weights (LoRA: the adapter switched off; full fine-tuning: the frozen copy kept for ``kl_coef > 0``);
    a full fine-tuning run without that copy measures against the last accepted weights instead.
 
@@ -59,7 +60,7 @@ from typing import Any, ContextManager
 import torch
 
 from clawloop.engines.model_files import end_token_ids
-from clawloop.gate.generation import answer_logprobs, greedy_answers, length_buckets, sampling_uniforms
+from clawloop.gate.generation import answer_logprobs, length_buckets, probe_answers, sampling_uniforms
 from clawloop.gate.guard import check as guard_check
 from clawloop.gate.knowledge import KNOWLEDGE_TOKENS, KnowledgeProbe, knows, names_fact
 from clawloop.gate.probes import PROBES
@@ -452,7 +453,7 @@ class PublicationGate:
                 caps.append(self._cap(p))
                 dice.append(sampling_uniforms(p.prompt, i, self._cap(p)) if sampled else None)
                 done.append(self._names_fact(p.answers) if sampled else None)
-        answers, logprobs = greedy_answers(model, prompts, caps, eos, uniforms=dice,
+        answers, logprobs = probe_answers(model, prompts, caps, eos, uniforms=dice,
                                            temperature=self.knowledge_temperature, done=done)
         out, row = [], 0
         for p in probes:
@@ -468,10 +469,12 @@ class PublicationGate:
         it yields the model to compare with (``kl_to`` names it in the evidence). Only the fixed starting weights
         (``kl_to="reference"``) have their verdicts kept between checks; the last accepted version changes.
 
-        The cost is bounded three ways, none of which changes a decision: a knowledge probe that cannot count
-        (neither the reference nor the last accepted version knew the fact) is not asked; the knowledge probes, whose
-        facts come in a first sentence, are answered in ``knowledge_tokens``; and the check stops as soon as the
-        regressions so far reject the candidate whatever the rest would show (``certain_rejection``)."""
+        The cost is bounded four ways: a knowledge probe that cannot count (neither the reference nor the last
+        accepted version knew the fact; sampled, the reference never stated it) is not asked; the knowledge probes,
+        whose facts come in a first sentence, are answered in ``knowledge_tokens``; a sampled knowledge answer ends
+        once it has named its fact (``names_fact``: whether it names it cannot change, only the text rules then see
+        less of it); and the check stops as soon as the regressions so far reject the candidate whatever the rest
+        would show (``certain_rejection``). None but the third can change a decision."""
         t0 = time.monotonic()
         if kl_to != "reference":
             self._reference_ok.clear()

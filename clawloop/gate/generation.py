@@ -1,6 +1,6 @@
 """Answers to the gate's probes and the log-probabilities the KL needs, batched by prompt length.
 
-``greedy_answers`` answers a list of prompts with a KV cache, one left-padded batch per group of similar lengths
+``probe_answers`` answers a list of prompts with a KV cache, one left-padded batch per group of similar lengths
 (``length_buckets``) from which each row leaves as soon as its answer ends, and returns the model's log-softmax at
 every answer position from the generation's own logits. A row given uniforms (``sampling_uniforms``) is sampled
 instead, at ``temperature``, by inverse transform: its token at answer position t is the first whose cumulative
@@ -44,7 +44,7 @@ def sampling_uniforms(key: str, index: int, tokens: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy_answers(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int | Sequence[int],
+def probe_answers(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int | Sequence[int],
                    eos_ids: list[int], *,
                    batches: Callable[[Sequence[int]], list[list[int]]] = length_buckets,
                    uniforms: Sequence[torch.Tensor | None] | None = None, temperature: float = 1.0,
@@ -69,7 +69,7 @@ def greedy_answers(model: torch.nn.Module, prompts: list[list[int]], max_tokens:
     answers: list[list[int]] = [[] for _ in prompts]
     logprobs: list[torch.Tensor] = [torch.zeros(0) for _ in prompts]
     for group in batches([len(p) for p in prompts]):
-        group_answers, group_logprobs = _greedy_batch(model, [prompts[i] for i in group], [caps[i] for i in group],
+        group_answers, group_logprobs = _decode_batch(model, [prompts[i] for i in group], [caps[i] for i in group],
                                                       eos_ids, [dice[i] for i in group], temperature,
                                                       [settled[i] for i in group])
         for i, a, lp in zip(group, group_answers, group_logprobs):
@@ -77,7 +77,7 @@ def greedy_answers(model: torch.nn.Module, prompts: list[list[int]], max_tokens:
     return answers, logprobs
 
 
-def _greedy_batch(model: torch.nn.Module, prompts: list[list[int]], caps: list[int], eos_ids: list[int],
+def _decode_batch(model: torch.nn.Module, prompts: list[list[int]], caps: list[int], eos_ids: list[int],
                   uniforms: list[torch.Tensor | None], temperature: float,
                   done: list[Callable[[list[int]], bool] | None],
                   ) -> tuple[list[list[int]], list[torch.Tensor]]:

@@ -55,11 +55,16 @@ KNOWLEDGE: tuple[KnowledgeProbe, ...] = (
 def knows(answer: str, answers: tuple[str, ...]) -> bool:
     """True when ``answer`` contains one of ``answers`` as a whole word or phrase, in any case ("12" is found in
     "7 + 5 = 12." but not in "120"; "Paris" in "paris." but not in "Parisian")."""
-    return any(re.search(rf"(?<!\w){re.escape(a)}(?!\w)", answer, re.IGNORECASE) for a in answers)
+    return _mentions(answer, answers, after=r"(?!\w)")
 
 
 def names_fact(prefix: str, answers: tuple[str, ...]) -> bool:
     """True when an answer still being written already settles ``knows``: one of ``answers`` occurs as a whole word
     with a character that is no letter or digit after it ("= 12." or "= 12 "), so no later token can turn it into
     another number or word ("= 12" could still become "= 120")."""
-    return any(re.search(rf"(?<!\w){re.escape(a)}(?=[^\w])", prefix, re.IGNORECASE) for a in answers)
+    return _mentions(prefix, answers, after=r"(?=\W)")
+
+
+def _mentions(text: str, answers: tuple[str, ...], *, after: str) -> bool:
+    """One of ``answers`` in ``text``, in any case, with no letter or digit before it and ``after`` after it."""
+    return any(re.search(rf"(?<!\w){re.escape(a)}{after}", text, re.IGNORECASE) for a in answers)

@@ -2,9 +2,10 @@
 
 * ``base_model`` — a fresh copy of the tiny model (the reference of a check).
 * ``perturb(model, scale, seed)`` — a seeded noisy copy of a model: a candidate that moved.
-* ``scripted`` — ``scripted(monkeypatch, {model: {prompt text: answer text}})`` makes ``greedy_answers`` answer
-  each probe with the given text for that model (a list of texts: a sampled probe's answers, in order) (the guard, the kept verdicts, the decision and the KL between
-  the real models over those answers stay the gate's own); it returns the list of (model, prompt count) calls.
+* ``scripted`` — ``scripted(monkeypatch, {model: {prompt text: answer text}})`` makes ``probe_answers`` answer
+  each probe with the given text for that model, or with a list of texts a sampled probe's answers in the order
+  drawn (the guard, the kept verdicts, the decision and the KL between the real models over those answers stay
+  the gate's own); it returns the list of (model, prompt count) calls.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def scripted(tiny_tokenizer):
                        for t, cap in zip(texts, caps)]
             return answers, answer_logprobs(model, prompts, answers)
 
-        monkeypatch.setattr(gate_module, "greedy_answers", replay)
+        monkeypatch.setattr(gate_module, "probe_answers", replay)
         return calls
 
     return install

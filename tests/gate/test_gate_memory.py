@@ -189,12 +189,12 @@ def test_sampled_knowledge_draws_the_reference_and_the_candidate_with_the_same_d
     import re
 
     from clawloop.engines.model_files import end_token_ids
-    from clawloop.gate.generation import greedy_answers, sampling_uniforms
+    from clawloop.gate.generation import probe_answers, sampling_uniforms
 
     question = "What is the capital of France?"
     ids = tiny_tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    draws, _ = greedy_answers(base_model, [ids] * 8, 24, end_token_ids(tiny_tokenizer),
+    draws, _ = probe_answers(base_model, [ids] * 8, 24, end_token_ids(tiny_tokenizer),
                               uniforms=[sampling_uniforms(question, i, 24) for i in range(8)], temperature=0.6)
     texts = [tiny_tokenizer.decode(d, skip_special_tokens=True) for d in draws]
     assert len(set(texts)) > 1

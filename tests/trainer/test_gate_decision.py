@@ -126,7 +126,7 @@ def _replayed_check(monkeypatch, tokenizer, candidate_model, reference_model, ca
                    for p in prompts]
         return answers, answer_logprobs(model, prompts, answers)
 
-    monkeypatch.setattr(gate_module, "greedy_answers", replay)
+    monkeypatch.setattr(gate_module, "probe_answers", replay)
     return gate.check(candidate_model, lambda: contextlib.nullcontext(reference_model))
 
 

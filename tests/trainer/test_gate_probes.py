@@ -14,7 +14,7 @@ from clawloop.openclaw_format import housekeeping_kind
 from clawloop.api.schemas import parse_chat_request
 from clawloop.gate import gate as gate_module
 from clawloop.gate.gate import (MAX_PROMPT_TOKENS, RECENT_TAIL_TOKENS, PublicationGate, answer_logprobs,
-                                closing_exchanges, greedy_answers, length_buckets, question_of)
+                                closing_exchanges, length_buckets, probe_answers, question_of)
 from clawloop.gate.generation import sampling_uniforms
 from clawloop.gate.probes import PROBES
 from clawloop.renderers.chat import ChatRenderer
@@ -81,14 +81,14 @@ def test_length_buckets_keep_short_probes_apart_from_long_prompts():
     assert length_buckets([]) == []
 
 
-def test_greedy_answers_in_buckets_equal_each_prompt_answered_alone(base_model, tiny_tokenizer):
+def test_probe_answers_in_buckets_equal_each_prompt_answered_alone(base_model, tiny_tokenizer):
     torch.manual_seed(0)
     prompts = [[1] + [int(t) for t in torch.randint(3, 200, (n,))] for n in (5, 60, 7, 130, 6)]
     assert len(length_buckets([len(p) for p in prompts])) > 1
     eos = [tiny_tokenizer.eos_token_id]
-    answers, logprobs = greedy_answers(base_model, prompts, 8, eos)
+    answers, logprobs = probe_answers(base_model, prompts, 8, eos)
     for p, a, lp in zip(prompts, answers, logprobs):
-        alone, alone_lp = greedy_answers(base_model, [p], 8, eos)
+        alone, alone_lp = probe_answers(base_model, [p], 8, eos)
         assert a == alone[0]
         torch.testing.assert_close(lp, alone_lp[0], atol=1e-4, rtol=1e-4)
     # The reference pass reads the same positions: the model's own greedy answers score as their generation did.
@@ -104,20 +104,20 @@ def test_sampled_rows_draw_the_same_answer_whatever_shares_their_batch(base_mode
     prompts = [[1] + [int(t) for t in torch.randint(3, 200, (n,))] for n in (6, 9, 7)]
     eos = [tiny_tokenizer.eos_token_id]
     dice = [sampling_uniforms("What is 7 + 5?", i, 10) for i in range(3)]
-    together, logprobs = greedy_answers(base_model, prompts, 10, eos, uniforms=[dice[0], None, dice[2]],
+    together, logprobs = probe_answers(base_model, prompts, 10, eos, uniforms=[dice[0], None, dice[2]],
                                         temperature=1.0)
-    alone, _ = greedy_answers(base_model, [prompts[2]], 10, eos, uniforms=[dice[2]], temperature=1.0)
+    alone, _ = probe_answers(base_model, [prompts[2]], 10, eos, uniforms=[dice[2]], temperature=1.0)
     assert together[2] == alone[0] and len(together[2]) == 10
     assert logprobs[0].shape[0] == 0 and logprobs[1].shape[0] == len(together[1])  # greedy rows keep theirs
-    assert together[1] == greedy_answers(base_model, [prompts[1]], 10, eos)[0][0]
-    cold, _ = greedy_answers(base_model, [prompts[0]], 10, eos, uniforms=[dice[0]], temperature=1e-4)
-    assert cold[0] == greedy_answers(base_model, [prompts[0]], 10, eos)[0][0]
-    draws = {tuple(greedy_answers(base_model, [prompts[0]], 10, eos, uniforms=[d], temperature=1.0)[0][0])
+    assert together[1] == probe_answers(base_model, [prompts[1]], 10, eos)[0][0]
+    cold, _ = probe_answers(base_model, [prompts[0]], 10, eos, uniforms=[dice[0]], temperature=1e-4)
+    assert cold[0] == probe_answers(base_model, [prompts[0]], 10, eos)[0][0]
+    draws = {tuple(probe_answers(base_model, [prompts[0]], 10, eos, uniforms=[d], temperature=1.0)[0][0])
              for d in dice}
     assert len(draws) == 3  # the tiny random model's distributions are flat: other dice, other answers
     torch.testing.assert_close(sampling_uniforms("What is 7 + 5?", 1, 10), dice[1])
     # A row whose answer is settled (a knowledge probe's, once it names the fact) leaves at once; the others go on.
-    settled, _ = greedy_answers(base_model, prompts, 10, eos, uniforms=[dice[0], None, dice[2]], temperature=1.0,
+    settled, _ = probe_answers(base_model, prompts, 10, eos, uniforms=[dice[0], None, dice[2]], temperature=1.0,
                                 done=[lambda ids: len(ids) >= 3, None, None])
     assert settled[0] == together[0][:3] and settled[1:] == together[1:]
 
@@ -128,11 +128,11 @@ def test_rows_that_end_early_leave_the_batch_without_changing_any_answer(base_mo
     torch.manual_seed(1)
     prompts = [[1] + [int(t) for t in torch.randint(3, 200, (n,))] for n in (9, 14, 6, 11)]
     eos = [tiny_tokenizer.eos_token_id]
-    free, _ = greedy_answers(base_model, prompts, 12, eos)
+    free, _ = probe_answers(base_model, prompts, 12, eos)
     # End-of-turn ids chosen from the free answers, so that the rows end after 1, 3 and 6 tokens, and one never.
     stops = {free[0][1], free[1][3], free[2][6]} - set(free[3])
     eos = eos + sorted(stops)
-    answers, logprobs = greedy_answers(base_model, prompts, 12, eos, batches=lambda n: [list(range(len(n)))])
+    answers, logprobs = probe_answers(base_model, prompts, 12, eos, batches=lambda n: [list(range(len(n)))])
     assert len({len(a) for a in answers}) >= 3  # the rows did end at different steps
     for p, a, lp in zip(prompts, answers, logprobs):
         out = base_model.generate(input_ids=torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=eos,
@@ -156,11 +156,11 @@ def test_a_question_asked_again_costs_the_reference_no_second_answer(tmp_path, t
                            recent_prompts=lambda: store.recent_prompts(4))
     answered = []
 
-    def counting_greedy_answers(model, prompts, max_tokens, eos_ids, **sampling):
+    def counting_probe_answers(model, prompts, max_tokens, eos_ids, **sampling):
         answered.append(len(prompts))
-        return greedy_answers(model, prompts, max_tokens, eos_ids, **sampling)
+        return probe_answers(model, prompts, max_tokens, eos_ids, **sampling)
 
-    monkeypatch.setattr(gate_module, "greedy_answers", counting_greedy_answers)
+    monkeypatch.setattr(gate_module, "probe_answers", counting_probe_answers)
     gate.check(base_model, lambda: contextlib.nullcontext(base_model))
     assert answered == [2, 2]  # the candidate, then the reference once for each probe
     store.add_turn(_turn(messages, ids, 1))  # the same question in a new session: a new turn, the same prompt
