@@ -191,22 +191,37 @@ def test_sampled_knowledge_draws_the_reference_and_the_candidate_with_the_same_d
     from clawloop.engines.model_files import end_token_ids
     from clawloop.gate.generation import probe_answers, sampling_uniforms
 
-    question = "What is the capital of France?"
-    ids = tiny_tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    draws, _ = probe_answers(base_model, [ids] * 8, 24, end_token_ids(tiny_tokenizer),
-                              uniforms=[sampling_uniforms(question, i, 24) for i in range(8)], temperature=0.6)
-    texts = [tiny_tokenizer.decode(d, skip_special_tokens=True) for d in draws]
-    assert len(set(texts)) > 1
-    # The tiny model knows no facts: let its most frequent word that some draws lack be "the fact", so that the
-    # probe is asked, and a gate drawing its 8 answers with one set of dice would count 0 or 8 of them.
-    words = collections.Counter(w for t in texts for w in set(re.findall(r"[A-Za-z]{3,}", t)))
-    fact = KnowledgeProbe(question, (next(w for w, n in words.most_common() if n < 8),))
-    gate = PublicationGate(tiny_tokenizer, min_guard_pass=0.95, probes=[], knowledge=[fact], knowledge_samples=8)
-    same = _check(gate, base_model, base_model).probes
-    assert len(same) == 1 and 0 < same[0].reference_right < 8 and same[0].right == same[0].reference_right
+    def drawn(question):
+        ids = tiny_tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        draws, _ = probe_answers(base_model, [ids] * 8, 24, end_token_ids(tiny_tokenizer),
+                                  uniforms=[sampling_uniforms(question, i, 24) for i in range(8)], temperature=0.6)
+        return [tiny_tokenizer.decode(d, skip_special_tokens=True) for d in draws]
+
+    # The tiny model knows no facts: let a word of its draws be "the fact", one that the gate asks (by its own
+    # verdict, text rules included, some of the reference's draws state it) and some draws lack, so that a gate
+    # drawing its 8 answers with one set of dice would count 0 or 8 of them. Which words a random model draws, and
+    # which of its answers pass the text rules, depends on the machine's arithmetic, so several words are tried.
+    found = None
+    for question in ("What is the capital of France?", "What is 7 + 5?", "Which planet is red?", "Who wrote Hamlet?",
+                     "What is the largest ocean?", "How many legs has a spider?"):
+        texts = drawn(question)
+        assert len(set(texts)) > 1
+        words = collections.Counter(w for t in texts for w in set(re.findall(r"[A-Za-z]{3,}", t)))
+        for word in [w for w, n in words.most_common() if n < 8][:12]:
+            gate = PublicationGate(tiny_tokenizer, min_guard_pass=0.95, probes=[],
+                                   knowledge=[KnowledgeProbe(question, (word,))], knowledge_samples=8)
+            same = _check(gate, base_model, base_model).probes
+            if len(same) == 1 and 0 < same[0].reference_right < 8:
+                found = gate, same[0]
+                break
+        if found:
+            break
+    assert found is not None, "no question's draws have a word the gate asks about and some draws lack"
+    gate, same = found
+    assert same.right == same.reference_right
     moved = _check(gate, perturb(base_model, 0.5, 7), base_model).probes
-    assert moved[0].reference_right == same[0].reference_right  # the reference's count is kept, not redrawn
+    assert moved[0].reference_right == same.reference_right  # the reference's count is kept, not redrawn
 
 
 def test_an_answer_names_a_fact_for_good_only_once_something_follows_it():
