@@ -216,6 +216,17 @@ class MethodSettings:
                                 "entropy over its top-K plus tail exceeds support_min_entropy).")
     support_min_entropy: float = _f(0.5, "support_positions=entropy: the teacher entropy (nats) a position must "
                                     "exceed.")
+    retain_coef: float = _f(0.0, "Weight of the retain term: forward KL from the starting weights' top-K (plus "
+                            "a tail bin) to the policy along the starting weights' own answers to general prompts "
+                            "no user asked (clawloop/trainer/retain_prompts.py), added to each update so that "
+                            "learning a preference keeps what the model answered elsewhere; the positions where a "
+                            "sentence after the first opens are not trained (docs/retain.md). 0 = off. "
+                            "One-process trainer only.")
+    retain_opening: bool = _f(True, "Whether the retain term also trains an answer's first position (how it "
+                              "opens); off, a preference for how answers open is left wholly to the users.")
+    retain_batch: int = _f(4, "Retain prompts per update (taken round-robin in a fixed shuffled order).")
+    retain_k: int = _f(16, "Top-K ids of the starting weights kept per retained position (plus the tail bin).")
+    retain_tokens: int = _f(64, "Most tokens of the starting weights' answer to a retain prompt.")
     opd_target: str = _f("hinted", "Which row of the teacher the distillation target follows per response "
                          "position on hinted turns: hinted (the prompt with the hint, everywhere), end (the hinted "
                          "row where its most likely token ends the answer, the un-hinted prompt elsewhere), "
@@ -455,12 +466,13 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
                      "default_max_tokens", "judge_max_tokens", "judge_concurrency", "lora_rank",
                      "steps_per_batch", "micro_batch_size", "checkpoint_every", "max_sessions",
                      "max_response_tokens", "max_body_bytes", "max_train_tokens", "micro_batch_tokens",
-                     "gate_every", "gate_probe_tokens", "keep_full_versions", "keep_lora_versions"):
+                     "gate_every", "gate_probe_tokens", "keep_full_versions", "keep_lora_versions",
+                     "retain_batch", "retain_k", "retain_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
         if not 0 <= self.train_nice <= 19:
             raise ConfigError(f"train_nice={self.train_nice!r} must be between 0 (serving's priority) and 19 (lowest)")
-        for name in ("weight_decay", "hint_min_chars", "max_staleness",
+        for name in ("weight_decay", "hint_min_chars", "max_staleness", "retain_coef",
                      "judge_retries", "num_threads", "default_temperature", "judge_temperature",
                      "train_temperature"):
             positive(name, 0.0, strict=False)

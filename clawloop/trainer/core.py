@@ -58,11 +58,13 @@ from clawloop.trainer import versions as history
 from clawloop.trainer.batch import prepare_items
 from clawloop.trainer.contracts import GateView, Parallel, PublishingEngine, SampleSource, TurnSource, WeightSink
 from clawloop.trainer.metrics import MetricsWriter, step_record
-from clawloop.trainer.model import TrainModels, load_train_models, load_trainable_state_dict, output_vocab_size, \
-    trainable_state_dict
+from clawloop.trainer.model import TrainModels, gate_reference, load_train_models, load_trainable_state_dict, \
+    output_vocab_size, trainable_state_dict
 from clawloop.trainer.parallel import LocalGateView, LocalParallel
 from clawloop.trainer.publish import EngineSink, LocalVersion, unshared_tensors
 from clawloop.trainer.resume import plan_resume
+from clawloop.trainer.retain import RetainTerm, build_examples
+from clawloop.trainer.retain_prompts import RETAIN_PROMPTS
 from clawloop.trainer.teacher_client import TeacherClient
 from clawloop.trainer.step import EXCLUDED, UPDATE_SKIPPED, VoidedUpdates, excluded_samples, make_optimizer, \
     train_step, update_applied
@@ -149,6 +151,8 @@ class Trainer:
         """Rejected candidates since the last accepted one (or restore): training goes back to the accepted
         weights when it reaches ``gate_restore_after``. Not kept across a restart, which starts it at 0."""
         self.gate_seconds = 0.0
+        self.retain: RetainTerm | None = None
+        """The retain term once built (``_retain``); its targets are recomputed after a restart, the same ones."""
         self.voided = VoidedUpdates()
         """Samples of updates skipped as non-finite (see ``_void_update``)."""
         self.accepted = self._snapshot(self.policy_version)
@@ -179,6 +183,25 @@ class Trainer:
                                knowledge_samples=c.gate_knowledge_samples if c.default_temperature > 0 else 0,
                                knowledge_temperature=c.default_temperature or 1.0,
                                max_fact_drop=c.gate_max_fact_drop)
+
+    def _retain(self) -> RetainTerm | None:
+        """The retain term (``retain_coef > 0``), its targets computed from the starting weights at first use."""
+        c = self.config
+        if c.retain_coef <= 0:
+            return None
+        if self.retain is None:
+            from clawloop.engines.model_files import end_token_ids, load_tokenizer
+
+            tokenizer = load_tokenizer(self.models.model_dir)
+            t0 = time.monotonic()
+            with gate_reference(self.models, None) as starting:
+                examples = build_examples(starting, tokenizer, RETAIN_PROMPTS, k=c.retain_k,
+                                          max_tokens=c.retain_tokens, end_ids=end_token_ids(tokenizer),
+                                          opening=c.retain_opening)
+            self.retain = RetainTerm(examples, coef=c.retain_coef, batch=c.retain_batch, seed=c.seed)
+            log.info("retain term: %d of %d prompts kept, targets in %.1fs", len(examples), len(RETAIN_PROMPTS),
+                     time.monotonic() - t0)
+        return self.retain
 
     def _source(self) -> SampleSource:
         """The store, on the main process (every call to it runs there)."""
@@ -427,6 +450,9 @@ class Trainer:
             self.gate_seconds += result.seconds
             metrics = {"gate_accepted": 1.0 if result.accepted else 0.0, "gate_guard_pass": result.guard_pass,
                        "gate_kl": result.kl, "gate_s": result.seconds}
+            if result.facts_reference_right:
+                metrics["gate_facts_right"] = float(result.facts_right)
+                metrics["gate_facts_reference_right"] = float(result.facts_reference_right)
             evidence = result.evidence()
             if result.accepted:
                 self.rejections_in_row = 0
@@ -509,7 +535,7 @@ class Trainer:
             self.parallel.share(lambda: self._source().release_lease(lease_id))
             return None
         metrics = train_step(self.models, self.optimizer, items, self.config, teacher=self.teacher,
-                             fuse_old=self.fuse_old, runner=self.parallel.runner)
+                             fuse_old=self.fuse_old, runner=self.parallel.runner, retain=self._retain())
         # From here the update is in the weights: every store write is retried, never given up for the batch.
         excluded = excluded_samples(items)
         if excluded:

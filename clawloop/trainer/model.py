@@ -45,7 +45,7 @@ class TrainModels:
     lora: bool
     model_dir: Path
     reference: torch.nn.Module | None = None
-    """Frozen copy of the starting weights (full fine-tuning with ``kl_coef > 0``)."""
+    """Frozen copy of the starting weights (full fine-tuning with ``kl_coef > 0`` or ``retain_coef > 0``)."""
     use_reference: bool = False
 
     @property
@@ -78,7 +78,8 @@ def load_train_models(config: Config, model_dir: str | Path | None = None) -> Tr
     use_reference = config.kl_coef > 0
     reference = None
     if not config.lora:
-        if use_reference:
+        # The retain term's targets come from the starting weights, which full fine-tuning keeps only as this copy.
+        if use_reference or config.retain_coef > 0:
             reference = copy.deepcopy(causal_lm).eval()
             reference.requires_grad_(False)
         causal_lm.requires_grad_(True)

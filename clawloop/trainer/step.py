@@ -31,6 +31,8 @@ Choices:
 * A sample whose teacher scores could not be had trains its RL term only (counted: ``teacher_missing``, and
   ``anchor_missing`` for an un-hinted sample under ``opd_on_unhinted = anchor``), rather than failing the
   step for the whole batch; one with no RL term (vote 0) is left out and dropped with reason ``teacher_error``.
+* The retain term (``retain``, ``clawloop.trainer.retain``), when given, adds its gradient to each epoch's before
+  the clip, so one update carries both; an epoch no sample reached makes no update, the retain term included.
 * Metrics: each epoch's per-sample metrics are gathered from every rank and merged, then averaged over epochs,
   so every runner reports the whole batch under the same keys.
 """
@@ -52,6 +54,7 @@ from clawloop.trainer.batch import TrainItem, micro_batches
 from clawloop.trainer.model import TrainModels
 from clawloop.trainer.old_policy import TEACHER_ERROR, TEACHER_MISSING, fill_reference, mark_unscored, \
     old_policy_pass, old_side_from_logits, opd_expected, reset_teacher_state, teacher_metrics, topk_pass
+from clawloop.trainer.retain import RetainTerm
 from clawloop.trainer.runner import LocalRunner, Runner, scalar
 from clawloop.trainer.teacher_client import TeacherClient
 
@@ -200,15 +203,18 @@ def _sync(device: torch.device) -> None:
 
 def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: list[TrainItem], config: Config,
                *, teacher: TeacherClient | None = None, fuse_old: bool | None = None,
-               runner: Runner | None = None) -> dict[str, Any]:
+               runner: Runner | None = None, retain: RetainTerm | None = None) -> dict[str, Any]:
     """Train on ``items`` (``steps_per_batch`` updates) and return the step's metrics (floats). Under an
     ``FSDPRunner`` every rank calls this with the whole batch; each trains its share and all return the
     whole batch's metrics. ``teacher`` scores the samples' OPD branches at the old policy's top-k ids
-    (``trainer.old_policy``); without one only scores recorded at those very ids are used."""
+    (``trainer.old_policy``); without one only scores recorded at those very ids are used. ``retain`` adds the
+    retain term to every update (one process only)."""
     if not items:
         raise ValueError("train_step needs at least one sample")
     t_start = time.perf_counter()
     runner = runner or LocalRunner(models.device)
+    if retain is not None and runner.world > 1:
+        raise ValueError("the retain term runs in one process only (retain_coef > 0 with several ranks)")
     settings = ObjectiveSettings.from_config(config)
     epochs = int(config.steps_per_batch)
     fuse = (epochs == 1) if fuse_old is None else (fuse_old and epochs == 1)
@@ -245,6 +251,7 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
         if nothing_left(items[i], config):
             excluded.add(id(items[i]))
     grad_norms: list[float] = []
+    retain_kls: list[float] = []
     skipped = 0
     empty = 0
     checkpointed = 0
@@ -293,12 +300,18 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
             del forward
             _sync(device)
             timings["time_backward_s"] += time.perf_counter() - t0
+        reached = sum(runner.gather(contributed))
+        if retain is not None and reached:
+            t0 = time.perf_counter()
+            retain_kls.append(retain.backward(models.causal_lm, device))
+            _sync(device)
+            timings["time_retain_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
         grad_norm = scalar(torch.nn.utils.clip_grad_norm_(params, max_norm))  # the same on every rank
         if not math.isfinite(grad_norm):
             skipped += 1
-        elif sum(runner.gather(contributed)) == 0:
+        elif reached == 0:
             empty += 1  # no sample reached the gradient: no update (weight decay alone would still move weights)
         else:
             optimizer.step()
@@ -317,6 +330,8 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
     metrics: dict[str, Any] = mean_dicts([_merged([p[0][e] for p in parts]) for e in range(epochs)])
     metrics.update(timings)
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    if retain_kls:
+        metrics["retain_kl"] = sum(retain_kls) / len(retain_kls)
     metrics["updates_skipped_nonfinite"] = float(skipped)
     metrics["updates_applied"] = float(epochs - skipped - empty)
     metrics["samples_excluded_nonfinite"] = float(sum(1 for it in items if it.info.get(EXCLUDED) in

@@ -1,0 +1,169 @@
+"""The retain term: keep what the starting model answers on prompts no user asked, while a user's preference is
+learnt.
+
+Why: a step that teaches one user's preference moves every trainable weight, and on a small model that also
+moves its answers to unrelated questions (measured: the facts it states, docs/retain.md). Mixing a term on
+general data into each update is the usual remedy (PPO-ptx mixes in pre-training gradients; learning without
+forgetting distils the old model's own outputs); this is the distilling kind, since clawloop has the starting
+weights at hand and no pre-training corpus.
+
+Choices:
+
+* Prompts: ``clawloop.trainer.retain_prompts`` (general requests that are neither gate probes nor simulated users'
+  questions, so the gate and the held-out scores still measure prompts the term never trained on).
+* Targets, computed once per trainer start from the starting weights (LoRA: the adapter off; full fine-tuning: the
+  frozen copy), so they never drift with the policy: each prompt's greedy answer (``retain_tokens`` at most, read
+  with the gate's decoder), and at each answer position the starting weights' top-K log-probs (K = ``retain_k``,
+  τ = 1), taken from the very logits that decoded the answer.
+* Trained positions R: every answer position but those that open a sentence after the first (where the model
+  decides whether to go on at all), and, with ``retain_opening`` off, the first (how an answer opens). How long an
+  answer goes on and how it opens are where users' style preferences live ("one short sentence", "In short, …"),
+  so the term leaves the first alone and the second to a setting; within the sentences, which facts and which
+  words, and no loop where the starting model had none, is what it keeps.
+* Loss, over ``retain_batch`` prompts per update (a fixed shuffled order, taken round-robin):
+
+      L_retain = retain_coef · (1/B) Σ_prompts (1/|R|) Σ_{t∈R} KL_{K+1}(q_ref,t ‖ p_θ,t)
+
+  the forward KL over the starting weights' top-K plus one tail bin (``clawloop.losses.support.teacher_support_kl``:
+  its gradient on logit u is p_u − q_u, so a word the starting model would write is pulled back whatever the
+  policy's own probability of it). It is added to the batch's gradient before clipping, so one optimizer update
+  carries both; it is reported as ``retain_kl`` (the mean KL before the update) and ``time_retain_s``.
+* One process only: the torchrun trainer's ranks would each have to run the same forwards in step, which this
+  does not do yet, so a multi-rank trainer refuses ``retain_coef > 0``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from clawloop.gate.generation import probe_answers
+from clawloop.losses.support import teacher_support_kl
+
+SENTENCE_ENDS = (".", "!", "?")
+BUILD_CHUNK = 8
+"""Prompts answered together when the targets are built."""
+
+
+@dataclass
+class RetainExample:
+    """One prompt with the starting weights' answer and its targets."""
+
+    prompt: str
+    input_ids_L: torch.Tensor
+    """[P + T] int64: the rendered prompt, then the starting weights' answer."""
+    prompt_len: int
+    ref_ids_T_K: torch.Tensor
+    """[T, K] the starting weights' top-K ids at each answer position (position t predicts answer token t)."""
+    ref_logprobs_T_K: torch.Tensor
+    """[T, K] their log-probs (τ = 1)."""
+    positions_T: torch.Tensor
+    """[T] bool: the positions the term trains (see the module docstring)."""
+
+
+def sentence_ends(tokenizer: Any, answer_ids: Sequence[int]) -> list[int]:
+    """The indices i of ``answer_ids`` after which a sentence ends: the text since the previous end holds a letter
+    and ends in ".", "!" or "?" with the next token (if any) opening with white space ("3.5" and a list's "1." end
+    none), or holds a line break after its first character."""
+    ids = list(answer_ids)
+    ends: list[int] = []
+    start = 0
+    for i in range(len(ids)):
+        text = tokenizer.decode(ids[start: i + 1], skip_special_tokens=True)
+        if not any(c.isalpha() for c in text):
+            continue
+        ended = "\n" in text.lstrip()
+        if not ended and text.rstrip().endswith(SENTENCE_ENDS):
+            following = tokenizer.decode(ids[start: i + 2], skip_special_tokens=True)[len(text):]
+            ended = not following or following[0].isspace()
+        if ended:
+            ends.append(i)
+            start = i + 1
+    return ends
+
+
+def retain_positions(tokenizer: Any, answer_ids: Sequence[int], *, opening: bool = True) -> torch.Tensor:
+    """[T] bool over an answer's positions (position t predicts token t): every one but those that open a sentence
+    after the first, where the model decides whether to go on at all, and (``opening`` False) the first."""
+    positions_T = torch.ones(len(answer_ids), dtype=torch.bool)
+    for i in sentence_ends(tokenizer, answer_ids):
+        if i + 1 < len(answer_ids):
+            positions_T[i + 1] = False
+    if not opening:
+        positions_T[:1] = False
+    return positions_T
+
+
+@torch.no_grad()
+def build_examples(reference: torch.nn.Module, tokenizer: Any, prompts: Sequence[str], *, k: int, max_tokens: int,
+                   end_ids: list[int], opening: bool = True) -> list[RetainExample]:
+    """The targets of ``prompts`` from ``reference`` (the starting weights), per the module docstring. A prompt
+    whose answer has no position to train (an empty answer) is left out."""
+    rendered = []
+    for prompt in prompts:
+        out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        rendered.append(list(out["input_ids"] if hasattr(out, "keys") else out))
+    examples = []
+    # A few prompts at a time: the decoder keeps a [T, V] log-softmax row per answer token until it returns.
+    for start in range(0, len(rendered), BUILD_CHUNK):
+        chunk = rendered[start: start + BUILD_CHUNK]
+        answers, rows = probe_answers(reference, chunk, max_tokens, end_ids)
+        for prompt, prompt_ids, answer, logprobs_T_V in zip(prompts[start:], chunk, answers, rows):
+            positions_T = retain_positions(tokenizer, answer, opening=opening)
+            if not bool(positions_T.any()):
+                continue
+            top = logprobs_T_V[:len(answer)].float().topk(k, dim=-1)
+            examples.append(RetainExample(
+                prompt=prompt, input_ids_L=torch.tensor(prompt_ids + answer, dtype=torch.long),
+                prompt_len=len(prompt_ids), ref_ids_T_K=top.indices.cpu(), ref_logprobs_T_K=top.values.cpu(),
+                positions_T=positions_T))
+    return examples
+
+
+def retain_kl(model: torch.nn.Module, example: RetainExample, device: torch.device) -> torch.Tensor:
+    """The example's mean KL over its trained positions (gradient attached), per the module docstring."""
+    input_ids = example.input_ids_L.to(device).unsqueeze(0)
+    logits_L_V = model(input_ids=input_ids).logits[0]
+    # Position t of the answer is predicted by the logits at index prompt_len - 1 + t.
+    start = example.prompt_len - 1
+    logits_T_V = logits_L_V[start: start + example.ref_ids_T_K.shape[0]].float()
+    cur_at_ref_T_K = torch.log_softmax(logits_T_V, dim=-1).gather(-1, example.ref_ids_T_K.to(device))
+    positions_T = example.positions_T.to(device)
+    kl_T = teacher_support_kl(cur_at_ref_T_K, example.ref_logprobs_T_K.to(device), positions_T=positions_T)
+    return kl_T.sum() / positions_T.sum().clamp(min=1)
+
+
+class RetainTerm:
+    """The examples and the round-robin over them; ``backward`` adds one update's share of the term."""
+
+    def __init__(self, examples: list[RetainExample], *, coef: float, batch: int, seed: int):
+        if not examples:
+            raise ValueError("the retain term has no examples (no prompt's answer had a first sentence to keep)")
+        if coef <= 0 or batch < 1:
+            raise ValueError(f"retain needs coef > 0 and batch >= 1 (got {coef}, {batch})")
+        self.examples = examples
+        self.coef = float(coef)
+        self.batch = min(int(batch), len(examples))
+        self.order = list(range(len(examples)))
+        random.Random(seed).shuffle(self.order)
+        self.next = 0
+
+    def take(self) -> list[RetainExample]:
+        """The next ``batch`` examples of the shuffled order (wrapping round)."""
+        picked = [self.examples[self.order[(self.next + i) % len(self.order)]] for i in range(self.batch)]
+        self.next = (self.next + self.batch) % len(self.order)
+        return picked
+
+    def backward(self, model: torch.nn.Module, device: torch.device) -> float:
+        """Back-propagate ``coef`` times the mean KL over the next batch into the trainable weights' gradients;
+        returns that mean KL (before the update)."""
+        total = 0.0
+        picked = self.take()
+        for example in picked:
+            kl = retain_kl(model, example, device)
+            (kl * (self.coef / len(picked))).backward()
+            total += float(kl.detach())
+        return total / len(picked)

@@ -1,0 +1,145 @@
+"""The retain term: its targets are the starting weights' own answers and distributions, it trains what lies
+between an answer's opening and the end of its first sentence, and in the trainer it keeps the policy's answers
+to prompts no user asked closer to the starting weights while a step teaches something else."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from clawloop.config import ConfigError
+from clawloop.engines.model_files import end_token_ids
+from clawloop.gate.knowledge import KNOWLEDGE
+from clawloop.gate.probes import PROBES
+from clawloop.sim.data.questions import POOLS
+from clawloop.store import SampleRecord, Store, TurnRecord
+from clawloop.trainer.core import Trainer
+from clawloop.trainer.model import gate_reference
+from clawloop.trainer.retain import RetainTerm, build_examples, retain_kl, retain_positions, sentence_ends
+from clawloop.trainer.retain_prompts import RETAIN_PROMPTS
+
+from trainer_helpers import render
+
+
+def _ids(tokenizer, text):
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_the_prompts_are_neither_gate_probes_nor_users_questions():
+    asked = {q.lower() for pool in POOLS.values() for split in pool.values() for q in split}
+    asked |= {p.lower() for p in PROBES} | {k.question.lower() for k in KNOWLEDGE}
+    assert len(set(RETAIN_PROMPTS)) == len(RETAIN_PROMPTS) >= 32
+    assert not [p for p in RETAIN_PROMPTS if p.lower() in asked]
+
+
+def test_the_positions_where_a_sentence_after_the_first_opens_are_not_trained(tiny_tokenizer):
+    def untrained(text, **kw):
+        ids = _ids(tiny_tokenizer, text)
+        positions = retain_positions(tiny_tokenizer, ids, **kw).tolist()
+        return [tiny_tokenizer.decode(ids[i:i + 1]) for i, on in enumerate(positions) if not on]
+
+    assert untrained("The capital is Rome. It is old. Very old.") == [" It", " Very"]
+    assert untrained("Pi is about 3.14 in short. Yes.") == [" Yes"]  # a decimal point ends no sentence
+    assert untrained("1. Red\n2. Blue") == ["2"]  # a list's number neither, its line break does
+    assert untrained("A violin is a string instrument") == []
+    assert untrained("Sure! Here.", opening=False) == ["Sure", " Here"]
+    ids = _ids(tiny_tokenizer, "Hello there. Bye")
+    assert sentence_ends(tiny_tokenizer, ids) == [2]
+
+
+def test_targets_are_the_starting_weights_top_k_along_their_own_greedy_answer(tiny_tokenizer, base_model):
+    prompts = list(RETAIN_PROMPTS[:3])
+    examples = build_examples(base_model, tiny_tokenizer, prompts, k=8, max_tokens=12,
+                              end_ids=end_token_ids(tiny_tokenizer))
+    assert [e.prompt for e in examples] == prompts
+    for e in examples:
+        with torch.no_grad():
+            logits_L_V = base_model(input_ids=e.input_ids_L[None]).logits[0]
+        answer = e.input_ids_L[e.prompt_len:]
+        rows_T_V = torch.log_softmax(logits_L_V[e.prompt_len - 1: -1].float(), dim=-1)
+        assert torch.equal(rows_T_V.argmax(-1), answer)  # the answer is the greedy one
+        top = rows_T_V.topk(8, dim=-1)
+        assert torch.equal(top.indices, e.ref_ids_T_K)
+        assert torch.allclose(top.values, e.ref_logprobs_T_K, atol=1e-4)
+        assert retain_kl(base_model, e, torch.device("cpu")).item() == pytest.approx(0.0, abs=1e-4)
+
+
+def test_the_term_pulls_a_moved_model_back_and_takes_its_prompts_round_robin(tiny_tokenizer, base_model, tmp_path):
+    import copy
+
+    examples = build_examples(base_model, tiny_tokenizer, list(RETAIN_PROMPTS[:4]), k=8, max_tokens=12,
+                              end_ids=end_token_ids(tiny_tokenizer))
+    moved = copy.deepcopy(base_model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.02)
+    term = RetainTerm(examples, coef=1.0, batch=2, seed=0)
+    seen = [e.prompt for _ in range(2) for e in term.take()]
+    assert sorted(seen) == sorted(RETAIN_PROMPTS[:4])  # two batches of two cover the four once
+    term.next = 0
+
+    def mean_kl():
+        with torch.no_grad():
+            return sum(retain_kl(moved, e, torch.device("cpu")).item() for e in examples) / len(examples)
+
+    before = mean_kl()
+    optimizer = torch.optim.Adam(moved.parameters(), lr=1e-3)
+    for _ in range(6):
+        optimizer.zero_grad()
+        term.backward(moved, torch.device("cpu"))
+        optimizer.step()
+    assert before > 0.01 and mean_kl() < 0.5 * before, (before, mean_kl())
+
+
+def test_settings_are_checked(make_config):
+    with pytest.raises(ConfigError, match="retain_coef"):
+        make_config(retain_coef=-0.1)
+    with pytest.raises(ConfigError, match="retain_batch"):
+        make_config(retain_batch=0)
+    assert make_config(retain_coef=0.5).retain_coef == 0.5
+    with pytest.raises(ValueError, match="no examples"):
+        RetainTerm([], coef=1.0, batch=1, seed=0)
+
+
+MESSAGES = [{"role": "user", "content": "What is two plus two?"}]
+
+
+def _train(make_config, tiny_tokenizer, tmp_path, retain_coef, steps=6):
+    """A trainer teaching one sample's response (a +1 vote, GRPO only, large steps), and the mean retain KL of its
+    policy on its retain prompts afterwards."""
+    config = make_config(method="rl", rollout_batch_size=1, micro_batch_size=1, lr=1e-2, lora=True,
+                         retain_coef=retain_coef, retain_batch=4, retain_tokens=12, advantage_mode="raw",
+                         run_dir=str(tmp_path / f"run{retain_coef}"))
+    store = Store(tmp_path / f"store{retain_coef}.sqlite")
+    trainer = Trainer(config, store, console=None)
+    prompt = render(tiny_tokenizer, MESSAGES)
+    response = _ids(tiny_tokenizer, "Four, four, four.") + [2]
+    metrics = {}
+    for _ in range(steps):
+        tid = store.add_turn(TurnRecord(session_id="s", turn_index=0, messages=MESSAGES, prompt_ids=prompt,
+                                        response_ids=response, logprobs=[-1.0] * len(response), temperature=1.0,
+                                        top_p=1.0, policy_version=trainer.policy_version))
+        store.set_next_state(tid, [{"role": "user", "content": "Thanks."}])
+        store.claim_judgeable(1)
+        store.put_sample(SampleRecord(turn_id=tid, reward=1.0, kind="rl"))
+        metrics = trainer.run_batch(*store.lease_samples(1))
+    with gate_reference(trainer.models, None) as starting_weights:
+        starting = build_examples(starting_weights, tiny_tokenizer, list(PROMPTS), k=8, max_tokens=12,
+                                  end_ids=end_token_ids(tiny_tokenizer))
+    with torch.no_grad():
+        kl = sum(retain_kl(trainer.models.causal_lm, e, torch.device("cpu")).item() for e in starting)
+    return metrics, kl / len(starting)
+
+
+PROMPTS = RETAIN_PROMPTS[:8]
+
+
+def test_in_the_trainer_the_term_keeps_the_other_prompts_nearer_the_starting_weights(monkeypatch, make_config,
+                                                                                     tiny_tokenizer, tmp_path):
+    monkeypatch.setattr("clawloop.trainer.core.RETAIN_PROMPTS", PROMPTS)  # each is trained 3 times in 6 steps
+    plain, drift = _train(make_config, tiny_tokenizer, tmp_path, 0.0)
+    kept, held = _train(make_config, tiny_tokenizer, tmp_path, 5.0)
+    assert "retain_kl" not in plain and math.isfinite(kept["retain_kl"]) and kept["time_retain_s"] > 0
+    assert drift > 0.01 and held < 0.8 * drift, (drift, held)
