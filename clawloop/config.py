@@ -472,6 +472,9 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
         if not 0 <= self.train_nice <= 19:
             raise ConfigError(f"train_nice={self.train_nice!r} must be between 0 (serving's priority) and 19 (lowest)")
+        if self.retain_coef > 0 and not self.retain_opening and self.retain_tokens < 2:
+            raise ConfigError("retain_opening = false leaves an answer's first position untrained, so retain_tokens "
+                              f"must be >= 2 (got {self.retain_tokens})")
         for name in ("weight_decay", "hint_min_chars", "max_staleness", "retain_coef",
                      "judge_retries", "num_threads", "default_temperature", "judge_temperature",
                      "train_temperature"):

@@ -190,17 +190,20 @@ class Trainer:
         if c.retain_coef <= 0:
             return None
         if self.retain is None:
-            from clawloop.engines.model_files import end_token_ids, load_tokenizer
+            if self.models.retain_examples is None:
+                from clawloop.engines.model_files import end_token_ids, load_tokenizer
 
-            tokenizer = load_tokenizer(self.models.model_dir)
-            t0 = time.monotonic()
-            with gate_reference(self.models, None) as starting:
-                examples = build_examples(starting, tokenizer, RETAIN_PROMPTS, k=c.retain_k,
-                                          max_tokens=c.retain_tokens, end_ids=end_token_ids(tokenizer),
-                                          opening=c.retain_opening)
-            self.retain = RetainTerm(examples, coef=c.retain_coef, batch=c.retain_batch, seed=c.seed)
-            log.info("retain term: %d of %d prompts kept, targets in %.1fs", len(examples), len(RETAIN_PROMPTS),
-                     time.monotonic() - t0)
+                tokenizer = load_tokenizer(self.models.model_dir)
+                t0 = time.monotonic()
+                with gate_reference(self.models, None) as starting:
+                    self.models.retain_examples = build_examples(
+                        starting, tokenizer, RETAIN_PROMPTS, k=c.retain_k, max_tokens=c.retain_tokens,
+                        end_ids=end_token_ids(tokenizer), opening=c.retain_opening)
+                log.info("retain term: %d of %d prompts kept, targets in %.1fs", len(self.models.retain_examples),
+                         len(RETAIN_PROMPTS), time.monotonic() - t0)
+            # A resumed trainer goes on where the round-robin was, not back at its first prompts.
+            self.retain = RetainTerm(self.models.retain_examples, coef=c.retain_coef, batch=c.retain_batch,
+                                     seed=c.seed, start=self.step * c.retain_batch * c.steps_per_batch)
         return self.retain
 
     def _source(self) -> SampleSource:

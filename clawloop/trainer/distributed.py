@@ -73,7 +73,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from clawloop.config import Config
+from clawloop.config import Config, ConfigError
 from clawloop.store import LeaseLost, SampleRecord, Store, TurnRecord
 from clawloop.trainer import checkpoint as ckpt
 from clawloop.trainer.contracts import SampleSource, WeightSink
@@ -235,6 +235,9 @@ def run(config: Config, store: SampleSource | None, *, max_steps: int = 0, lease
     ``Store``); weights folders are reported to ``api`` (the ``RemoteStore``) unless ``report_weights`` is off. ``teacher``
     goes to the step unchanged. Returns the number of batches trained."""
     rank, world, device = init_distributed()
+    if world > 1 and config.retain_coef > 0:
+        raise ConfigError(f"retain_coef > 0 runs in one process only; this trainer has {world} ranks (set "
+                          "retain_coef = 0 or train in one process)")
     models = load_train_models(config)
     shard_model(models, device)
     run_dir = Path(config.run_dir)

@@ -11,7 +11,8 @@ Choices:
 * The model stays in eval mode during training: no dropout, so the new-policy forward at the first PPO
   epoch reproduces the old-policy forward exactly (ratio 1), as the objective assumes.
 * Reference for the KL term (only when ``kl_coef > 0``): with LoRA, the same model with the adapter switched
-  off (no second copy); with full fine-tuning, a frozen copy of the starting weights.
+  off (no second copy); with full fine-tuning, a frozen copy of the starting weights, which is also kept for the
+  retain term's targets (``retain_coef > 0``).
 * Logits are computed only at the response positions: the decoder runs over prompt + response, then the
   output head is applied to the hidden states that predict response tokens. Prompt logits are never
   materialised.
@@ -47,6 +48,9 @@ class TrainModels:
     reference: torch.nn.Module | None = None
     """Frozen copy of the starting weights (full fine-tuning with ``kl_coef > 0`` or ``retain_coef > 0``)."""
     use_reference: bool = False
+    retain_examples: list[Any] | None = None
+    """The retain term's targets (``clawloop.trainer.retain``), built once from the starting weights and shared by
+    every trainer of these models (one per user under per-user policies)."""
 
     @property
     def device(self) -> torch.device:

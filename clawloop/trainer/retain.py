@@ -11,7 +11,7 @@ Choices:
 
 * Prompts: ``clawloop.trainer.retain_prompts`` (general requests that are neither gate probes nor simulated users'
   questions, so the gate and the held-out scores still measure prompts the term never trained on).
-* Targets, computed once per trainer start from the starting weights (LoRA: the adapter off; full fine-tuning: the
+* Targets, computed at a trainer's first update from the starting weights (LoRA: the adapter off; full fine-tuning: the
   frozen copy), so they never drift with the policy: each prompt's greedy answer (``retain_tokens`` at most, read
   with the gate's decoder), and at each answer position the starting weights' top-K log-probs (K = ``retain_k``,
   τ = 1), taken from the very logits that decoded the answer.
@@ -44,6 +44,8 @@ from clawloop.gate.generation import probe_answers
 from clawloop.losses.support import teacher_support_kl
 
 SENTENCE_ENDS = (".", "!", "?")
+CLOSERS = "\"')]\u201d\u2019"
+"""Characters that may close a sentence after its end mark ('He said "Hi."', "(See above.)")."""
 BUILD_CHUNK = 8
 """Prompts answered together when the targets are built."""
 
@@ -66,8 +68,9 @@ class RetainExample:
 
 def sentence_ends(tokenizer: Any, answer_ids: Sequence[int]) -> list[int]:
     """The indices i of ``answer_ids`` after which a sentence ends: the text since the previous end holds a letter
-    and ends in ".", "!" or "?" with the next token (if any) opening with white space ("3.5" and a list's "1." end
-    none), or holds a line break after its first character."""
+    and ends in ".", "!" or "?" (a closing quote or bracket may follow) with the next token (if any) opening with
+    white space ("3.5" and a list's "1." end none), or holds a line break after its first character. An
+    abbreviation's full stop ("Mr. Smith") counts as an end: that only leaves one more position untrained."""
     ids = list(answer_ids)
     ends: list[int] = []
     start = 0
@@ -76,7 +79,7 @@ def sentence_ends(tokenizer: Any, answer_ids: Sequence[int]) -> list[int]:
         if not any(c.isalpha() for c in text):
             continue
         ended = "\n" in text.lstrip()
-        if not ended and text.rstrip().endswith(SENTENCE_ENDS):
+        if not ended and text.rstrip().rstrip(CLOSERS).endswith(SENTENCE_ENDS):
             following = tokenizer.decode(ids[start: i + 2], skip_special_tokens=True)[len(text):]
             ended = not following or following[0].isspace()
         if ended:
@@ -124,12 +127,12 @@ def build_examples(reference: torch.nn.Module, tokenizer: Any, prompts: Sequence
 
 
 def retain_kl(model: torch.nn.Module, example: RetainExample, device: torch.device) -> torch.Tensor:
-    """The example's mean KL over its trained positions (gradient attached), per the module docstring."""
+    """The example's mean KL over its trained positions (gradient attached), per the module docstring. The output
+    layer runs only where an answer token is predicted (``logits_to_keep``), never over the prompt."""
+    answer_len = example.ref_ids_T_K.shape[0]
     input_ids = example.input_ids_L.to(device).unsqueeze(0)
-    logits_L_V = model(input_ids=input_ids).logits[0]
-    # Position t of the answer is predicted by the logits at index prompt_len - 1 + t.
-    start = example.prompt_len - 1
-    logits_T_V = logits_L_V[start: start + example.ref_ids_T_K.shape[0]].float()
+    # The last answer_len + 1 positions predict answer tokens 0 .. T-1, then whatever would follow the answer.
+    logits_T_V = model(input_ids=input_ids, logits_to_keep=answer_len + 1).logits[0, :-1].float()
     cur_at_ref_T_K = torch.log_softmax(logits_T_V, dim=-1).gather(-1, example.ref_ids_T_K.to(device))
     positions_T = example.positions_T.to(device)
     kl_T = teacher_support_kl(cur_at_ref_T_K, example.ref_logprobs_T_K.to(device), positions_T=positions_T)
@@ -139,9 +142,9 @@ def retain_kl(model: torch.nn.Module, example: RetainExample, device: torch.devi
 class RetainTerm:
     """The examples and the round-robin over them; ``backward`` adds one update's share of the term."""
 
-    def __init__(self, examples: list[RetainExample], *, coef: float, batch: int, seed: int):
+    def __init__(self, examples: list[RetainExample], *, coef: float, batch: int, seed: int, start: int = 0):
         if not examples:
-            raise ValueError("the retain term has no examples (no prompt's answer had a first sentence to keep)")
+            raise ValueError("the retain term has no examples (no prompt's answer had a position to train)")
         if coef <= 0 or batch < 1:
             raise ValueError(f"retain needs coef > 0 and batch >= 1 (got {coef}, {batch})")
         self.examples = examples
@@ -149,7 +152,10 @@ class RetainTerm:
         self.batch = min(int(batch), len(examples))
         self.order = list(range(len(examples)))
         random.Random(seed).shuffle(self.order)
-        self.next = 0
+        self.next = start % len(self.order)
+        """Where in the shuffled order the next batch starts (a resumed trainer passes how many it took before)."""
+        self.skipped = 0
+        """Examples left out of an update because their KL was not finite (the rest of the update trains)."""
 
     def take(self) -> list[RetainExample]:
         """The next ``batch`` examples of the shuffled order (wrapping round)."""
@@ -159,11 +165,15 @@ class RetainTerm:
 
     def backward(self, model: torch.nn.Module, device: torch.device) -> float:
         """Back-propagate ``coef`` times the mean KL over the next batch into the trainable weights' gradients;
-        returns that mean KL (before the update)."""
-        total = 0.0
+        returns that mean KL (before the update) over the examples whose KL was finite (NaN if none was: an
+        example whose KL is not finite is left out, so it cannot void the users' update)."""
         picked = self.take()
+        values = []
         for example in picked:
             kl = retain_kl(model, example, device)
+            if not bool(torch.isfinite(kl)):
+                self.skipped += 1
+                continue
             (kl * (self.coef / len(picked))).backward()
-            total += float(kl.detach())
-        return total / len(picked)
+            values.append(float(kl.detach()))
+        return sum(values) / len(values) if values else float("nan")

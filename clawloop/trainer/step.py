@@ -252,6 +252,7 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
             excluded.add(id(items[i]))
     grad_norms: list[float] = []
     retain_kls: list[float] = []
+    retain_skipped = retain.skipped if retain is not None else 0
     skipped = 0
     empty = 0
     checkpointed = 0
@@ -330,8 +331,11 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
     metrics: dict[str, Any] = mean_dicts([_merged([p[0][e] for p in parts]) for e in range(epochs)])
     metrics.update(timings)
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
-    if retain_kls:
-        metrics["retain_kl"] = sum(retain_kls) / len(retain_kls)
+    finite_kls = [v for v in retain_kls if math.isfinite(v)]
+    if finite_kls:
+        metrics["retain_kl"] = sum(finite_kls) / len(finite_kls)
+    if retain is not None:
+        metrics["retain_skipped_nonfinite"] = float(retain.skipped - retain_skipped)
     metrics["updates_skipped_nonfinite"] = float(skipped)
     metrics["updates_applied"] = float(epochs - skipped - empty)
     metrics["samples_excluded_nonfinite"] = float(sum(1 for it in items if it.info.get(EXCLUDED) in

@@ -1,9 +1,10 @@
-"""The retain term: its targets are the starting weights' own answers and distributions, it trains what lies
-between an answer's opening and the end of its first sentence, and in the trainer it keeps the policy's answers
-to prompts no user asked closer to the starting weights while a step teaches something else."""
+"""The retain term: its targets are the starting weights' own answers and distributions, it trains every answer
+position but where a later sentence opens, and in the trainer it keeps the policy's answers to prompts no user
+asked closer to the starting weights while a step teaches something else."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -27,11 +28,15 @@ def _ids(tokenizer, text):
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def test_the_prompts_are_neither_gate_probes_nor_users_questions():
-    asked = {q.lower() for pool in POOLS.values() for split in pool.values() for q in split}
-    asked |= {p.lower() for p in PROBES} | {k.question.lower() for k in KNOWLEDGE}
+def test_the_prompts_are_neither_gate_probes_nor_users_questions_nor_their_twins():
+    import difflib
+
+    asked = [q.lower() for pool in POOLS.values() for split in pool.values() for q in split]
+    asked += [p.lower() for p in PROBES] + [k.question.lower() for k in KNOWLEDGE]
     assert len(set(RETAIN_PROMPTS)) == len(RETAIN_PROMPTS) >= 32
-    assert not [p for p in RETAIN_PROMPTS if p.lower() in asked]
+    twins = [(p, q) for p in RETAIN_PROMPTS for q in asked
+             if difflib.SequenceMatcher(None, p.lower(), q).ratio() >= 0.8]
+    assert not twins  # "What is 3 + 4?" would be one of "What is 7 + 5?" (0.86), an exact copy 1.0
 
 
 def test_the_positions_where_a_sentence_after_the_first_opens_are_not_trained(tiny_tokenizer):
@@ -45,6 +50,7 @@ def test_the_positions_where_a_sentence_after_the_first_opens_are_not_trained(ti
     assert untrained("1. Red\n2. Blue") == ["2"]  # a list's number neither, its line break does
     assert untrained("A violin is a string instrument") == []
     assert untrained("Sure! Here.", opening=False) == ["Sure", " Here"]
+    assert untrained('He said "Hi." Then he left.') == [" Then"]  # a closing quote after the end mark
     ids = _ids(tiny_tokenizer, "Hello there. Bye")
     assert sentence_ends(tiny_tokenizer, ids) == [2]
 
@@ -84,6 +90,15 @@ def test_the_term_pulls_a_moved_model_back_and_takes_its_prompts_round_robin(tin
         with torch.no_grad():
             return sum(retain_kl(moved, e, torch.device("cpu")).item() for e in examples) / len(examples)
 
+    # A resumed trainer starts further along the order; an example whose KL is not finite is left out of the
+    # gradient, and the rest still trains.
+    assert [e.prompt for e in RetainTerm(examples, coef=1.0, batch=2, seed=0, start=2).take()] == seen[2:]
+    broken = dataclasses.replace(examples[0], ref_logprobs_T_K=torch.full_like(examples[0].ref_logprobs_T_K, math.nan))
+    partly = RetainTerm([broken, examples[1]], coef=1.0, batch=2, seed=0)
+    moved.zero_grad()
+    assert math.isfinite(partly.backward(moved, torch.device("cpu"))) and partly.skipped == 1
+    assert all(torch.isfinite(p.grad).all() for p in moved.parameters() if p.grad is not None)
+
     before = mean_kl()
     optimizer = torch.optim.Adam(moved.parameters(), lr=1e-3)
     for _ in range(6):
@@ -99,6 +114,8 @@ def test_settings_are_checked(make_config):
     with pytest.raises(ConfigError, match="retain_batch"):
         make_config(retain_batch=0)
     assert make_config(retain_coef=0.5).retain_coef == 0.5
+    with pytest.raises(ConfigError, match="retain_tokens"):
+        make_config(retain_coef=1.0, retain_opening=False, retain_tokens=1)
     with pytest.raises(ValueError, match="no examples"):
         RetainTerm([], coef=1.0, batch=1, seed=0)
 
