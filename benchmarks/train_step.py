@@ -10,6 +10,7 @@ time went:
 * forward  — the decoder over prompt + response (hidden states),
 * loss     — output layer at the response positions + the objective (one chunked log-softmax) + their backward,
 * backward — the decoder's backward,
+* retain   — the retain term's forwards and backwards on its general prompts (``lora-retain``; docs/retain.md),
 * optimizer — gradient clipping and the AdamW update,
 
 and the process's peak resident memory (VmHWM) and the resident memory right after loading the model, so the
@@ -18,6 +19,7 @@ the steady state.
 
     .venv/bin/python benchmarks/train_step.py                       # 4 samples x 256 tokens, 2 steps, full + LoRA
     .venv/bin/python benchmarks/train_step.py --samples 8 --tokens 512 --variants full,lora,full-sep
+    .venv/bin/python benchmarks/train_step.py --variants lora,lora-retain --steps 3     # the retain term's cost
 
 Long prompts (``--lengths``): one sample per step of each given length in tokens (an OpenClaw-sized agent prompt
 is 3-13k tokens): a 128-token response after a prompt of the rest, full and LoRA, under each ``--approaches``
@@ -56,8 +58,11 @@ VARIANTS = {
     "lora": {"lora": True},
     # The separate no-grad old-policy forward (what several PPO epochs need), for comparison with the fused one.
     "full-sep": {"lora": False, "fuse_old": False},
+    # The retain term at the demo preset's weight (4 general prompts per update; docs/retain.md).
+    "lora-retain": {"lora": True, "retain_coef": 4.0},
 }
-PHASES = ("time_old_forward_s", "time_forward_s", "time_loss_s", "time_backward_s", "time_optimizer_s")
+PHASES = ("time_old_forward_s", "time_forward_s", "time_loss_s", "time_backward_s", "time_retain_s",
+          "time_optimizer_s")
 
 
 def _status_kib(field: str) -> int:
@@ -82,7 +87,8 @@ def child(variant: str, samples: int, tokens: int, steps: int, threads: int) -> 
     tokenizer = load_tokenizer(model_dir)
     with tempfile.TemporaryDirectory() as tmp:
         config = Config.from_dict(dict(model=str(model_dir), device="cpu", run_dir=tmp, method="hybrid",
-                                       lora=opts["lora"], rollout_batch_size=samples,
+                                       lora=opts["lora"], retain_coef=opts.get("retain_coef", 0.0),
+                                       rollout_batch_size=samples,
                                        micro_batch_size=min(samples, 4), metrics_backends=["jsonl"]))
         store = Store(Path(tmp) / "store.sqlite")
         write_samples(store, tokenizer, samples * steps, tokens)
@@ -246,22 +252,23 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
 def report(results: list[dict], args: argparse.Namespace) -> None:
     print(f"\nTraining step on SmolLM2-135M-Instruct, CPU, {args.threads} threads: {args.samples} samples x "
           f"{args.tokens} response tokens per step, method hybrid (half the samples hinted, 2 candidates, k=4)\n")
-    header = (f"{'variant':<9} {'step':>4} {'step s':>7} {'cpu s':>7} {'samples/s':>9} {'tokens/s':>8} {'old fwd':>7} "
-              f"{'fwd':>6} {'loss':>6} {'bwd':>6} {'optim':>6} {'loss %':>6} {'fwd+bwd %':>9}")
+    header = (f"{'variant':<11} {'step':>4} {'step s':>7} {'cpu s':>7} {'samples/s':>9} {'tokens/s':>8} {'old fwd':>7} "
+              f"{'fwd':>6} {'loss':>6} {'bwd':>6} {'retain':>6} {'optim':>6} {'loss %':>6} {'fwd+bwd %':>9}")
     print(header)
     print("-" * len(header))
     for r in results:
         for i, s in enumerate(r["steps"], 1):
             t = s["step_time_s"]
             fb = s["time_forward_s"] + s["time_backward_s"] + s["time_old_forward_s"]
-            print(f"{r['variant']:<9} {i:>4} {t:>7.2f} {s['cpu_s']:>7.1f} {s['samples'] / t:>9.2f} {s['tokens'] / t:>8.0f} "
+            print(f"{r['variant']:<11} {i:>4} {t:>7.2f} {s['cpu_s']:>7.1f} {s['samples'] / t:>9.2f} {s['tokens'] / t:>8.0f} "
                   f"{s['time_old_forward_s']:>7.2f} {s['time_forward_s']:>6.2f} {s['time_loss_s']:>6.2f} "
-                  f"{s['time_backward_s']:>6.2f} {s['time_optimizer_s']:>6.2f} {100 * s['time_loss_s'] / t:>6.1f} "
+                  f"{s['time_backward_s']:>6.2f} {s['time_retain_s']:>6.2f} {s['time_optimizer_s']:>6.2f} "
+                  f"{100 * s['time_loss_s'] / t:>6.1f} "
                   f"{100 * fb / t:>9.1f}")
     print()
-    print(f"{'variant':<9} {'trainable':>12} {'RSS after load MiB':>19} {'peak RSS MiB':>13} {'added MiB':>10}")
+    print(f"{'variant':<11} {'trainable':>12} {'RSS after load MiB':>19} {'peak RSS MiB':>13} {'added MiB':>10}")
     for r in results:
-        print(f"{r['variant']:<9} {r['trainable_params']:>12,} {r['rss_after_load_mib']:>19.0f} "
+        print(f"{r['variant']:<11} {r['trainable_params']:>12,} {r['rss_after_load_mib']:>19.0f} "
               f"{r['peak_rss_mib']:>13.0f} {r['peak_rss_mib'] - r['rss_after_load_mib']:>10.0f}")
     if len(results) > 1:
         base = results[0]["steps"][-1]["step_time_s"]

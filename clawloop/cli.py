@@ -316,8 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--eval-every", type=int, default=demo_defaults.DEMO_EVAL_EVERY,
                       help="Score the held-out questions every N interactions (0 = before and after only).")
     demo.add_argument("--heldout-n", type=int, default=0, help="Held-out questions to score (0 = all).")
-    demo.add_argument("--max-lag", type=int, default=0, help="Before each session, wait until fewer than this "
-                      "many answers wait to be judged or trained on (0 = never wait).")
+    demo.add_argument("--max-lag", type=int, default=demo_defaults.DEMO_MAX_LAG,
+                      help="Before each session, wait until fewer than this many answers wait to be judged or "
+                      "trained on (0 = never wait: the scripted user then finishes long before the trainer).")
     demo_defaults.add_user_arguments(demo)
     demo.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                       help="Log level of the server and pipeline.")

@@ -38,7 +38,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from clawloop.sim.demo import DEMO_EVAL_EVERY, DEMO_INTERACTIONS, DEMO_PRESET, LoopOptions, demo_config, run_loop
+from clawloop.sim.demo import DEMO_EVAL_EVERY, DEMO_INTERACTIONS, DEMO_MAX_LAG, DEMO_PRESET, LoopOptions, demo_config, \
+    run_loop
 from clawloop.sim.persona_file import load_persona_file, read_persona_file
 from clawloop.sim.sessions import STABLE_RUN, sessions_to_stable_effect
 
@@ -47,7 +48,7 @@ DEFAULT_PERSONAS = ("brief", "inshort")
 DEFAULT_SEEDS = (0, 1, 2)
 DEFAULT_INTERACTIONS = DEMO_INTERACTIONS
 DEFAULT_TARGET = 0.5
-DEFAULT_MAX_LAG = 8
+DEFAULT_MAX_LAG = DEMO_MAX_LAG
 # Settings that differ between cells by design, or that do not change what a cell measures.
 _PER_CELL = {"method", "seed", "run_dir", "port", "num_threads", "host", "w_rl", "w_opd"}
 

@@ -44,6 +44,10 @@ from clawloop.sim.trained_terms import branch_metrics, steps_per_term, term_labe
 DEMO_PERSONA = "brief"
 DEMO_INTERACTIONS = 72
 DEMO_EVAL_EVERY = 24
+DEMO_MAX_LAG = 8
+"""The simulated user waits before a session while this many of its answers still wait to be judged or trained on:
+a scripted user answers at once, far faster than a person, and would otherwise finish before the trainer has
+made a few steps (measured: a demo without the wait served v0 in all 24 sessions, two steps done)."""
 
 DEMO_PRESET: dict[str, Any] = {
     "method": "hybrid",
@@ -295,7 +299,9 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
                      if options.user_url else "the persona's scripted phrasings (--user-url for an LLM user)"))
     s = config
     out(f"settings: method {s.method}, {'LoRA r' + str(s.lora_rank) if s.lora else 'full fine-tuning'}, "
-        f"lr {s.learning_rate:g}, kl_coef {s.kl_coef:g}, batch {s.rollout_batch_size}, "
+        f"lr {s.learning_rate:g}, kl_coef {s.kl_coef:g}, "
+        + (f"retain_coef {s.retain_coef:g} ({s.retain_batch} general prompts a step), " if s.retain_coef > 0 else "")
+        + f"batch {s.rollout_batch_size}, "
         f"{options.interactions} interactions, seed {options.seed}, run dir {run_dir}")
     out("publication gate: " + (f"on, checking every {s.gate_every} step(s) on the shipped probes and recent prompts "
                                 f"(guard >= {s.gate_min_guard_pass:g} of the reference's sound answers, KL <= "

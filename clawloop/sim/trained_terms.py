@@ -24,6 +24,7 @@ TERM_LABELS: dict[str, str] = {
     "combine_teacher": "combined, teacher term",
     "opd_support": "OPD support",
     "context": "context samples",
+    "retain": "retain (general prompts)",
 }
 """Readable names of the branches known today; any other branch is shown by its metric name."""
 

@@ -335,6 +335,7 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
     if finite_kls:
         metrics["retain_kl"] = sum(finite_kls) / len(finite_kls)
     if retain is not None:
+        metrics["retain_applied"] = 1.0 if finite_kls else 0.0
         metrics["retain_skipped_nonfinite"] = float(retain.skipped - retain_skipped)
     metrics["updates_skipped_nonfinite"] = float(skipped)
     metrics["updates_applied"] = float(epochs - skipped - empty)

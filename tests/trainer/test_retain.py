@@ -159,4 +159,5 @@ def test_in_the_trainer_the_term_keeps_the_other_prompts_nearer_the_starting_wei
     plain, drift = _train(make_config, tiny_tokenizer, tmp_path, 0.0)
     kept, held = _train(make_config, tiny_tokenizer, tmp_path, 5.0)
     assert "retain_kl" not in plain and math.isfinite(kept["retain_kl"]) and kept["time_retain_s"] > 0
+    assert kept["retain_applied"] == 1.0 and kept["retain_skipped_nonfinite"] == 0.0
     assert drift > 0.01 and held < 0.8 * drift, (drift, held)
