@@ -77,8 +77,9 @@ PRESET_NOTES: dict[str, str] = {
                "end).",
     "retain_coef": "4: with the gate's knowledge probes, every candidate of a 'brief' run (seed 0) without it "
                    "stated its facts in fewer sampled answers than the starting weights (55-83 of 136 against 99) "
-                   "and none was served; at 4 the first was accepted after 2 steps, 4 of 9 checks passed, the "
-                   "user was served a newer version than v0 in 18 of 24 sessions and the score went 0.00 -> 0.86. "
+                   "and none was served; at 4 the first was accepted after 2 steps, 2 of 9 checks passed, the "
+                   "user was served a newer version than v0 in 18 of 24 sessions and the score went 0.00 -> 0.86 "
+                   "(seed 1, the demo: 0.79, 16 of 24). "
                    "Coefficients 1 and 2 (first sentences only) still lost facts or looped (docs/retain.md).",
     "rollout_batch_size": "4 samples per step: an optimizer step every four interactions.",
     "batch_wait_s": "0: always a full batch of 4, as in every measured run. The simulated user answers at once and "

@@ -11,15 +11,16 @@ Choices:
 
 * Prompts: ``clawloop.trainer.retain_prompts`` (general requests that are neither gate probes nor simulated users'
   questions, so the gate and the held-out scores still measure prompts the term never trained on).
-* Targets, computed at a trainer's first update from the starting weights (LoRA: the adapter off; full fine-tuning: the
-  frozen copy), so they never drift with the policy: each prompt's greedy answer (``retain_tokens`` at most, read
-  with the gate's decoder), and at each answer position the starting weights' top-K log-probs (K = ``retain_k``,
-  τ = 1), taken from the very logits that decoded the answer.
+* Targets, computed at a trainer's first update from the starting weights (LoRA: the adapter off; full
+  fine-tuning: the frozen copy), so they never drift with the policy: each prompt, rendered as the server renders
+  a user's message, gets its greedy answer (``retain_tokens`` at most, read with the gate's decoder), and at each
+  answer position the starting weights' top-K log-probs (K = ``retain_k``, τ = 1) are kept, taken from the very
+  logits that decoded the answer.
 * Trained positions R: every answer position but those that open a sentence after the first (where the model
   decides whether to go on at all), and, with ``retain_opening`` off, the first (how an answer opens). How long an
   answer goes on and how it opens are where users' style preferences live ("one short sentence", "In short, …"),
-  so the term leaves the first alone and the second to a setting; within the sentences, which facts and which
-  words, and no loop where the starting model had none, is what it keeps.
+  so the term never trains where a later sentence would start and leaves the opening to a setting; within the
+  sentences, which facts and which words, and no loop where the starting model had none, is what it keeps.
 * Loss, over ``retain_batch`` prompts per update (a fixed shuffled order, taken round-robin):
 
       L_retain = retain_coef · (1/B) Σ_prompts (1/|R|) Σ_{t∈R} KL_{K+1}(q_ref,t ‖ p_θ,t)
@@ -42,6 +43,7 @@ import torch
 
 from clawloop.gate.generation import probe_answers
 from clawloop.losses.support import teacher_support_kl
+from clawloop.renderers.chat import ChatRenderer
 
 SENTENCE_ENDS = (".", "!", "?")
 CLOSERS = "\"')]\u201d\u2019"
@@ -105,10 +107,8 @@ def build_examples(reference: torch.nn.Module, tokenizer: Any, prompts: Sequence
                    end_ids: list[int], opening: bool = True) -> list[RetainExample]:
     """The targets of ``prompts`` from ``reference`` (the starting weights), per the module docstring. A prompt
     whose answer has no position to train (an empty answer) is left out."""
-    rendered = []
-    for prompt in prompts:
-        out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        rendered.append(list(out["input_ids"] if hasattr(out, "keys") else out))
+    renderer = ChatRenderer(tokenizer)  # as the server renders a user's message
+    rendered = [list(renderer.render([{"role": "user", "content": prompt}]).ids) for prompt in prompts]
     examples = []
     # A few prompts at a time: the decoder keeps a [T, V] log-softmax row per answer token until it returns.
     for start in range(0, len(rendered), BUILD_CHUNK):
