@@ -1,6 +1,7 @@
 """Cost of the publication gate next to the cost of the training step it follows, on the default model.
 
-One process loads SmolLM2-135M-Instruct for training the way the demo does (LoRA r16, lr 1e-3, kl 0.05), writes
+One process loads SmolLM2-135M-Instruct for training (LoRA r16, lr 1e-3, kl 0.05, GRPO; ``--demo-preset``: the
+demo's own settings, whose step adds the retain term), writes
 ``--steps × --samples`` served turns with real chat-template prompts and ``--tokens`` answer tokens into a
 temporary store, and runs ``--steps`` steps through ``clawloop.trainer.core.Trainer`` with the gate checking every
 step (the default). Each line shows the optimizer step's time and the gate check's time (greedy answers to the
@@ -10,8 +11,9 @@ verdicts are kept), so it is slower than the steady state. Before the gate's own
 checked by a plain gate (on unless ``--no-plain``: shipped and recent probes only, without the knowledge probes
 and the run's corrected prompts), so the two times are measured side by side on the same weights; the line
 also says whether both decided alike and how many of their common answers are equal. The last lines time the greedy
-answers to probes of mixed lengths in one padded batch and in the gate's length groups, side by side, then the
-gate's decoding (rows leave the batch as they end) against one ``generate`` call per group, as the candidate
+answers to probes of mixed lengths in one padded batch and in the gate's length groups, side by side, then (LoRA)
+with the adapter as it trains against merged for the check, then the gate's decoding (rows leave the batch as
+they end) against one ``generate`` call per group, as the candidate
 answers and with most answers cut short.
 
     .venv/bin/python benchmarks/gate.py                    # 3 steps of 4 samples x 64 tokens, 1 thread
@@ -45,6 +47,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--full", action="store_true", help="Full fine-tuning instead of LoRA.")
     parser.add_argument("--no-plain", dest="plain", action="store_false", help="Skip the plain gate's check.")
+    parser.add_argument("--demo-preset", action="store_true", help="Train with the demo's preset (hybrid, the retain "
+                        "term; gate_every 1 here) instead of plain GRPO, so the check is set against the step the "
+                        "demo runs.")
     args = parser.parse_args()
 
     import torch
@@ -52,6 +57,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from clawloop.config import Config
     from clawloop.engines.model_files import default_model_dir, load_tokenizer
+    from clawloop.sim.demo import DEMO_PRESET
     from clawloop.store import SampleRecord, Store, TurnRecord
     from clawloop.trainer.core import Trainer
     from clawloop.trainer.publish import LocalVersion
@@ -59,8 +65,10 @@ def main() -> None:
     model_dir = default_model_dir()
     tokenizer = load_tokenizer(model_dir)
     with tempfile.TemporaryDirectory() as tmp:
-        config = Config.from_dict(dict(model=str(model_dir), device="cpu", run_dir=tmp, method="rl",
-                                       lora=not args.full, lr=1e-3, kl_coef=0.05, rollout_batch_size=args.samples,
+        preset = {**DEMO_PRESET, "gate_every": 1} if args.demo_preset else {"method": "rl", "lr": 1e-3,
+                                                                              "kl_coef": 0.05}
+        config = Config.from_dict(dict(preset, model=str(model_dir), device="cpu", run_dir=tmp,
+                                       lora=not args.full, rollout_batch_size=args.samples,
                                        gate_probe_tokens=args.probe_tokens, metrics_backends=["jsonl"],
                                        **({} if args.recent_prompts is None else
                                           {"gate_recent_prompts": args.recent_prompts})))
@@ -80,7 +88,8 @@ def main() -> None:
         side = SideBySide(trainer.gate, tokenizer, config, store) if args.plain else None
         if side is not None:
             trainer.gate = side  # type: ignore[assignment]
-        mode = "full fine-tuning" if args.full else f"LoRA r{config.lora_rank}"
+        mode = ("full fine-tuning" if args.full else f"LoRA r{config.lora_rank}") + (
+            f", demo preset ({config.method}, retain_coef {config.retain_coef:g})" if args.demo_preset else "")
         print(f"gate benchmark: SmolLM2-135M-Instruct, {mode}, {args.threads} thread(s), batch {args.samples} x "
               f"{args.tokens} tokens, {len(trainer.gate.shipped)} shipped probes + {config.gate_recent_prompts} "
               f"recent prompts x {args.probe_tokens} tokens, {len(trainer.gate.knowledge)} knowledge probes x "
@@ -155,7 +164,27 @@ def compare_batching(trainer, tokenizer, probe_tokens: int) -> None:
           f" one batch {timings['one batch']:.2f}s | length groups {groups} {timings['length groups']:.2f}s | "
           f"speed-up {timings['one batch'] / timings['length groups']:.2f}x | same answers: "
           f"{sum(a == b for a, b in zip(outputs['one batch'], outputs['length groups']))}/{len(prompts)}")
+    if trainer.models.lora:
+        compare_merged(trainer.models, prompts, probe_tokens, eos)
     compare_decoding(model, prompts, probe_tokens, eos)
+
+
+def compare_merged(models, prompts: list[list[int]], probe_tokens: int, eos: list[int]) -> None:
+    """The same greedy answers from the LoRA model as it trains (the adapter's extra matmuls in every adapted layer)
+    and from the gate's view of it (``gate_candidate``: the adapter merged into the base layers for the check)."""
+    from clawloop.gate.gate import probe_answers
+    from clawloop.trainer.model import gate_candidate
+
+    t0 = time.perf_counter()
+    unmerged, _ = probe_answers(models.causal_lm, prompts, probe_tokens, eos)
+    unmerged_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with gate_candidate(models) as candidate:
+        merged, _ = probe_answers(candidate, prompts, probe_tokens, eos)
+    merged_s = time.perf_counter() - t0
+    print(f"greedy answers to {len(prompts)} probes, LoRA candidate: adapter unmerged {unmerged_s:.2f}s | merged for "
+          f"the check {merged_s:.2f}s (merge included) | speed-up {unmerged_s / merged_s:.2f}x | same answers: "
+          f"{sum(a == b for a, b in zip(unmerged, merged))}/{len(prompts)}")
 
 
 def compare_decoding(model, prompts: list[list[int]], probe_tokens: int, eos: list[int]) -> None:

@@ -14,8 +14,9 @@ A check:
    what the guard judges the answer against; a probe equal to an earlier one is asked once;
 2. has the reference answer each probe once, the first time it appears, and keeps its verdict;
 3. finds the candidate's greedy answer to each probe (``probe_tokens`` at most, ``knowledge_tokens`` for the
-   knowledge probes; probes of similar length batched together whatever their cap, ``length_buckets``, each row
-   leaving the batch when its answer ends); with ``knowledge_samples`` set, each knowledge probe instead gets that
+   knowledge probes, which are answered first; probes of similar length batched together, ``length_buckets``,
+   each row leaving the batch when its answer ends; a LoRA candidate merged, as it is served, by the trainer's
+   ``gate_candidate``); with ``knowledge_samples`` set, each knowledge probe instead gets that
    many answers sampled at the serving temperature, drawn with the same uniforms as the reference's
    (``sampling_uniforms``), since users are served sampled answers and a small model's greedy answer to a fact
    it states in half its answers flips at the slightest change;
@@ -48,6 +49,7 @@ history. Why these checks and thresholds: docs/publication-gate.md.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import re
@@ -146,21 +148,26 @@ class GateResult:
     unanswered: int = 0
     """Probes the check did not ask the candidate: it stopped once the candidate could no longer pass, or the
     probe could not count (neither the reference nor the last accepted version answered it soundly)."""
+    kl_measured: bool = True
+    """False when the check stopped before any greedy answer (a candidate rejected for its facts): ``kl`` and
+    ``guard_pass`` then measure nothing."""
 
     def summary(self) -> str:
         verdict = "accepted" if self.accepted else "rejected (" + "; ".join(self.reasons) + ")"
         delivered = (f" (stated in {self.facts_right} sampled answers, the reference's {self.facts_reference_right})"
                      if self.facts_reference_right else "")
+        facts = f"{self.forgotten} of {self.knowledge_counted} facts forgotten{delivered}"
+        if not self.kl_measured:
+            return f"{verdict}: {facts}; stopped before the guard's probes and the KL, {self.seconds:.1f}s"
         return (f"{verdict}: guard {self.guard_pass:.2f} ({self.regressions} of {self.counted} regressed), "
-                f"{self.forgotten} of {self.knowledge_counted} facts forgotten{delivered}, KL {self.kl:.2f} "
-                f"nats/token, {self.seconds:.1f}s")
+                f"{facts}, KL {self.kl:.2f} nats/token, {self.seconds:.1f}s")
 
     def evidence(self) -> dict[str, Any]:
         return {"accepted": self.accepted, "reasons": list(self.reasons), "guard_pass": self.guard_pass,
                 "counted": self.counted, "regressions": self.regressions,
                 "knowledge_counted": self.knowledge_counted, "forgotten": self.forgotten,
                 "facts_right": self.facts_right, "facts_reference_right": self.facts_reference_right,
-                "broken_fixes": self.broken_fixes, "unanswered": self.unanswered,
+                "broken_fixes": self.broken_fixes, "unanswered": self.unanswered, "kl_measured": self.kl_measured,
                 "kl": self.kl, "kl_to": self.kl_to, "seconds": round(self.seconds, 3),
                 "thresholds": dict(self.thresholds), "probes": [asdict(p) for p in self.probes]}
 
@@ -214,7 +221,7 @@ def tolerated_regressions(counted: int, min_guard_pass: float, *, near_identical
 
 
 def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float, max_kl: float,
-           max_fact_drop: float = MAX_FACT_DROP) -> Decision:
+           max_fact_drop: float = MAX_FACT_DROP, kl_measured: bool = True) -> Decision:
     """Accept or reject on the probe outcomes and the mean KL. Rejected when
 
     * more counted guard probes regress than ``tolerated_regressions`` allows: a probe counts when the reference or
@@ -227,8 +234,11 @@ def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float
       less often than the reference's (each fact a little less known is as much a loss as one fact gone);
     * a corrected prompt that the last accepted version answered soundly is not answered soundly any more (an
       earlier fix broken; none tolerated, except by a near-identical candidate, whose failures are near-ties);
-    * the KL is above ``max_kl`` (or not a number)."""
-    near_identical = kl < NEAR_IDENTICAL_KL
+    * the KL is above ``max_kl`` (or not a number).
+
+    ``kl_measured`` is False when no greedy answer was scored (a check stopped after its knowledge probes): a
+    candidate is near-identical only by a KL measured."""
+    near_identical = kl_measured and kl < NEAR_IDENTICAL_KL
     guard = [o for o in outcomes if o.source != "knowledge" and o.counted]
     regressed = [o for o in guard if not o.ok]
     guard_pass = (len(guard) - len(regressed)) / len(guard) if guard else 1.0
@@ -262,16 +272,21 @@ def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float
 
 
 def certain_rejection(outcomes: Sequence[ProbeOutcome], pending_guard: int, pending_facts: int, *,
-                      min_guard_pass: float) -> bool:
+                      min_guard_pass: float, max_fact_drop: float = MAX_FACT_DROP) -> bool:
     """True when the candidate must be rejected whatever the probes not answered yet and its KL turn out to be:
     its regressions (or forgotten facts) so far exceed what ``decide`` would tolerate even if every pending probe
-    counted and the candidate were near-identical. A check stops there (``PublicationGate.check``)."""
+    counted and the candidate were near-identical, or, with every knowledge probe answered, its sampled answers
+    state their facts too much less often than the reference's (a rule no KL and no guard probe can change). A
+    check stops there (``PublicationGate.check``)."""
     guard = [o for o in outcomes if o.source != "knowledge" and o.counted]
     facts = [o for o in outcomes if o.source == "knowledge" and o.counted]
     most_tolerated = tolerated_regressions(len(guard) + pending_guard, min_guard_pass, near_identical=True)
     most_forgotten = tolerated_regressions(len(facts) + pending_facts, min_guard_pass, near_identical=True)
+    sampled = [o for o in outcomes if o.source == "knowledge" and o.samples and o.reference_right]
+    fewer_facts = (pending_facts == 0 and sum(int(o.right or 0) for o in sampled)
+                   < (1.0 - max_fact_drop) * sum(int(o.reference_right or 0) for o in sampled) - 1e-9)
     return (sum(not o.ok for o in guard) > most_tolerated
-            or sum(not o.ok for o in facts) > most_forgotten)
+            or sum(not o.ok for o in facts) > most_forgotten or fewer_facts)
 
 
 @dataclass
@@ -463,54 +478,75 @@ class PublicationGate:
         return out
 
     @torch.no_grad()
-    def check(self, candidate: torch.nn.Module, reference: Callable[[], ContextManager[torch.nn.Module]],
-              kl_to: str = "reference") -> GateResult:
-        """Decide on ``candidate`` (the training model as it is now). ``reference()`` enters a context in which
-        it yields the model to compare with (``kl_to`` names it in the evidence). Only the fixed starting weights
-        (``kl_to="reference"``) have their verdicts kept between checks; the last accepted version changes.
+    def check(self, candidate: torch.nn.Module | Callable[[], ContextManager[torch.nn.Module]],
+              reference: Callable[[], ContextManager[torch.nn.Module]], kl_to: str = "reference") -> GateResult:
+        """Decide on ``candidate``: a model, or a function entering a context in which it yields the model (the
+        trainer's merged view of its LoRA model, ``trainer.model.gate_candidate``). ``reference()`` enters a
+        context in which it yields the model to compare with (``kl_to`` names it in the evidence); the two
+        contexts are never entered at once. Only the fixed starting weights (``kl_to="reference"``) have their
+        verdicts kept between checks; the last accepted version changes.
 
-        The cost is bounded four ways: a knowledge probe that cannot count (neither the reference nor the last
+        The cost is bounded five ways: a knowledge probe that cannot count (neither the reference nor the last
         accepted version knew the fact; sampled, the reference never stated it) is not asked; the knowledge probes,
-        whose facts come in a first sentence, are answered in ``knowledge_tokens``; a sampled knowledge answer ends
-        once it has named its fact (``names_fact``: whether it names it cannot change, only the text rules then see
-        less of it); and the check stops as soon as the regressions so far reject the candidate whatever the rest
-        would show (``certain_rejection``). None but the third can change a decision."""
+        whose facts come in a first sentence, are answered in ``knowledge_tokens``, each prompt prefilled once for
+        all its sampled answers; a sampled knowledge answer ends once it has named its fact (``names_fact``:
+        whether it names it cannot change, only the text rules then see less of it); the knowledge probes are
+        answered first (by the reference too, where it has not yet answered a probe); and the check stops as soon
+        as what it has seen rejects the candidate whatever the rest would show (``certain_rejection``). None but
+        the third can change a decision."""
         t0 = time.monotonic()
+        enter_candidate = ((lambda: contextlib.nullcontext(candidate)) if isinstance(candidate, torch.nn.Module)
+                           else candidate)
         if kl_to != "reference":
             self._reference_ok.clear()
             self._reference_right.clear()
         probe_set = self.probe_set()
         eos = self._eos_ids()
-        missing = [p for p in probe_set if _key(p) not in self._reference_ok]
-        if missing:  # the reference answers each probe once, the first time it appears
-            with reference() as ref:
-                for p, (answers, _) in zip(missing, self._ask(ref, missing, eos)):
-                    right = sum(self._verdict(p, ans)[0] for ans in answers)
-                    self._reference_right[_key(p)] = right
-                    self._reference_ok[_key(p)] = 2 * right >= len(answers)
-        probes = [p for p in probe_set if self._worth_asking(p)]
-        unasked = len(probe_set) - len(probes)
+        # Two parts, the knowledge probes first: their answers are short, and most rejections in simulated runs
+        # were for facts, which once every knowledge probe is answered no other probe can change
+        # (``certain_rejection``); such a check then skips the guard's long answers, and the reference's answers to
+        # the run's new prompts too.
+        parts = [[p for p in probe_set if p.source == "knowledge"], [p for p in probe_set if p.source != "knowledge"]]
         answered: list[tuple[_Probe, list[int], torch.Tensor | None]] = []
         outcomes: list[ProbeOutcome] = []
-        batches = [[probes[i] for i in idx] for idx in length_buckets([len(p.ids) for p in probes])]
-        for n, batch in enumerate(batches):
-            for p, (answers, lp) in zip(batch, self._ask(candidate, batch, eos)):
-                outcome, ans = (self._sampled_outcome(p, answers) if lp is None
-                                else (self._outcome(p, answers[0]), answers[0]))
-                answered.append((p, ans, lp))
-                outcomes.append(outcome)
-            pending = [p for rest in batches[n + 1:] for p in rest]
-            if pending and certain_rejection(outcomes, sum(p.source != "knowledge" for p in pending),
-                                             sum(p.source == "knowledge" for p in pending),
-                                             min_guard_pass=self.min_guard_pass):
-                unasked += len(pending)
+        unasked, stopped = 0, False
+        for k, part in enumerate(parts):
+            missing = [p for p in part if _key(p) not in self._reference_ok]
+            if missing:  # the reference answers each probe once, the first time it appears
+                with reference() as ref:
+                    for p, (answers, _) in zip(missing, self._ask(ref, missing, eos)):
+                        right = sum(self._verdict(p, ans)[0] for ans in answers)
+                        self._reference_right[_key(p)] = right
+                        self._reference_ok[_key(p)] = 2 * right >= len(answers)
+            asked = [p for p in part if self._worth_asking(p)]
+            unasked += len(part) - len(asked)
+            batches = [[asked[i] for i in idx] for idx in length_buckets([len(p.ids) for p in asked])]
+            with enter_candidate() as model:
+                for n, batch in enumerate(batches):
+                    for p, (answers, lp) in zip(batch, self._ask(model, batch, eos)):
+                        outcome, ans = (self._sampled_outcome(p, answers) if lp is None
+                                        else (self._outcome(p, answers[0]), answers[0]))
+                        answered.append((p, ans, lp))
+                        outcomes.append(outcome)
+                    pending = [p for rest in batches[n + 1:] for p in rest] + [p for later in parts[k + 1:]
+                                                                                for p in later]
+                    if pending and certain_rejection(outcomes, sum(p.source != "knowledge" for p in pending),
+                                                     sum(p.source == "knowledge" for p in pending),
+                                                     min_guard_pass=self.min_guard_pass,
+                                                     max_fact_drop=self.max_fact_drop):
+                        unasked += len(pending)
+                        stopped = True
+                        break
+            if stopped:
                 break
         order = {id(p): i for i, p in enumerate(probe_set)}  # the evidence lists probes in the probe set's order
         pairs = sorted(zip(answered, outcomes), key=lambda pair: order[id(pair[0][0])])
         answered, outcomes = [a for a, _ in pairs], [o for _, o in pairs]
         greedy = [(p, a) for p, a, lp in answered if lp is not None]
-        with reference() as ref:
-            scored = iter(answer_logprobs(ref, [p.ids for p, _ in greedy], [a for _, a in greedy]))
+        scored = iter(())
+        if greedy:
+            with reference() as ref:
+                scored = iter(answer_logprobs(ref, [p.ids for p, _ in greedy], [a for _, a in greedy]))
         ref_lp = [next(scored) if lp is not None else None for _, _, lp in answered]
         kl_sum, kl_tokens = 0.0, 0
         for outcome, (_, ans, c_T_V), r_T_V in zip(outcomes, answered, ref_lp):
@@ -521,8 +557,9 @@ class PublicationGate:
             kl_tokens += len(ans)
             outcome.kl = float(kl_T.mean()) if len(ans) else 0.0
         kl = kl_sum / kl_tokens if kl_tokens else 0.0
+        kl_measured = bool(greedy) or not stopped
         decision = decide(outcomes, kl, min_guard_pass=self.min_guard_pass, max_kl=self.max_kl,
-                          max_fact_drop=self.max_fact_drop)
+                          max_fact_drop=self.max_fact_drop, kl_measured=kl_measured)
         if decision.accepted:
             # The new last accepted version's verdicts replace the old ones; a fact it was not asked (neither an
             # accepted version nor the reference knew it) keeps its earlier verdict.
@@ -545,7 +582,7 @@ class PublicationGate:
                           counted=decision.counted, regressions=decision.regressions,
                           knowledge_counted=decision.knowledge_counted, forgotten=decision.forgotten,
                           facts_right=decision.facts_right, facts_reference_right=decision.facts_reference_right,
-                          broken_fixes=decision.broken_fixes, unanswered=unasked)
+                          broken_fixes=decision.broken_fixes, unanswered=unasked, kl_measured=kl_measured)
 
     def _outcome(self, p: _Probe, ans: list[int]) -> ProbeOutcome:
         """A greedy answer's outcome, with the reference's and the last accepted version's verdicts."""

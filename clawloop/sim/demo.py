@@ -493,6 +493,8 @@ def gate_line(event: dict[str, Any]) -> str:
     what = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
     facts = (f"guard {event.get('guard_pass', 0):.2f}, KL {max(0.0, event.get('kl', 0)):.2f} nats/token, "
              f"{event.get('seconds', 0):.0f}s")
+    if event.get("kl_measured") is False:  # stopped after the knowledge probes: no guard answer, no KL
+        facts = f"decided on the knowledge probes alone, {event.get('seconds', 0):.0f}s"
     if event.get("kind") == "gate_accepted":
         return f"[gate] {what}: accepted, serving v{event.get('version')} ({facts})"
     restored = event.get("restored_version")

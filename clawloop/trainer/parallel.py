@@ -2,8 +2,8 @@
 
 Every call is direct: ``share`` just calls, the trainable state is copied from the model itself
 (``model.trainable_state_dict``, CPU clones), the optimizer state is a deep copy of ``optimizer.state_dict()``,
-and the gate checks the training model in place against ``model.gate_reference``. These are exactly the copies
-and checks the trainer made before the contracts existed, so nothing numeric changes.
+and the gate checks the training model in place (``model.gate_candidate``: a LoRA model with its adapter merged
+into the base layers for the duration, as it is served) against ``model.gate_reference``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 import torch
 
 from clawloop.gate.gate import GateResult, PublicationGate
-from clawloop.trainer.model import TrainModels, gate_reference, load_trainable_state_dict, trainable_state_dict
+from clawloop.trainer.model import (TrainModels, gate_candidate, gate_reference, load_trainable_state_dict,
+                                   trainable_state_dict)
 
 T = TypeVar("T")
 
@@ -58,4 +59,4 @@ class LocalGateView:
               accepted: dict[str, torch.Tensor] | None) -> GateResult:
         models = self.models
         kl_to = "reference" if models.lora or models.reference is not None else "last_accepted"
-        return gate.check(models.causal_lm, lambda: gate_reference(models, accepted), kl_to=kl_to)
+        return gate.check(lambda: gate_candidate(models), lambda: gate_reference(models, accepted), kl_to=kl_to)

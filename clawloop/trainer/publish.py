@@ -42,7 +42,7 @@ import torch
 
 from clawloop.engines.multi_lora import PEFT_PREFIX, plain_lora_scaling
 from clawloop.trainer.contracts import PublishingEngine
-from clawloop.trainer.model import TrainModels
+from clawloop.trainer.model import TrainModels, merged_lora_weights
 from clawloop.weight_folder import unshared_tensors, write_weight_folder
 
 log = logging.getLogger(__name__)
@@ -56,16 +56,7 @@ def merged_state_dict(models: TrainModels) -> dict[str, torch.Tensor]:
     model = models.causal_lm
     if not models.lora:
         return {k: v.detach() for k, v in model.state_dict().items()}
-    from peft.tuners.lora import LoraLayer
-
-    adapter = getattr(models.policy, "active_adapter", "default")
-    if isinstance(adapter, (list, tuple)):
-        adapter = adapter[0]
-    deltas: dict[str, torch.Tensor] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, LoraLayer) and adapter in getattr(module, "lora_A", {}):
-            base = module.get_base_layer()
-            deltas[f"{name}.weight"] = base.weight.detach() + module.get_delta_weight(adapter).to(base.weight.dtype)
+    deltas = {f"{name}.weight": merged for name, _, merged in merged_lora_weights(models)}
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
         if "lora_" in key:

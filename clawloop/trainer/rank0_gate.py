@@ -17,7 +17,8 @@ import torch
 
 from clawloop.config import Config
 from clawloop.gate.gate import GateResult, PublicationGate
-from clawloop.trainer.model import TrainModels, gate_reference, load_train_models, load_trainable_state_dict
+from clawloop.trainer.model import (TrainModels, gate_candidate, gate_reference, load_train_models,
+                                   load_trainable_state_dict)
 
 
 class Rank0GateView:
@@ -30,4 +31,5 @@ class Rank0GateView:
         if candidate is None:
             raise RuntimeError("the candidate's weights were not gathered on this rank")
         load_trainable_state_dict(self.copy, candidate)
-        return gate.check(self.copy.causal_lm, lambda: gate_reference(self.copy, accepted), kl_to=self.kl_to)
+        return gate.check(lambda: gate_candidate(self.copy), lambda: gate_reference(self.copy, accepted),
+                          kl_to=self.kl_to)

@@ -169,9 +169,12 @@ def test_sampled_knowledge_counts_how_often_a_fact_is_stated(monkeypatch, tiny_t
 
     # Paris in 2 of 8 answers is forgotten (8 → at most 2); one forgotten fact is tolerated, but 8 of the
     # reference's 14 right answers is more than 10 % fewer.
+    # The knowledge probes are answered first, and a share that low rejects whatever the guard probe would show:
+    # the check stops before asking it.
     fewer = check(2, 4, 2)
-    assert (fewer.forgotten, fewer.facts_right) == (1, 8) and fewer.probes[1].answer == lyon
+    assert (fewer.forgotten, fewer.facts_right) == (1, 8) and fewer.probes[0].answer == lyon
     assert fewer.reasons == ["facts stated in 8 of the sampled answers, the reference's in 14: more than 10% fewer"]
+    assert [p.prompt for p in fewer.probes] == [f.question for f in facts[:3]] and fewer.unanswered == 2
 
     both = check(0, 1, 2)  # Japan 4 → 1 is forgotten too
     assert not both.accepted and "2 of 2 known facts forgotten, 1 tolerated" in both.reasons[0]
@@ -224,6 +227,31 @@ def test_sampled_knowledge_draws_the_reference_and_the_candidate_with_the_same_d
     assert moved[0].reference_right == same.reference_right  # the reference's count is kept, not redrawn
 
 
+def test_a_prompt_asked_several_times_is_prefilled_once(tiny_tokenizer, base_model):
+    """A knowledge probe's sampled answers share one prefill of its prompt: the first forward sees each distinct
+    prompt once, and rows of the same prompt drawn with the same dice draw the same answer."""
+    from clawloop.engines.model_files import end_token_ids
+    from clawloop.gate.generation import probe_answers, sampling_uniforms
+
+    def ids(question):
+        out = tiny_tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    fact, other = ids("What is the capital of France?"), ids("What is a turtle?")
+    batch_sizes = []
+    hook = base_model.register_forward_pre_hook(
+        lambda module, args, kwargs: batch_sizes.append(int(kwargs["input_ids"].shape[0])), with_kwargs=True)
+    try:
+        dice = [sampling_uniforms("France", i % 4, 24) for i in range(8)]
+        answers, logprobs = probe_answers(base_model, [fact] * 8 + [other], 24, end_token_ids(tiny_tokenizer),
+                                          uniforms=[*dice, None], temperature=0.6)
+    finally:
+        hook.remove()
+    assert batch_sizes[0] == 2 and max(batch_sizes[1:]) <= 9
+    assert answers[:4] == answers[4:8] and len(set(map(tuple, answers[:4]))) > 1
+    assert logprobs[8].shape[0] == len(answers[8]) > 0 and all(lp.shape[0] == 0 for lp in logprobs[:8])
+
+
 def test_an_answer_names_a_fact_for_good_only_once_something_follows_it():
     assert names_fact("7 + 5 = 12.", ("12", "twelve")) and names_fact("It is Paris, of course", ("Paris",))
     assert not names_fact("7 + 5 = 12", ("12", "twelve"))  # the next token could make it 120
@@ -249,6 +277,35 @@ def test_a_check_stops_once_the_candidate_cannot_pass(monkeypatch, tiny_tokenize
     # prompt's batch is never answered by the candidate.
     assert not result.accepted and result.regressions == 3 and result.unanswered == 1
     assert [c for c in calls if c[0] == id(broken)] == [(id(broken), 3)]
+
+
+def test_a_candidate_that_lost_its_facts_is_rejected_before_the_long_answers(monkeypatch, tiny_tokenizer, base_model,
+                                                                           perturb, scripted):
+    """The knowledge probes are answered first. A candidate whose sampled answers state the facts too rarely is
+    rejected there: neither it nor the reference answers the guard's probes or the run's new prompts; they wait
+    for a check that needs them, and the next check asks them."""
+    facts = [KnowledgeProbe("What is the capital of France?", ("Paris",)),
+             KnowledgeProbe("What is the capital of Japan?", ("Tokyo",))]
+    recent = "What is a lizard?"
+    messages = [{"role": "user", "content": recent}]
+    ids = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    sound = {TURTLE: SOUND, recent: "A lizard is a small reptile with four legs."}
+    knows = {"France": ["The capital of France is Paris."] * 8, "Japan": ["The capital of Japan is Tokyo."] * 8}
+    forgot = {"France": ["The capital of France is Lyon."] * 8, "Japan": ["The capital of Japan is Tokyo."] * 8}
+    candidate = perturb(base_model, 0.05, 3)
+    gate = PublicationGate(tiny_tokenizer, min_guard_pass=0.95, probes=[TURTLE], knowledge=facts, knowledge_samples=8,
+                           recent_prompts=lambda: [(1, ids, messages)])
+    calls = scripted(monkeypatch, {id(base_model): {**knows, **sound}, id(candidate): {**forgot, **sound}})
+    rejected = _check(gate, candidate, base_model)
+    assert not rejected.accepted and rejected.reasons[0].startswith("facts stated in 8 of the sampled answers")
+    assert rejected.unanswered == 2 and {p.source for p in rejected.probes} == {"knowledge"}
+    assert calls == [(id(base_model), 16), (id(candidate), 16)]  # 2 facts x 8 draws each, nothing else
+    calls = scripted(monkeypatch, {id(base_model): {**knows, **sound}, id(candidate): {**knows, **sound}})
+    accepted = _check(gate, candidate, base_model)
+    assert accepted.accepted and accepted.unanswered == 0 and len(accepted.probes) == 4
+    assert calls == [(id(candidate), 16), (id(base_model), 2), (id(candidate), 2)]  # the reference's verdicts on
+    # the facts were kept; the guard's two probes are asked of it now
 
 
 def test_a_right_fact_counts_whatever_the_question_rules_say(monkeypatch, tiny_tokenizer, base_model, perturb,

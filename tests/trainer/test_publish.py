@@ -81,6 +81,35 @@ def test_lora_merge_equals_peft_merge_and_leaves_the_adapter_alone(make_config, 
     assert any("base_layer" in k for k in trainer.models.causal_lm.state_dict())
 
 
+def test_the_gate_checks_the_lora_candidate_merged_and_leaves_training_untouched(make_config, base_model,
+                                                                                  tiny_tokenizer, tmp_path):
+    """The gate decodes a LoRA candidate with its adapter merged into the base layers (what the engine serves, and
+    faster): the same outputs as the adapter's own forward, and afterwards the base weights are the very same
+    tensors, bit for bit, the adapter is on again and its reference (adapter off) is the starting model."""
+    from clawloop.trainer.model import gate_candidate, gate_reference
+
+    config = make_config(method="rl", lora=True, lr=1e-2)
+    store = Store(tmp_path / "store.sqlite")
+    add_sample(store, base_model, tiny_tokenizer, 0, reward=1.0)
+    add_sample(store, base_model, tiny_tokenizer, 1, reward=-1.0)
+    trainer = Trainer(config, store, console=None)
+    trainer.run_batch(*store.lease_samples(2))
+    models = trainer.models
+    ids = torch.tensor([render(tiny_tokenizer, [{"role": "user", "content": "Tell me a joke."}])])
+    with torch.no_grad():
+        unmerged = models.causal_lm(input_ids=ids).logits
+        bases = {n: (p, p.detach().clone()) for n, p in models.causal_lm.named_parameters() if "base_layer" in n}
+        with gate_candidate(models) as candidate:
+            merged = candidate(input_ids=ids).logits
+            assert any(not torch.equal(p, kept) for p, kept in bases.values())  # the merged weights are in place
+        assert all(torch.equal(p, kept) for p, kept in bases.values())
+        assert torch.equal(models.causal_lm(input_ids=ids).logits, unmerged)  # adapter on again
+        with gate_reference(models, None) as reference:
+            torch.testing.assert_close(reference(input_ids=ids).logits, base_model(input_ids=ids).logits)
+    torch.testing.assert_close(merged, unmerged, atol=1e-4, rtol=1e-4)
+    assert (merged - base_model(input_ids=ids).logits).abs().max() > 1e-3  # the candidate is not the base
+
+
 def test_what_each_kind_of_engine_receives(make_config, tmp_path):
     """Merged base weights by default; the PEFT model itself for an adapter-hot-loading (vLLM LoRA) engine; an
     explicit version only to engines that take one."""
