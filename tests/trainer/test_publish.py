@@ -57,14 +57,19 @@ def test_a_step_publishes_new_weights_under_a_new_version(make_config, base_mode
     torch.testing.assert_close(after.logprobs_T, expected_T, atol=1e-4, rtol=1e-4)
 
 
-def test_lora_merge_equals_peft_merge_and_leaves_the_adapter_alone(make_config, base_model, tiny_tokenizer,
-                                                                   tmp_path):
+def _lora_trainer_after_a_step(make_config, base_model, tiny_tokenizer, tmp_path) -> Trainer:
     config = make_config(method="rl", lora=True, lr=1e-2)
     store = Store(tmp_path / "store.sqlite")
     add_sample(store, base_model, tiny_tokenizer, 0, reward=1.0)
     add_sample(store, base_model, tiny_tokenizer, 1, reward=-1.0)
     trainer = Trainer(config, store, console=None)
     trainer.run_batch(*store.lease_samples(2))
+    return trainer
+
+
+def test_lora_merge_equals_peft_merge_and_leaves_the_adapter_alone(make_config, base_model, tiny_tokenizer,
+                                                                   tmp_path):
+    trainer = _lora_trainer_after_a_step(make_config, base_model, tiny_tokenizer, tmp_path)
     adapter_before = {n: p.detach().clone() for n, p in trainer.models.policy.named_parameters() if "lora_" in n}
 
     merged = merged_state_dict(trainer.models)
@@ -88,12 +93,7 @@ def test_the_gate_checks_the_lora_candidate_merged_and_leaves_training_untouched
     tensors, bit for bit, the adapter is on again and its reference (adapter off) is the starting model."""
     from clawloop.trainer.model import gate_candidate, gate_reference
 
-    config = make_config(method="rl", lora=True, lr=1e-2)
-    store = Store(tmp_path / "store.sqlite")
-    add_sample(store, base_model, tiny_tokenizer, 0, reward=1.0)
-    add_sample(store, base_model, tiny_tokenizer, 1, reward=-1.0)
-    trainer = Trainer(config, store, console=None)
-    trainer.run_batch(*store.lease_samples(2))
+    trainer = _lora_trainer_after_a_step(make_config, base_model, tiny_tokenizer, tmp_path)
     models = trainer.models
     ids = torch.tensor([render(tiny_tokenizer, [{"role": "user", "content": "Tell me a joke."}])])
     with torch.no_grad():
