@@ -102,8 +102,9 @@ def main() -> None:
             train_s, gate_s = m["step_time_s"], m.get("gate_s", 0.0)
             print(f"step {m['step']}: train step {train_s:.2f}s | gate check {gate_s:.2f}s "
                   f"(ratio gate/train {gate_s / train_s:.2f}) | whole step {wall:.2f}s | "
-                  f"{'accepted' if m.get('gate_accepted') else 'rejected'} guard {m.get('gate_guard_pass', 0):.2f} "
-                  f"KL {m.get('gate_kl', 0):.3f}")
+                  f"{'accepted' if m.get('gate_accepted') else 'rejected'} "
+                  + (f"guard {m['gate_guard_pass']:.2f} KL {m['gate_kl']:.3f}" if "gate_kl" in m
+                     else "on the knowledge probes alone"))
             if side is not None and side.last:
                 plain_s, same, total, agree = side.last
                 print(f"  plain gate (no knowledge probes or corrected prompts) on the same candidate: {plain_s:.2f}s "

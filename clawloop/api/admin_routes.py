@@ -99,6 +99,6 @@ def mount_admin_routes(app: FastAPI, store: Store, config: Any, trainer: Callabl
 
 def _verdict(evidence: dict[str, Any]) -> dict[str, Any]:
     """The short form of a gate verdict (the probe answers stay in the store and the version folder)."""
-    keep = ("accepted", "reasons", "guard_pass", "kl", "gate", "steps", "restored_version", "from_version",
-            "rolled_back", "optimizer")
+    keep = ("accepted", "reasons", "guard_pass", "kl", "kl_measured", "gate", "steps", "restored_version",
+            "from_version", "rolled_back", "optimizer")
     return {k: evidence[k] for k in keep if k in evidence}

@@ -12,7 +12,7 @@ A check:
    it was served; a longer one (an agent's, with its system prompt, tools and history) as its closing exchanges
    (``closing_exchanges``: what the user wrote in the last messages, at most ``RECENT_TAIL_TOKENS``), which is
    what the guard judges the answer against; a probe equal to an earlier one is asked once;
-2. has the reference answer each probe once, the first time it appears, and keeps its verdict;
+2. has the reference answer each probe once, the first time a check reaches it, and keeps its verdict;
 3. finds the candidate's greedy answer to each probe (``probe_tokens`` at most, ``knowledge_tokens`` for the
    knowledge probes, which are answered first; probes of similar length batched together, ``length_buckets``,
    each row leaving the batch when its answer ends; a LoRA candidate merged, as it is served, by the trainer's
@@ -149,8 +149,8 @@ class GateResult:
     """Probes the check did not ask the candidate: it stopped once the candidate could no longer pass, or the
     probe could not count (neither the reference nor the last accepted version answered it soundly)."""
     kl_measured: bool = True
-    """False when the check stopped before any greedy answer (a candidate rejected for its facts): ``kl`` and
-    ``guard_pass`` then measure nothing."""
+    """False when the check stopped after the knowledge probes (a candidate rejected for its facts), before the
+    guard's probes: ``kl`` and ``guard_pass`` then measure nothing."""
 
     def summary(self) -> str:
         verdict = "accepted" if self.accepted else "rejected (" + "; ".join(self.reasons) + ")"
@@ -236,8 +236,8 @@ def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float
       earlier fix broken; none tolerated, except by a near-identical candidate, whose failures are near-ties);
     * the KL is above ``max_kl`` (or not a number).
 
-    ``kl_measured`` is False when no greedy answer was scored (a check stopped after its knowledge probes): a
-    candidate is near-identical only by a KL measured."""
+    ``kl_measured`` is False when the check stopped after its knowledge probes, before the guard's: a candidate
+    is near-identical only by a KL measured on those."""
     near_identical = kl_measured and kl < NEAR_IDENTICAL_KL
     guard = [o for o in outcomes if o.source != "knowledge" and o.counted]
     regressed = [o for o in guard if not o.ok]
@@ -509,10 +509,10 @@ class PublicationGate:
         parts = [[p for p in probe_set if p.source == "knowledge"], [p for p in probe_set if p.source != "knowledge"]]
         answered: list[tuple[_Probe, list[int], torch.Tensor | None]] = []
         outcomes: list[ProbeOutcome] = []
-        unasked, stopped = 0, False
+        unasked, stopped, kl_measured = 0, False, True
         for k, part in enumerate(parts):
             missing = [p for p in part if _key(p) not in self._reference_ok]
-            if missing:  # the reference answers each probe once, the first time it appears
+            if missing:  # the reference answers each probe once, the first time a check reaches it
                 with reference() as ref:
                     for p, (answers, _) in zip(missing, self._ask(ref, missing, eos)):
                         right = sum(self._verdict(p, ans)[0] for ans in answers)
@@ -521,6 +521,8 @@ class PublicationGate:
             asked = [p for p in part if self._worth_asking(p)]
             unasked += len(part) - len(asked)
             batches = [[asked[i] for i in idx] for idx in length_buckets([len(p.ids) for p in asked])]
+            if not batches:
+                continue
             with enter_candidate() as model:
                 for n, batch in enumerate(batches):
                     for p, (answers, lp) in zip(batch, self._ask(model, batch, eos)):
@@ -538,6 +540,7 @@ class PublicationGate:
                         stopped = True
                         break
             if stopped:
+                kl_measured = k > 0  # stopped after the knowledge probes: no guard pass and no KL measured
                 break
         order = {id(p): i for i, p in enumerate(probe_set)}  # the evidence lists probes in the probe set's order
         pairs = sorted(zip(answered, outcomes), key=lambda pair: order[id(pair[0][0])])
@@ -557,7 +560,6 @@ class PublicationGate:
             kl_tokens += len(ans)
             outcome.kl = float(kl_T.mean()) if len(ans) else 0.0
         kl = kl_sum / kl_tokens if kl_tokens else 0.0
-        kl_measured = bool(greedy) or not stopped
         decision = decide(outcomes, kl, min_guard_pass=self.min_guard_pass, max_kl=self.max_kl,
                           max_fact_drop=self.max_fact_drop, kl_measured=kl_measured)
         if decision.accepted:

@@ -451,8 +451,9 @@ class Trainer:
             evidence: dict[str, Any] = {"accepted": False, "reasons": [f"the gate failed: {error}"]}
         else:
             self.gate_seconds += result.seconds
-            metrics = {"gate_accepted": 1.0 if result.accepted else 0.0, "gate_guard_pass": result.guard_pass,
-                       "gate_kl": result.kl, "gate_s": result.seconds}
+            metrics = {"gate_accepted": 1.0 if result.accepted else 0.0, "gate_s": result.seconds}
+            if result.kl_measured:  # a check decided on the knowledge probes alone measured neither
+                metrics.update(gate_guard_pass=result.guard_pass, gate_kl=result.kl)
             if result.facts_reference_right:
                 metrics["gate_facts_right"] = float(result.facts_right)
                 metrics["gate_facts_reference_right"] = float(result.facts_reference_right)

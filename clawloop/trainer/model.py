@@ -112,30 +112,45 @@ def load_train_models(config: Config, model_dir: str | Path | None = None) -> Tr
                        use_reference=use_reference)
 
 
+def _active_adapter(models: TrainModels) -> str:
+    adapter = getattr(models.policy, "active_adapter", "default")
+    return adapter[0] if isinstance(adapter, (list, tuple)) else adapter
+
+
+def _lora_layers(models: TrainModels, adapter: str | None = None) -> Iterator[Any]:
+    """The LoRA layers the active adapter (or ``adapter``) adapts."""
+    from peft.tuners.lora import LoraLayer
+
+    adapter = adapter or _active_adapter(models)
+    for module in models.causal_lm.modules():
+        if isinstance(module, LoraLayer) and adapter in getattr(module, "lora_A", {}):
+            yield module
+
+
 @torch.no_grad()
 def merged_lora_weights(models: TrainModels) -> Iterator[tuple[str, torch.nn.Module, torch.Tensor]]:
     """For every linear layer the active adapter adapts: the layer's name, its base layer, and ``W + scaling ·
     B @ A`` computed into a new tensor (peft's own delta), the weight the serving engine is handed for it."""
-    from peft.tuners.lora import LoraLayer
-
-    adapter = getattr(models.policy, "active_adapter", "default")
-    if isinstance(adapter, (list, tuple)):
-        adapter = adapter[0]
-    for name, module in models.causal_lm.named_modules():
-        if isinstance(module, LoraLayer) and adapter in getattr(module, "lora_A", {}):
-            base = module.get_base_layer()
-            yield name, base, base.weight.detach() + module.get_delta_weight(adapter).to(base.weight.dtype)
+    adapter = _active_adapter(models)
+    names = {id(module): name for name, module in models.causal_lm.named_modules()}
+    for module in _lora_layers(models, adapter):
+        base = module.get_base_layer()
+        yield names[id(module)], base, base.weight.detach() + module.get_delta_weight(adapter).to(base.weight.dtype)
 
 
 @contextlib.contextmanager
 def gate_candidate(models: TrainModels) -> Iterator[torch.nn.Module]:
-    """The candidate the publication gate checks, as users would be served it: with full fine-tuning the training
-    model itself; with LoRA the base layers holding the merged weights (``merged_lora_weights``) and the adapter
-    switched off. Decoding merged costs what the starting model costs, where the adapter's two extra matmuls per
-    layer made the gate's decoding ~20 % slower and its prefill ~30 % (SmolLM2-135M, 2 CPU threads). The merged
-    tensors exist only for the duration (one more copy of the adapted layers); the original weight tensors are
-    put back as they were, so training and the reference are untouched."""
-    if not models.lora:
+    """The candidate the publication gate checks: the training model. A LoRA model on the CPU is checked with its
+    adapter merged into the base layers (``merged_lora_weights``, what the embedded engine is handed) and switched
+    off: the adapter's two extra matmuls per layer made the gate's decoding ~20 % slower and its prefill ~30 %
+    (SmolLM2-135M, 2 CPU threads). The merged tensors exist only for the duration, a second copy of the adapted
+    layers (most of the model's weights), and the original tensors are put back as they were, so training and the
+    reference are untouched. On an accelerator, where that copy would cost gigabytes of its memory for a few
+    percent of the check's time, and where an adapted layer's weight is tied to another (an adapted output layer
+    sharing the input embeddings), the adapter is left as it is."""
+    tied = {id(models.causal_lm.get_input_embeddings().weight)}
+    if (not models.lora or models.device.type != "cpu"
+            or any(id(m.get_base_layer().weight) in tied for m in _lora_layers(models))):
         yield models.causal_lm
         return
     swapped: list[tuple[torch.nn.Module, torch.Tensor]] = []

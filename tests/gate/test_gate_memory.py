@@ -66,6 +66,28 @@ def test_the_reference_count_is_the_last_accepted_count_of_a_gate_that_has_accep
     assert decide([outcome(True, None, False)], 0.1, min_guard_pass=1.0, max_kl=4.0).regressions == 1
 
 
+def test_a_check_stops_on_the_share_of_facts_only_once_every_fact_is_answered():
+    """The share of sampled answers stating their facts is a rule no guard probe and no KL can change, so a check
+    stops on it, but only once no knowledge probe is pending (a pending fact could still raise the share)."""
+    from clawloop.gate.gate import certain_rejection
+
+    def fact(right, reference_right):
+        return ProbeOutcome(source="knowledge", prompt=f"fact {right}", answer="a", ok=True, reasons=[],
+                            reference_ok=True, kl=0.0, tokens=1, samples=8, right=right,
+                            reference_right=reference_right)
+
+    low = [fact(4, 8), fact(8, 8)]  # 12 of 16: more than 10 % fewer
+    assert certain_rejection(low, 30, 0, min_guard_pass=0.95)
+    assert not certain_rejection(low, 30, 1, min_guard_pass=0.95)
+    assert not certain_rejection([fact(7, 8), fact(8, 8)], 30, 0, min_guard_pass=0.95)  # 15 of 16
+    # The decision agrees, whatever the KL; a check that measured no KL is not near-identical.
+    assert not decide(low, 0.0, min_guard_pass=0.95, max_kl=4.0).accepted
+    forgot = [ProbeOutcome(source="knowledge", prompt=f"f{i}", answer="a", ok=False, reasons=[], reference_ok=True,
+                           kl=0.0, tokens=1) for i in range(2)]
+    assert decide(forgot, 0.0, min_guard_pass=0.95, max_kl=4.0).accepted  # near-identical: 2 flips tolerated
+    assert not decide(forgot, 0.0, min_guard_pass=0.95, max_kl=4.0, kl_measured=False).accepted
+
+
 def test_corrected_prompts_are_reasked_and_a_kept_fix_may_not_break(monkeypatch, tiny_tokenizer, base_model,
                                                                     perturb, scripted):
     frog = [{"role": "user", "content": "What is a frog?"}]

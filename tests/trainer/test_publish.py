@@ -98,11 +98,18 @@ def test_the_gate_checks_the_lora_candidate_merged_and_leaves_training_untouched
     ids = torch.tensor([render(tiny_tokenizer, [{"role": "user", "content": "Tell me a joke."}])])
     with torch.no_grad():
         unmerged = models.causal_lm(input_ids=ids).logits
-        bases = {n: (p, p.detach().clone()) for n, p in models.causal_lm.named_parameters() if "base_layer" in n}
+        bases = {n: (p, p.data_ptr(), p.detach().clone()) for n, p in models.causal_lm.named_parameters()
+                 if "base_layer" in n}
         with gate_candidate(models) as candidate:
             merged = candidate(input_ids=ids).logits
-            assert any(not torch.equal(p, kept) for p, kept in bases.values())  # the merged weights are in place
-        assert all(torch.equal(p, kept) for p, kept in bases.values())
+            assert any(not torch.equal(p, kept) for p, _, kept in bases.values())  # the merged weights are in place
+        assert all(p.data_ptr() == ptr and torch.equal(p, kept) for p, ptr, kept in bases.values())
+        try:  # an error during the check puts them back too
+            with gate_candidate(models):
+                raise RuntimeError("out of memory")
+        except RuntimeError:
+            pass
+        assert all(p.data_ptr() == ptr and torch.equal(p, kept) for p, ptr, kept in bases.values())
         assert torch.equal(models.causal_lm(input_ids=ids).logits, unmerged)  # adapter on again
         with gate_reference(models, None) as reference:
             torch.testing.assert_close(reference(input_ids=ids).logits, base_model(input_ids=ids).logits)
