@@ -15,8 +15,8 @@ A check:
 2. has the reference answer each probe once, the first time a check reaches it, and keeps its verdict;
 3. finds the candidate's greedy answer to each probe (``probe_tokens`` at most, ``knowledge_tokens`` for the
    knowledge probes, which are answered first; probes of similar length batched together, ``length_buckets``,
-   each row leaving the batch when its answer ends; a LoRA candidate merged, as it is served, by the trainer's
-   ``gate_candidate``); with ``knowledge_samples`` set, each knowledge probe instead gets that
+   each row leaving the batch when its answer ends; on the CPU a LoRA candidate merged, as the embedded engine
+   serves it, by the trainer's ``gate_candidate``); with ``knowledge_samples`` set, each knowledge probe instead gets that
    many answers sampled at the serving temperature, drawn with the same uniforms as the reference's
    (``sampling_uniforms``), since users are served sampled answers and a small model's greedy answer to a fact
    it states in half its answers flips at the slightest change;

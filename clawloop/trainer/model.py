@@ -117,14 +117,14 @@ def _active_adapter(models: TrainModels) -> str:
     return adapter[0] if isinstance(adapter, (list, tuple)) else adapter
 
 
-def _lora_layers(models: TrainModels, adapter: str | None = None) -> Iterator[Any]:
-    """The LoRA layers the active adapter (or ``adapter``) adapts."""
+def _lora_layers(models: TrainModels) -> Iterator[tuple[str, Any]]:
+    """The LoRA layers the active adapter adapts, with their names."""
     from peft.tuners.lora import LoraLayer
 
-    adapter = adapter or _active_adapter(models)
-    for module in models.causal_lm.modules():
+    adapter = _active_adapter(models)
+    for name, module in models.causal_lm.named_modules():
         if isinstance(module, LoraLayer) and adapter in getattr(module, "lora_A", {}):
-            yield module
+            yield name, module
 
 
 @torch.no_grad()
@@ -132,10 +132,9 @@ def merged_lora_weights(models: TrainModels) -> Iterator[tuple[str, torch.nn.Mod
     """For every linear layer the active adapter adapts: the layer's name, its base layer, and ``W + scaling ·
     B @ A`` computed into a new tensor (peft's own delta), the weight the serving engine is handed for it."""
     adapter = _active_adapter(models)
-    names = {id(module): name for name, module in models.causal_lm.named_modules()}
-    for module in _lora_layers(models, adapter):
+    for name, module in _lora_layers(models):
         base = module.get_base_layer()
-        yield names[id(module)], base, base.weight.detach() + module.get_delta_weight(adapter).to(base.weight.dtype)
+        yield name, base, base.weight.detach() + module.get_delta_weight(adapter).to(base.weight.dtype)
 
 
 @contextlib.contextmanager
@@ -150,7 +149,7 @@ def gate_candidate(models: TrainModels) -> Iterator[torch.nn.Module]:
     sharing the input embeddings), the adapter is left as it is."""
     tied = {id(models.causal_lm.get_input_embeddings().weight)}
     if (not models.lora or models.device.type != "cpu"
-            or any(id(m.get_base_layer().weight) in tied for m in _lora_layers(models))):
+            or any(id(m.get_base_layer().weight) in tied for _, m in _lora_layers(models))):
         yield models.causal_lm
         return
     swapped: list[tuple[torch.nn.Module, torch.Tensor]] = []

@@ -2,8 +2,8 @@
 
 Every call is direct: ``share`` just calls, the trainable state is copied from the model itself
 (``model.trainable_state_dict``, CPU clones), the optimizer state is a deep copy of ``optimizer.state_dict()``,
-and the gate checks the training model in place (``model.gate_candidate``: a LoRA model with its adapter merged
-into the base layers for the duration, as it is served) against ``model.gate_reference``.
+and the gate checks the training model in place (``model.gate_candidate``: on the CPU a LoRA model with its adapter
+merged into the base layers for the duration, as the embedded engine serves it) against ``model.gate_reference``.
 """
 
 from __future__ import annotations
