@@ -175,6 +175,10 @@ class TeacherSettings:
     max_candidates: int = _f(3, "Most hint candidates per turn (shortest first).")
     hint_min_chars: int = _f(10, "A hint must be strictly longer than this many characters (stripped).")
     teacher: str = _f("base", "Teacher model: 'base' (frozen copy of the starting policy) or 'policy' (current).")
+    teacher_draft: bool = _f(False, "Show the teacher the turn's own answer as a draft to rewrite: the hinted "
+                             "prompt carries the hint, the answer served, then the hint again (clawloop.teacher."
+                             "inject_hint). The teacher keeps the answer's facts, but it copies the draft it "
+                             "scores, so the student learns less: off (docs/method.md, 'The teacher's draft').")
     context_samples: int = _f(0, "Context distillation: answers the teacher samples under an accepted hint, per "
                               "hinted turn, each trained as its own sample on the un-hinted prompt (0 = off; "
                               "docs/context-distillation.md).")

@@ -51,6 +51,7 @@ OPENING_TOKENS = 8
 
 HINT_PREFIX = "[user's hint / instruction]\n"
 HINT_SEPARATOR = "\n\n"
+DRAFT_PREFIX = "[a correct answer to rewrite so that it follows the instruction]\n"
 
 RenderFn = Callable[[Sequence[dict[str, Any]], list[dict[str, Any]] | None], list[int]]
 """(messages, tools) -> prompt ids, with the generation prompt, exactly as serving renders them."""
@@ -74,14 +75,22 @@ def train_temperature(config: TrainTemperatureSetting, turn: TurnRecord | float)
     return sampled if sampled > 0 else 1.0
 
 
-def inject_hint(messages: Sequence[dict[str, Any]], hint: str) -> list[dict[str, Any]]:
-    """A copy of ``messages`` with ``hint`` appended to the last user message (or a new user message)."""
+def inject_hint(messages: Sequence[dict[str, Any]], hint: str, draft: str | None = None) -> list[dict[str, Any]]:
+    """A copy of ``messages`` with ``hint`` appended to the last user message (or a new user message).
+
+    With a ``draft`` (the answer that was served, ``teacher_draft``), the hint is followed by the draft under
+    ``DRAFT_PREFIX`` and then by the hint once more: a small teacher told only "Begin every answer with "In short,""
+    answers "In short, there are 720 days in a week", while with its own plain answer to rewrite it keeps the facts
+    (SmolLM2-135M: 15 of 17 known facts against 7) and still opens with the preference (13 of 14 held-out answers
+    against 12); the hint is repeated last because a small model follows what it read last. Scoring the same
+    answer it reads, though, the teacher copies it, which is why the setting is off (docs/method.md)."""
+    addition = hint if draft is None else hint + HINT_SEPARATOR + DRAFT_PREFIX + draft + HINT_SEPARATOR + hint
     out = copy.deepcopy(list(messages))
     for message in reversed(out):
         if message.get("role") == "user":
-            message["content"] = content_text(message.get("content")) + HINT_SEPARATOR + HINT_PREFIX + hint
+            message["content"] = content_text(message.get("content")) + HINT_SEPARATOR + HINT_PREFIX + addition
             return out
-    out.append({"role": "user", "content": HINT_PREFIX + hint})
+    out.append({"role": "user", "content": HINT_PREFIX + addition})
     return out
 
 
@@ -104,7 +113,16 @@ class Teacher:
         """The teacher prompt for one candidate; ``None``/'' means the un-hinted stored prompt ids."""
         if not hint:
             return list(turn.prompt_ids)
-        return list(self.render(inject_hint(turn.messages, hint), turn.tools))
+        return list(self.render(inject_hint(turn.messages, hint, self._draft(turn)), turn.tools))
+
+    def _draft(self, turn: TurnRecord) -> str | None:
+        """The turn's served answer as text, when the teacher is shown it (``teacher_draft``); None otherwise."""
+        if not self.config.teacher_draft:
+            return None
+        if self.decode is None:
+            raise ValueError("teacher_draft needs the tokenizer to read the served answer; this teacher has none")
+        ends = {int(i) for i in self.end_ids.tolist()}
+        return self.decode([i for i in turn.response_ids if i not in ends]).strip()
 
     def render_matches(self, turn: TurnRecord) -> bool:
         """Whether rendering the stored request today reproduces the prompt ids served then."""

@@ -50,6 +50,18 @@ def test_hint_into_content_parts():
     assert inject_hint(messages, "Wave.")[0]["content"] == "Hello there\n\n[user's hint / instruction]\nWave."
 
 
+def test_draft_sits_between_the_hint_and_the_hint_again():
+    messages = [{"role": "user", "content": "How many days are in a week?"}]
+    out = inject_hint(messages, 'Begin every answer with "In short,".', draft="There are 7 days in a week.")
+    assert out[0]["content"] == ('How many days are in a week?\n\n[user\'s hint / instruction]\n'
+                                 'Begin every answer with "In short,".\n\n'
+                                 '[a correct answer to rewrite so that it follows the instruction]\n'
+                                 'There are 7 days in a week.\n\nBegin every answer with "In short,".')
+    assert inject_hint([], "Be brief.", draft="Long.")[0]["content"] == (
+        "[user's hint / instruction]\nBe brief.\n\n[a correct answer to rewrite so that it follows the "
+        "instruction]\nLong.\n\nBe brief.")
+
+
 def test_train_temperature_rule():
     cfg = SimpleNamespace(train_temperature=0.0)
     assert train_temperature(cfg, 0.6) == 0.6
@@ -130,6 +142,32 @@ def test_hint_changes_teacher_logprobs(teacher, tiny_engine, tiny_tokenizer):
     text = tiny_tokenizer.decode(teacher.prompt_ids(turn, "Answer with the single word: banana"))
     assert text.endswith("<|im_start|>user\nName a fruit.\n\n[user's hint / instruction]\n"
                          "Answer with the single word: banana<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_teacher_draft_scores_the_answer_under_its_own_text(tiny_engine, tiny_tokenizer):
+    """With ``teacher_draft`` the hinted prompt carries the served answer's text (end tokens dropped) between the
+    hint and the hint again, and the scores are those of a direct forward under that prompt; the un-hinted prompt
+    stays the stored one."""
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    turn = make_turn(tiny_tokenizer, tiny_engine, messages, max_tokens=8)
+    render = chat_render_fn(tiny_tokenizer)
+    teacher = Teacher(tiny_engine, render, Config(model="tiny", topk=4, teacher_draft=True), tokenizer=tiny_tokenizer)
+    hint = "Answer with one word."
+    draft = tiny_tokenizer.decode([i for i in turn.response_ids if i != tiny_tokenizer.eos_token_id],
+                                  skip_special_tokens=True).strip()
+    assert draft
+    prompt = render(inject_hint(messages, hint, draft=draft), None)
+    assert teacher.prompt_ids(turn, hint) == prompt
+    assert teacher.prompt_ids(turn, "") == turn.prompt_ids
+    ids_T_K = reference_logprobs(tiny_engine.model, turn.prompt_ids, turn.response_ids, 0.7).topk(4, -1).indices
+    scores = ask(teacher, turn, [hint], ids_T_K)
+    ref = reference_logprobs(tiny_engine.model, prompt, turn.response_ids, 0.7)
+    torch.testing.assert_close(scores.teacher_at_student_C_T_K[0], ref.gather(-1, ids_T_K), atol=1e-4, rtol=1e-4)
+    plain = Teacher(tiny_engine, render, Config(model="tiny", topk=4), tokenizer=tiny_tokenizer)
+    assert plain.prompt_ids(turn, hint) == render(inject_hint(messages, hint), None) != prompt
+    blind = Teacher(tiny_engine, render, Config(model="tiny", topk=4, teacher_draft=True))
+    with pytest.raises(ValueError, match="teacher_draft needs the tokenizer"):
+        blind.prompt_ids(turn, hint)
 
 
 def test_one_engine_call_covers_every_candidate_of_every_request(tiny_engine, tiny_tokenizer):

@@ -264,7 +264,12 @@ def main_from_args(args: argparse.Namespace, cli: dict[str, Any], out: Callable[
         settings_path = out_dir / "settings.json"
         if settings_path.exists():
             before = json.loads(settings_path.read_text())
-            diff = sorted(k for k in set(before) | set(shared) if before.get(k) != shared.get(k))
+            # A setting the folder does not record did not exist when its cells ran; at its default it changes
+            # nothing those cells did, so the folder can be continued.
+            defaults = shared_settings(demo_config({"run_dir": str(out_dir / "cells"), "port": 0})
+                                       .to_dict(redact=True))
+            diff = sorted(k for k in set(before) | set(shared) if before.get(k) != shared.get(k)
+                          and not (k not in before and k in defaults and shared.get(k) == defaults[k]))
             if diff and not args.force:
                 out(f"clawloop eval: {out_dir} holds cells run with other settings ({', '.join(diff)}); use another "
                     "--out, the same settings, or --force")

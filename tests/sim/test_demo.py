@@ -121,6 +121,16 @@ def test_eval_cells_are_cached_and_resumed(tmp_path, monkeypatch):
     assert main(base + ["--methods", "rl", "--lr", "0.5"]) == 2
     assert len(calls) == 4
 
+    # A folder made before a setting existed (not in its settings.json) goes on while that setting is at its
+    # default, and is refused once it is not.
+    recorded = json.loads((out / "settings.json").read_text())
+    del recorded["teacher_draft"]
+    (out / "settings.json").write_text(json.dumps(recorded))
+    assert main(base + ["--methods", "rl", "--seeds", "0,1,2"]) == 0
+    assert calls[4:] == [("rl", "brief", 2)]
+    assert main(base + ["--methods", "rl", "--seeds", "3", "--teacher-draft"]) == 2
+    assert len(calls) == 5
+
 
 def test_interactions_to_target():
     curve = [{"interactions": 0, "score": 0.0}, {"interactions": 16, "score": 0.5}, {"interactions": 32,
