@@ -68,9 +68,10 @@ def imperative_hint(correction: str) -> str:
 
 @torch.no_grad()
 def opening_stats(model: Any, render: Any, tokenizer: Any, question: str, hint: str, opening: str,
-                  k: int) -> dict[str, float]:
-    """P(first token of ``opening``), its rank, top-k membership and P(whole ``opening``) under the hinted prompt."""
-    prompt_ids = render(inject_hint([{"role": "user", "content": question}], hint), None)
+                  k: int, draft: str | None = None) -> dict[str, float]:
+    """P(first token of ``opening``), its rank, top-k membership and P(whole ``opening``) under the hinted prompt
+    (with ``draft``, when given)."""
+    prompt_ids = render(inject_hint([{"role": "user", "content": question}], hint, draft), None)
     target_ids = tokenizer(opening, add_special_tokens=False)["input_ids"]
     ids = torch.tensor([prompt_ids + target_ids])
     logprobs_T_V = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_facts:
         facts_table(model, render, tokenizer)
     if args.draft:
-        draft_table(model, render, tokenizer, args.max_tokens)
+        draft_table(model, render, tokenizer, args.max_tokens, k)
     return 0
 
 
@@ -206,16 +207,7 @@ def facts_table(model: Any, render: Any, tokenizer: Any) -> None:
                 print(f"{'':10} |   lost: {line}", flush=True)
 
 
-
-@torch.no_grad()
-def p_first_in(model: Any, render: Any, tokenizer: Any, question: str, hint: str, draft: str | None) -> float:
-    """P("In") at the first response position under the hinted (and drafted) prompt."""
-    prompt_ids = render(inject_hint([{"role": "user", "content": question}], hint, draft), None)
-    logprobs_V = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0, -1].float(), dim=-1)
-    return float(logprobs_V[tokenizer("In", add_special_tokens=False)["input_ids"][0]].exp())
-
-
-def draft_table(model: Any, render: Any, tokenizer: Any, max_tokens: int) -> None:
+def draft_table(model: Any, render: Any, tokenizer: Any, max_tokens: int, k: int) -> None:
     print()
     print(f"The hint alone vs the hint with a draft to rewrite (teacher_draft; the draft is the un-hinted greedy "
           f"answer of {max_tokens} tokens); knowledge probes {KNOWLEDGE_TOKENS} tokens, greedy", flush=True)
@@ -242,7 +234,7 @@ def draft_table(model: Any, render: Any, tokenizer: Any, max_tokens: int) -> Non
                 d = draft if drafted else None
                 follow[drafted] += bool(persona.judge(greedy(model, render, tokenizer, q, hint, max_tokens, d),
                                                       q).satisfied)
-                p_in[drafted].append(p_first_in(model, render, tokenizer, q, hint, d))
+                p_in[drafted].append(opening_stats(model, render, tokenizer, q, hint, "In short,", k, d)["p_first"])
         print(f"{name:10} | {kept[False]:8d} -> {kept[True]:2d}     | {follow[False]:5d} -> {follow[True]:2d} of "
               f"{len(qs):2d} | {mean(p_in[False]):6.3f} -> {mean(p_in[True]):5.3f}", flush=True)
 

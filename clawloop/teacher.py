@@ -105,8 +105,13 @@ class Teacher:
         self.end_ids = torch.tensor(end_token_ids(tokenizer) if tokenizer is not None else [], dtype=torch.int64)
         """The ids that end an answer (end of turn, end of text), which the mixed targets read; none without a
         tokenizer, and then a mixed target is refused."""
+        self.ends = frozenset(int(i) for i in self.end_ids.tolist())
         self.decode: Callable[[list[int]], str] | None = (
             None if tokenizer is None else lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        self.draft = bool(config.teacher_draft)
+        """Whether hinted prompts carry the served answer (``teacher_draft``), read from the stored ids as text."""
+        if self.draft and self.decode is None:
+            raise ValueError("teacher_draft needs the tokenizer to read the served answer; this teacher has none")
 
     # ---- prompts ----------------------------------------------------------------------------------------
     def prompt_ids(self, turn: TurnRecord, hint: str | None) -> list[int]:
@@ -117,12 +122,9 @@ class Teacher:
 
     def _draft(self, turn: TurnRecord) -> str | None:
         """The turn's served answer as text, when the teacher is shown it (``teacher_draft``); None otherwise."""
-        if not self.config.teacher_draft:
+        if not self.draft or self.decode is None:
             return None
-        if self.decode is None:
-            raise ValueError("teacher_draft needs the tokenizer to read the served answer; this teacher has none")
-        ends = {int(i) for i in self.end_ids.tolist()}
-        return self.decode([i for i in turn.response_ids if i not in ends]).strip()
+        return self.decode([i for i in turn.response_ids if i not in self.ends]).strip()
 
     def render_matches(self, turn: TurnRecord) -> bool:
         """Whether rendering the stored request today reproduces the prompt ids served then."""
@@ -156,7 +158,7 @@ class Teacher:
         """
         plain_prompt = list(turn.prompt_ids)
         temperature = params.temperature if params.temperature > 0 else 1.0
-        ends = {int(i) for i in self.end_ids.tolist()}
+        ends = self.ends
         opening: list[int] = []
         opening_logprobs: list[float] = []
         if target == "opening_end":
