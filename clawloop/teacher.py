@@ -105,13 +105,17 @@ class Teacher:
         self.end_ids = torch.tensor(end_token_ids(tokenizer) if tokenizer is not None else [], dtype=torch.int64)
         """The ids that end an answer (end of turn, end of text), which the mixed targets read; none without a
         tokenizer, and then a mixed target is refused."""
-        self.ends = frozenset(int(i) for i in self.end_ids.tolist())
         self.decode: Callable[[list[int]], str] | None = (
             None if tokenizer is None else lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         self.draft = bool(config.teacher_draft)
         """Whether hinted prompts carry the served answer (``teacher_draft``), read from the stored ids as text."""
         if self.draft and self.decode is None:
             raise ValueError("teacher_draft needs the tokenizer to read the served answer; this teacher has none")
+
+    @property
+    def ends(self) -> frozenset[int]:
+        """``end_ids`` as a set of ints (derived each time: ``end_ids`` may be replaced)."""
+        return frozenset(int(i) for i in self.end_ids.tolist())
 
     # ---- prompts ----------------------------------------------------------------------------------------
     def prompt_ids(self, turn: TurnRecord, hint: str | None) -> list[int]:
