@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from clawloop.engines.model_files import default_model_dir, end_token_ids, load_model, load_tokenizer
     from clawloop.gate.generation import answer_logprobs
+    from clawloop.renderers.chat import ChatRenderer
     from clawloop.teacher import inject_hint
 
     torch.set_num_threads(1)
@@ -46,9 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer, model = load_tokenizer(model_dir), load_model(model_dir).eval()
     end_id = end_token_ids(tokenizer)[0]
 
+    renderer = ChatRenderer(tokenizer)  # as the server renders a request (and the teacher a hinted one)
+
     def render(messages: list[dict]) -> list[int]:
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
+        return list(renderer.render(messages).ids)
 
     def answer_ids(text: str, cap: int) -> list[int]:
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
