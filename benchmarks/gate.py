@@ -6,7 +6,8 @@ demo's own settings, whose step adds the retain term), writes
 temporary store, and runs ``--steps`` steps through ``clawloop.trainer.core.Trainer`` with the gate checking every
 step (the default). Each line shows the optimizer step's time and the gate check's time (greedy answers to the
 shipped probes plus the run's ``gate_recent_prompts`` recent distinct prompts, ``gate_probe_tokens`` each, then
-the KL forward pass), and their ratio. The first check also answers every probe with the reference once (its
+the KL forward pass, and for a candidate every other rule accepts the preference reading under ``--hint``,
+whose time the line also shows), and their ratio. The first check also answers every probe with the reference once (its
 verdicts are kept), so it is slower than the steady state. Before the gate's own check, the same candidate is
 checked by a plain gate (on unless ``--no-plain``: shipped and recent probes only, without the knowledge probes
 and the run's corrected prompts), so the two times are measured side by side on the same weights; the line
@@ -47,6 +48,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--full", action="store_true", help="Full fine-tuning instead of LoRA.")
     parser.add_argument("--no-plain", dest="plain", action="store_false", help="Skip the plain gate's check.")
+    parser.add_argument("--hint", default="Answer in one short sentence.", help="The hint the preference check "
+                        "reads (the benchmark's samples carry none); '' leaves the check without one.")
     parser.add_argument("--demo-preset", action="store_true", help="Train with the demo's preset (hybrid, the retain "
                         "term; gate_every 1 here) instead of plain GRPO, so the check is set against the step the "
                         "demo runs.")
@@ -85,6 +88,8 @@ def main() -> None:
             store.claim_judgeable(1)
             store.put_sample(SampleRecord(turn_id=tid, reward=1.0 if i % 2 else -1.0, kind="rl"))
         trainer = Trainer(config, store, LocalVersion(), console=None)
+        if args.hint:  # the samples carry no hint; the preference check reads this one as if they had
+            trainer.hint_counts[args.hint] += 1
         side = SideBySide(trainer.gate, tokenizer, config, store) if args.plain else None
         if side is not None:
             trainer.gate = side  # type: ignore[assignment]
@@ -104,7 +109,9 @@ def main() -> None:
                   f"(ratio gate/train {gate_s / train_s:.2f}) | whole step {wall:.2f}s | "
                   f"{'accepted' if m.get('gate_accepted') else 'rejected'} "
                   + (f"guard {m['gate_guard_pass']:.2f} KL {m['gate_kl']:.3f}" if "gate_kl" in m
-                     else "on the knowledge probes alone"))
+                     else "on the knowledge probes alone")
+                  + (f" | of it the preference reading {m['gate_preference_s']:.2f}s (ratio reading/train "
+                     f"{m['gate_preference_s'] / train_s:.2f})" if "gate_preference_s" in m else ""))
             if side is not None and side.last:
                 plain_s, same, total, agree = side.last
                 print(f"  plain gate (no knowledge probes or corrected prompts) on the same candidate: {plain_s:.2f}s "

@@ -374,6 +374,14 @@ class GateSettings:
                                      "docs/publication-gate.md). Greedy too when default_temperature is 0.")
     gate_max_fact_drop: float = _f(0.1, "Largest share by which the candidate's sampled knowledge answers may state "
                                    "their facts less often than the reference's, over all facts asked.")
+    gate_preference: bool = _f(True, "Check that a candidate keeps the preference users taught: the hint most often "
+                               "attached to the trained samples, read by the starting weights, must not favour the "
+                               "candidate's probe answers less than the last accepted version's "
+                               "(clawloop/gate/preference.py). Off: a candidate may unlearn it.")
+    gate_max_preference_drop: float = _f(1.0, "Largest drop, in nats, of the mean implicit reward log p_ref(y|x+hint) - "
+                                         "log p_ref(y|x) of the candidate's probe answers below the last accepted "
+                                         "version's (replayed versions that kept their held-out score moved by up "
+                                         "to 0.6; those that lost it fell by 6 and more).")
 
 
 # The sections in reverse reading order: a dataclass collects its bases' fields from the last base to the first,
@@ -504,6 +512,7 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
         positive("gate_knowledge_samples", 0.0, strict=False)
         if not 0.0 <= self.gate_max_fact_drop <= 1.0:
             raise ConfigError(f"gate_max_fact_drop={self.gate_max_fact_drop!r} must be in [0, 1]")
+        positive("gate_max_preference_drop", 0.0, strict=False)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port!r} must be in [0, 65535]")
         if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):

@@ -4,6 +4,7 @@
 * ``probes`` — the general prompts shipped with clawloop that every candidate answers;
 * ``knowledge`` — questions with known answers; a candidate must keep the facts the reference knew;
 * ``generation`` — batched greedy answers and log-probabilities for the KL;
+* ``preference`` — the hint's implicit reward, by which a candidate that unlearnt the preference is told apart;
 * ``gate`` — the decision (greedy probe answers, guard regressions, KL to the reference), with its evidence.
 
 Design notes: docs/publication-gate.md.

@@ -41,7 +41,11 @@ A check:
    per token, mean over all their tokens; sampled knowledge answers are left out); the candidate fails when it is
    above ``max_kl``. The reference is the
    starting weights (LoRA: the adapter switched off; full fine-tuning: the frozen copy kept for ``kl_coef > 0``);
-   a full fine-tuning run without that copy measures against the last accepted weights instead.
+   a full fine-tuning run without that copy measures against the last accepted weights instead;
+6. with a hint to read (``preference_hint``: the trainer's most frequent hint) and an accepted version since the
+   gate started, reads the hint's implicit reward of the candidate's greedy guard answers and of the last accepted
+   version's answers to the same probes under the reference (``clawloop.gate.preference``); the candidate fails
+   when its mean is more than ``max_preference_drop`` nats lower: it unlearnt what the users taught.
 
 The result carries its evidence (every probe's answer, verdict, reasons and KL) for the store and the version
 history. Why these checks and thresholds: docs/publication-gate.md.
@@ -62,12 +66,15 @@ from typing import Any, ContextManager
 import torch
 
 from clawloop.engines.model_files import end_token_ids
-from clawloop.gate.generation import answer_logprobs, length_buckets, probe_answers, sampling_uniforms
+from clawloop.gate.generation import (answer_logprob_sums, answer_logprobs, length_buckets, probe_answers,
+                                      sampling_uniforms)
 from clawloop.gate.guard import check as guard_check
 from clawloop.gate.knowledge import KNOWLEDGE_TOKENS, KnowledgeProbe, knows, names_fact
+from clawloop.gate.preference import PreferenceReading, implicit_rewards
 from clawloop.gate.probes import PROBES
 from clawloop.judge.envelopes import strip_messages
 from clawloop.renderers.chat import ChatRenderer
+from clawloop.teacher import inject_hint
 
 MAX_PROMPT_TOKENS = 1024
 """Recent prompts up to this long are probed as they were served. Longer ones are probed in a bounded form
@@ -104,6 +111,10 @@ class ProbeOutcome:
     not, if any)."""
     reference_right: int | None = None
     """Sampled knowledge probe: how many of the reference's answers, drawn with the same uniforms, state it."""
+    preference: float | None = None
+    """The preference check's R of the candidate's answer (``clawloop.gate.preference``); None where not measured."""
+    accepted_preference: float | None = None
+    """The same R of the last accepted version's answer."""
 
     @property
     def counted(self) -> bool:
@@ -151,6 +162,9 @@ class GateResult:
     kl_measured: bool = True
     """False when the check stopped after the knowledge probes (a candidate rejected for its facts), before the
     guard's probes: ``kl`` and ``guard_pass`` then measure nothing."""
+    preference: PreferenceReading | None = None
+    """The preference check's measurement; None when it did not run (off, no hint or no accepted version yet, or
+    the check stopped early)."""
 
     def summary(self) -> str:
         verdict = "accepted" if self.accepted else "rejected (" + "; ".join(self.reasons) + ")"
@@ -159,8 +173,11 @@ class GateResult:
         facts = f"{self.forgotten} of {self.knowledge_counted} facts forgotten{delivered}"
         if not self.kl_measured:
             return f"{verdict}: {facts}; stopped before the guard's probes and the KL, {self.seconds:.1f}s"
+        pref = self.preference
+        preference = ("" if pref is None else
+                      f", the hint's reward {pref.accepted_mean:.2f} → {pref.candidate_mean:.2f} ({pref.probes} probes)")
         return (f"{verdict}: guard {self.guard_pass:.2f} ({self.regressions} of {self.counted} regressed), "
-                f"{facts}, KL {self.kl:.2f} nats/token, {self.seconds:.1f}s")
+                f"{facts}, KL {self.kl:.2f} nats/token{preference}, {self.seconds:.1f}s")
 
     def evidence(self) -> dict[str, Any]:
         return {"accepted": self.accepted, "reasons": list(self.reasons), "guard_pass": self.guard_pass,
@@ -169,6 +186,7 @@ class GateResult:
                 "facts_right": self.facts_right, "facts_reference_right": self.facts_reference_right,
                 "broken_fixes": self.broken_fixes, "unanswered": self.unanswered, "kl_measured": self.kl_measured,
                 "kl": self.kl, "kl_to": self.kl_to, "seconds": round(self.seconds, 3),
+                "preference": None if self.preference is None else self.preference.as_dict(),
                 "thresholds": dict(self.thresholds), "probes": [asdict(p) for p in self.probes]}
 
 
@@ -221,7 +239,8 @@ def tolerated_regressions(counted: int, min_guard_pass: float, *, near_identical
 
 
 def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float, max_kl: float,
-           max_fact_drop: float = MAX_FACT_DROP, kl_measured: bool = True) -> Decision:
+           max_fact_drop: float = MAX_FACT_DROP, kl_measured: bool = True,
+           preference: PreferenceReading | None = None, max_preference_drop: float = math.inf) -> Decision:
     """Accept or reject on the probe outcomes and the mean KL. Rejected when
 
     * more counted guard probes regress than ``tolerated_regressions`` allows: a probe counts when the reference or
@@ -234,7 +253,10 @@ def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float
       less often than the reference's (each fact a little less known is as much a loss as one fact gone);
     * a corrected prompt that the last accepted version answered soundly is not answered soundly any more (an
       earlier fix broken; none tolerated, except by a near-identical candidate, whose failures are near-ties);
-    * the KL is above ``max_kl`` (or not a number).
+    * the KL is above ``max_kl`` (or not a number);
+    * the hint's implicit reward of the candidate's answers (``preference``, ``clawloop.gate.preference``) is more
+      than ``max_preference_drop`` nats below that of the last accepted version's answers: it unlearnt the
+      preference.
 
     ``kl_measured`` is False when the check stopped after its knowledge probes, before the guard's: a candidate
     is near-identical only by a KL measured on those."""
@@ -265,6 +287,10 @@ def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float
         reasons.append(f"{len(broken)} earlier fix(es) broken (" + "; ".join(o.prompt for o in broken) + ")")
     if not kl <= max_kl:  # also rejects a NaN
         reasons.append(f"KL {kl:.2f} > {max_kl:.2f} nats/token")
+    if preference is not None and not preference.drop <= max_preference_drop:
+        reasons.append(f"the hint's reward of the answers fell {preference.drop:.2f} nats "
+                       f"({preference.accepted_mean:.2f} → {preference.candidate_mean:.2f} over {preference.probes} "
+                       f"probes), more than {max_preference_drop:.2f}")
     return Decision(accepted=not reasons, reasons=reasons, guard_pass=guard_pass, counted=len(guard),
                     regressions=len(regressed), tolerated=tolerated, knowledge_counted=len(facts),
                     forgotten=len(forgotten), tolerated_forgotten=tolerated_facts, broken_fixes=len(broken),
@@ -299,6 +325,9 @@ class _Probe:
     (``question_of``); None when it has none (the text rules still apply)."""
     answers: tuple[str, ...] = ()
     """A knowledge probe's right answers (``clawloop.gate.knowledge``); empty for the others."""
+    messages: list[dict[str, Any]] | None = None
+    """The messages ``ids`` render, for the preference check's hinted prompt; None where ``ids`` are a cut text
+    (a long message's ends) or a knowledge probe."""
 
 
 PromptSource = Callable[[], Sequence[tuple[int, list[int], list[dict[str, Any]]]]]
@@ -312,7 +341,8 @@ class PublicationGate:
                  recent_prompts: PromptSource | None = None, probes: Sequence[str] = PROBES,
                  knowledge: Sequence[KnowledgeProbe] = (), knowledge_tokens: int = KNOWLEDGE_TOKENS,
                  fixed_prompts: PromptSource | None = None, knowledge_samples: int = 0,
-                 knowledge_temperature: float = 0.6, max_fact_drop: float = MAX_FACT_DROP):
+                 knowledge_temperature: float = 0.6, max_fact_drop: float = MAX_FACT_DROP,
+                 preference_hint: Callable[[], str | None] | None = None, max_preference_drop: float = 1.0):
         self.tokenizer = tokenizer
         self.min_guard_pass = float(min_guard_pass)
         self.max_kl = float(max_kl)
@@ -326,10 +356,17 @@ class PublicationGate:
         0 asks one greedy answer, counted like a guard probe."""
         self.knowledge_temperature = float(knowledge_temperature)
         self.max_fact_drop = float(max_fact_drop)
+        if not max_preference_drop >= 0:
+            raise ValueError(f"max_preference_drop must be >= 0 (got {max_preference_drop})")
+        self.preference_hint = preference_hint
+        """Gives the hint the preference check reads (``clawloop.gate.preference``), or None while there is none;
+        the check is off when this is None."""
+        self.max_preference_drop = float(max_preference_drop)
         self.recent_prompts = recent_prompts
         self.fixed_prompts = fixed_prompts
         self.renderer = ChatRenderer(tokenizer)
-        self.shipped = [_Probe("shipped", p, self._render(p), question=p) for p in probes]
+        self.shipped = [_Probe("shipped", p, self._render(p), question=p, messages=[{"role": "user", "content": p}])
+                        for p in probes]
         self.knowledge = [_Probe("knowledge", k.question, self._render(k.question), question=k.question,
                                  answers=tuple(k.answers)) for k in knowledge]
         self._reference_ok: dict[str | bytes, bool] = {}
@@ -340,11 +377,15 @@ class PublicationGate:
         self._accepted: dict[str | bytes, tuple[bool, str, list[int]]] = {}
         """The last accepted version's verdict and answer per probe key, recorded by the check that accepted it;
         empty at start and after ``forget_accepted`` (the reference's verdicts then stand for it)."""
+        self._accepted_reward: dict[str | bytes, tuple[str, float]] = {}
+        """The preference check's R of the last accepted version's answer per probe key, with the hint it was read
+        under (recorded by the check that accepted it, so a check scores only the candidate's answers)."""
 
     def forget_accepted(self) -> None:
         """The served version changed outside the gate (a rollback): its verdicts are unknown, so the reference's
         stand for them until a candidate is accepted again."""
         self._accepted.clear()
+        self._accepted_reward.clear()
 
     def _render(self, prompt: str) -> list[int]:
         out = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
@@ -371,31 +412,37 @@ class PublicationGate:
         bounded form (``bounded_ids``); None when it has no bounded form (it ends in a tool result, say)."""
         if not ids:
             return None
+        shown: list[dict[str, Any]] | None = list(messages)
         if len(ids) > MAX_PROMPT_TOKENS:
-            ids = self.bounded_ids(messages)
+            ids, shown = self.bounded_form(messages)
             if not ids:
                 return None
         return _Probe(f"{kind}:{turn_id}", last_user_text(messages) or self._prompt_tail(ids), ids,
-                      question=question_of(messages))
+                      question=question_of(messages), messages=shown)
 
     def bounded_ids(self, messages: Sequence[dict[str, Any]], budget: int = RECENT_TAIL_TOKENS) -> list[int]:
         """A long prompt's bounded form, rendered like a shipped probe: its ``closing_exchanges`` from the last
         user message back, as many whole messages as fit in ``budget`` tokens; a last user message that alone is
         longer keeps its beginning and its end. Empty when the prompt has no closing user message."""
+        return self.bounded_form(messages, budget)[0]
+
+    def bounded_form(self, messages: Sequence[dict[str, Any]],
+                     budget: int = RECENT_TAIL_TOKENS) -> tuple[list[int], list[dict[str, Any]] | None]:
+        """``bounded_ids`` and the messages they render (None where a long last message was cut to its ends)."""
         tail = closing_exchanges(messages)
         if not tail:
-            return []
-        best = self._render_messages(tail[-1:])
+            return [], None
+        best, kept = self._render_messages(tail[-1:]), tail[-1:]
         if len(best) > budget:
-            return self._message_ends(tail[-1]["content"], budget)
+            return self._message_ends(tail[-1]["content"], budget), None
         for start in range(len(tail) - 2, -1, -1):
             if tail[start]["role"] != "user":
                 continue  # an exchange starts with the user's message
             ids = self._render_messages(tail[start:])
             if len(ids) > budget:
                 break
-            best = ids
-        return best
+            best, kept = ids, tail[start:]
+        return best, list(kept)
 
     def _render_messages(self, messages: list[dict[str, Any]]) -> list[int]:
         """Users' messages rendered by the serving renderer: what they wrote stays text, never a special token."""
@@ -562,6 +609,13 @@ class PublicationGate:
         kl = kl_sum / kl_tokens if kl_tokens else 0.0
         decision = decide(outcomes, kl, min_guard_pass=self.min_guard_pass, max_kl=self.max_kl,
                           max_fact_drop=self.max_fact_drop, kl_measured=kl_measured)
+        preference, rewards = None, {}
+        if decision.accepted:  # a candidate rejected already needs no reading (nor its rewards kept)
+            preference, rewards = self._preference(answered, outcomes, ref_lp, reference)
+            if preference is not None:
+                decision = decide(outcomes, kl, min_guard_pass=self.min_guard_pass, max_kl=self.max_kl,
+                                  max_fact_drop=self.max_fact_drop, kl_measured=kl_measured, preference=preference,
+                                  max_preference_drop=self.max_preference_drop)
         if decision.accepted:
             # The new last accepted version's verdicts replace the old ones; a fact it was not asked (neither an
             # accepted version nor the reference knew it) keeps its earlier verdict.
@@ -570,6 +624,7 @@ class PublicationGate:
             # reference alone, ``ProbeOutcome.counted``.)
             self._accepted = {**{k: v for k, v in self._accepted.items() if k in unasked_keys},
                               **{_key(p): (o.ok, o.answer, list(a)) for (p, a, _), o in zip(answered, outcomes)}}
+            self._accepted_reward = rewards
         return GateResult(accepted=decision.accepted, reasons=decision.reasons, guard_pass=decision.guard_pass,
                           kl=kl, kl_to=kl_to, seconds=time.monotonic() - t0, probes=outcomes,
                           thresholds={"min_guard_pass": self.min_guard_pass, "max_kl": self.max_kl,
@@ -580,11 +635,80 @@ class PublicationGate:
                                       "max_fact_drop": self.max_fact_drop,
                                       "near_identical_kl": NEAR_IDENTICAL_KL,
                                       "tolerated_regressions": float(decision.tolerated),
-                                      "tolerated_forgotten": float(decision.tolerated_forgotten)},
+                                      "tolerated_forgotten": float(decision.tolerated_forgotten),
+                                      "max_preference_drop": self.max_preference_drop},
                           counted=decision.counted, regressions=decision.regressions,
                           knowledge_counted=decision.knowledge_counted, forgotten=decision.forgotten,
                           facts_right=decision.facts_right, facts_reference_right=decision.facts_reference_right,
-                          broken_fixes=decision.broken_fixes, unanswered=unasked, kl_measured=kl_measured)
+                          broken_fixes=decision.broken_fixes, unanswered=unasked, kl_measured=kl_measured,
+                          preference=preference)
+
+    def _preference(self, answered: list[tuple[_Probe, list[int], torch.Tensor | None]],
+                    outcomes: list[ProbeOutcome], ref_lp: list[torch.Tensor | None],
+                    reference: Callable[[], ContextManager[torch.nn.Module]]
+                    ) -> tuple[PreferenceReading | None, dict[str | bytes, tuple[str, float]]]:
+        """The preference check (``clawloop.gate.preference``): the hint's R of the candidate's greedy guard
+        answers, by probe key, and the reading over those the last accepted version also answered (None when
+        there is no hint, no accepted version since the gate started, or no such probe), each outcome given both
+        answers' R. The unhinted half of the candidate's R comes from the KL's reference forward (``ref_lp``)
+        wherever the probe's ids are its messages' rendering; the accepted answers' R are those recorded when
+        their version was accepted, read again only where the hint changed since, and an answer equal to the
+        accepted version's has its R. So a check costs one reference forward over the hinted prompts of the
+        answers that changed."""
+        hint = self.preference_hint() if self.preference_hint is not None else None
+        if not hint:
+            return None, {}
+        t0 = time.monotonic()
+        rows, plain_sums, plain, hinted = [], [], [], []
+        for (p, ans, lp), o, r_T_V in zip(answered, outcomes, ref_lp):
+            if lp is None or p.source == "knowledge" or p.messages is None:
+                continue
+            pair = self._hinted_pair(p.messages, hint)
+            if pair is None:
+                continue
+            rows.append((p, ans, o))
+            plain.append(pair[0])
+            hinted.append(pair[1])
+            reuse = r_T_V is not None and pair[0] == p.ids
+            plain_sums.append(float(r_T_V.gather(1, torch.tensor(ans, dtype=torch.long).view(-1, 1)).sum())
+                              if reuse and ans else (0.0 if reuse else None))
+        if not rows:
+            return None, {}
+        compared = [i for i, (p, _, _) in enumerate(rows) if _key(p) in self._accepted]
+        stale = [i for i in compared if self._accepted_reward.get(_key(rows[i][0]), ("", 0.0))[0] != hint]
+        theirs = {i: self._accepted_reward[_key(rows[i][0])][1] for i in compared if i not in stale}
+        mine: dict[int, float] = {}
+        with reference() as ref:
+            if stale:
+                theirs.update(zip(stale, implicit_rewards(ref, [plain[i] for i in stale], [hinted[i] for i in stale],
+                                                          [self._accepted[_key(rows[i][0])][2] for i in stale])))
+            # An answer equal to the accepted version's has its R already.
+            mine.update({i: theirs[i] for i in compared if rows[i][1] == self._accepted[_key(rows[i][0])][2]})
+            todo = [i for i in range(len(rows)) if i not in mine]
+            unplain = [i for i in todo if plain_sums[i] is None]
+            for i, v in zip(unplain, answer_logprob_sums(ref, [plain[i] for i in unplain],
+                                                         [rows[i][1] for i in unplain]) if unplain else []):
+                plain_sums[i] = v
+            hinted_sums = answer_logprob_sums(ref, [hinted[i] for i in todo], [rows[i][1] for i in todo]) \
+                if todo else []
+        mine.update({i: h - float(plain_sums[i]) for i, h in zip(todo, hinted_sums)})
+        for i in compared:
+            rows[i][2].preference, rows[i][2].accepted_preference = mine[i], theirs[i]
+        for i, (_, _, o) in enumerate(rows):
+            o.preference = mine[i]
+        rewards = {_key(p): (hint, mine[i]) for i, (p, _, _) in enumerate(rows)}
+        if not compared:
+            return None, rewards
+        return PreferenceReading.of(hint, [theirs[i] for i in compared], [mine[i] for i in compared],
+                                    seconds=time.monotonic() - t0), rewards
+
+    def _hinted_pair(self, messages: list[dict[str, Any]], hint: str) -> tuple[list[int], list[int]] | None:
+        """A probe's messages rendered without and with the hint; None when the renderer refuses them (content it
+        cannot render as text): that probe is left out of the preference check, never the cause of a rejection."""
+        try:
+            return self._render_messages(messages), self._render_messages(inject_hint(messages, hint))
+        except (ValueError, TypeError, KeyError):
+            return None
 
     def _outcome(self, p: _Probe, ans: list[int]) -> ProbeOutcome:
         """A greedy answer's outcome, with the reference's and the last accepted version's verdicts."""

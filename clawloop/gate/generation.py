@@ -8,7 +8,8 @@ instead, at ``temperature``, by inverse transform: its token at answer position 
 probability reaches its t-th uniform. Two models given the same uniforms draw coupled answers (the same tokens
 wherever their distributions barely differ), so a comparison of the reference's sampled answers with a candidate's
 measures the models, not the dice;
-``answer_logprobs`` scores given answers under another model (the reference) in one forward per group.
+``answer_logprobs`` scores given answers under another model (the reference) in one forward per group, and
+``answer_logprob_sums`` sums each answer's log-probability the same way (the preference check's implicit reward).
 """
 
 from __future__ import annotations
@@ -166,6 +167,20 @@ def answer_logprobs(model: torch.nn.Module, prompts: list[list[int]], answers: l
         for i, lp in zip(group, _answer_logprobs_batch(model, [prompts[i] for i in group],
                                                        [answers[i] for i in group])):
             out[i] = lp
+    return out
+
+
+@torch.no_grad()
+def answer_logprob_sums(model: torch.nn.Module, prompts: list[list[int]], answers: list[list[int]]) -> list[float]:
+    """Each answer's summed log-probability given its prompt (``answer_logprobs`` gathered at the answer's own
+    tokens, one group at a time, so no ``[T, V]`` row outlives its group)."""
+    out = [0.0 for _ in prompts]
+    for group in length_buckets([len(p) + len(a) for p, a in zip(prompts, answers)]):
+        rows = _answer_logprobs_batch(model, [prompts[i] for i in group], [answers[i] for i in group])
+        for i, lp_T_V in zip(group, rows):
+            if answers[i]:
+                ids_T = torch.tensor(answers[i], dtype=torch.long, device=lp_T_V.device)
+                out[i] = float(lp_T_V.gather(1, ids_T.view(-1, 1)).sum())
     return out
 
 

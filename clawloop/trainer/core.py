@@ -37,6 +37,7 @@ Ordering and crash safety:
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import sys
@@ -141,6 +142,8 @@ class Trainer:
         self.vocab_size = output_vocab_size(self.models)
         self.on_gate = on_gate
         """Called with every gate decision (see ``_gate_event``), e.g. to print it."""
+        self.hint_counts: collections.Counter[str] = collections.Counter()
+        """How often each hint came first on a sample trained since this trainer started (``_preference_hint``)."""
         self.gate = self._make_gate() if config.gate and self.parallel.main else None
         self.gate_view: GateView = gate_view if gate_view is not None else LocalGateView(self.models)
         self.steps_since_check = 0
@@ -182,7 +185,15 @@ class Trainer:
                                fixed_prompts=lambda: store.recent_prompts(c.gate_fixed_prompts, corrected=True),
                                knowledge_samples=c.gate_knowledge_samples if c.default_temperature > 0 else 0,
                                knowledge_temperature=c.default_temperature or 1.0,
-                               max_fact_drop=c.gate_max_fact_drop)
+                               max_fact_drop=c.gate_max_fact_drop,
+                               preference_hint=self._preference_hint if c.gate_preference else None,
+                               max_preference_drop=c.gate_max_preference_drop)
+
+    def _preference_hint(self) -> str | None:
+        """The hint the gate's preference check reads: the one most often first among the hints of the samples
+        trained since this trainer started (None before any hinted sample)."""
+        top = self.hint_counts.most_common(1)
+        return top[0][0] if top else None
 
     def _retain(self) -> RetainTerm | None:
         """The retain term (``retain_coef > 0``), its targets computed from the starting weights at first use."""
@@ -454,6 +465,9 @@ class Trainer:
             metrics = {"gate_accepted": 1.0 if result.accepted else 0.0, "gate_s": result.seconds}
             if result.kl_measured:  # a check decided on the knowledge probes alone measured neither
                 metrics.update(gate_guard_pass=result.guard_pass, gate_kl=result.kl)
+            if result.preference is not None:
+                metrics["gate_preference_drop"] = result.preference.drop
+                metrics["gate_preference_s"] = result.preference.seconds
             if result.facts_reference_right:
                 metrics["gate_facts_right"] = float(result.facts_right)
                 metrics["gate_facts_reference_right"] = float(result.facts_reference_right)
@@ -546,6 +560,7 @@ class Trainer:
             self._persist(lambda store: [store.drop_leased_sample(t, r, lease_id=lease_id) for t, r in excluded],
                           "the samples the step left out", should_stop)
         items = [it for it in items if EXCLUDED not in it.info]
+        self.hint_counts.update(it.sample.hints[0] for it in items if it.sample.hints)
         if not update_applied(metrics):
             self._void_update(lease_id, items)
             return None

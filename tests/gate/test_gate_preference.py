@@ -1,0 +1,121 @@
+"""The gate's preference check: a candidate whose answers the run's hint favours less than the last accepted
+version's, by more than the margin, is rejected; the implicit reward it reads is the starting weights' own."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from clawloop.gate import gate as gate_module
+from clawloop.gate.gate import PublicationGate, decide
+from clawloop.gate.preference import PreferenceReading, implicit_rewards
+from clawloop.renderers.chat import ChatRenderer
+from clawloop.teacher import inject_hint
+
+HINT = 'Begin every answer with "In short,".'
+QUESTION = "What is a frog?"
+ANSWERS = ("In short, a frog is a small animal that lives near water.",
+           "A frog is a small animal that lives near water and eats insects.")
+
+
+def _chat(tokenizer, messages):
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def _direct_reward(model, tokenizer, answer_ids):
+    """R by two plain full-sequence forwards in float64, independent of the gate's batching."""
+    messages = [{"role": "user", "content": QUESTION}]
+    total = 0.0
+    for sign, prompt in ((1.0, _chat(tokenizer, inject_hint(messages, HINT))), (-1.0, _chat(tokenizer, messages))):
+        ids = torch.tensor([prompt + answer_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
+        total += sign * sum(float(logp[len(prompt) - 1 + t, tok]) for t, tok in enumerate(answer_ids))
+    return total
+
+
+def test_implicit_rewards_equal_a_direct_forward(tiny_tokenizer, base_model):
+    messages = [{"role": "user", "content": QUESTION}]
+    plain, hinted = _chat(tiny_tokenizer, messages), _chat(tiny_tokenizer, inject_hint(messages, HINT))
+    answers = [list(tiny_tokenizer(a, add_special_tokens=False)["input_ids"]) for a in ANSWERS]
+    got = implicit_rewards(base_model, [plain, plain], [hinted, hinted], answers)
+    for r, ids in zip(got, answers):
+        assert r == pytest.approx(_direct_reward(base_model, tiny_tokenizer, ids), abs=1e-3)
+
+
+def test_decide_rejects_a_drop_beyond_the_margin_and_only_that():
+    def reading(accepted, candidate):
+        return PreferenceReading.of(HINT, [accepted], [candidate])
+
+    assert reading(3.0, 1.0).drop == pytest.approx(2.0)
+    rejected = decide([], 0.1, min_guard_pass=0.95, max_kl=4.0, preference=reading(3.0, 1.0), max_preference_drop=1.0)
+    assert not rejected.accepted and "the hint's reward of the answers fell 2.00 nats" in rejected.reasons[0]
+    for kept in (reading(3.0, 2.5), reading(1.0, 3.0)):  # within the margin, or higher than before
+        assert decide([], 0.1, min_guard_pass=0.95, max_kl=4.0, preference=kept, max_preference_drop=1.0).accepted
+    assert decide([], 0.1, min_guard_pass=0.95, max_kl=4.0, preference=None, max_preference_drop=0.0).accepted
+    nan = PreferenceReading(HINT, 1, 1.0, math.nan)  # a reward that is not a number never passes
+    assert not decide([], 0.1, min_guard_pass=0.95, max_kl=4.0, preference=nan, max_preference_drop=1.0).accepted
+
+
+@pytest.mark.parametrize("margin", [0.0, 1e6])
+def test_a_candidate_the_hint_favours_less_than_the_accepted_version_is_rejected(monkeypatch, tiny_tokenizer,
+                                                                                base_model, perturb, scripted,
+                                                                                margin):
+    ids = [list(tiny_tokenizer(a, add_special_tokens=False)["input_ids"]) for a in ANSWERS]
+    rewards = [_direct_reward(base_model, tiny_tokenizer, i) for i in ids]
+    # The random tiny model favours one of the two answers under the hint; that one is the accepted version's.
+    favoured, other = (0, 1) if rewards[0] > rewards[1] else (1, 0)
+    accepted, candidate = perturb(base_model, 0.0, 1), perturb(base_model, 0.0, 2)
+    scripted(monkeypatch, {id(base_model): {QUESTION: ANSWERS[other]}, id(accepted): {QUESTION: ANSWERS[favoured]},
+                           id(candidate): {QUESTION: ANSWERS[other]}})
+    hints: list[str | None] = [None]
+    gate = PublicationGate(tiny_tokenizer, probe_tokens=64, probes=[QUESTION], max_kl=1e6,
+                           preference_hint=lambda: hints[0], max_preference_drop=margin)
+    reference = lambda: contextlib.nullcontext(base_model)  # noqa: E731
+    first = gate.check(accepted, reference)
+    assert first.accepted and first.preference is None  # nothing accepted before it: nothing to keep
+    hints[0] = HINT
+    second = gate.check(candidate, reference)
+    reading = second.preference
+    assert reading is not None and reading.hint == HINT and reading.probes == 1
+    assert reading.accepted_mean == pytest.approx(rewards[favoured], abs=1e-3)
+    assert reading.candidate_mean == pytest.approx(rewards[other], abs=1e-3)
+    assert second.probes[0].preference == pytest.approx(rewards[other], abs=1e-3)
+    assert second.evidence()["preference"]["drop"] == pytest.approx(rewards[favoured] - rewards[other], abs=2e-3)
+    assert second.accepted == (margin > 0)
+    if margin == 0:
+        assert any("the hint's reward" in r for r in second.reasons)
+    else:  # the accepted candidate's rewards, kept from its own check, are what the next one is held to
+        third = gate.check(accepted, reference)
+        assert third.preference.accepted_mean == pytest.approx(reading.candidate_mean, abs=1e-9)
+        assert third.preference.candidate_mean == pytest.approx(rewards[favoured], abs=1e-3)
+        # The same answers again: their rewards are known, so the reading runs no forward and finds no drop.
+        forwards = []
+        monkeypatch.setattr(gate_module, "answer_logprob_sums", lambda *a: forwards.append(a) or [])
+        fourth = gate.check(accepted, reference)
+        assert fourth.accepted and fourth.preference.drop == 0.0 and forwards == []
+
+
+def test_the_unhinted_half_is_read_from_the_kl_forward_where_the_ids_are_the_messages_rendering(tiny_tokenizer):
+    # A shipped probe's ids are its messages as the serving renderer writes them, so its reading costs the
+    # reference no unhinted forward.
+    shipped = PublicationGate(tiny_tokenizer, probes=[QUESTION]).shipped[0]
+    assert ChatRenderer(tiny_tokenizer).render(shipped.messages).ids == shipped.ids
+
+
+def test_no_hint_or_the_check_switched_off_changes_nothing(monkeypatch, tiny_tokenizer, base_model, perturb,
+                                                          scripted):
+    accepted, candidate = perturb(base_model, 0.0, 1), perturb(base_model, 0.0, 2)
+    scripted(monkeypatch, {id(base_model): {QUESTION: ANSWERS[0]}, id(accepted): {QUESTION: ANSWERS[0]},
+                           id(candidate): {QUESTION: ANSWERS[1]}})
+    reference = lambda: contextlib.nullcontext(base_model)  # noqa: E731
+    for hint_source in (None, lambda: None):
+        gate = PublicationGate(tiny_tokenizer, probe_tokens=64, probes=[QUESTION], max_kl=1e6,
+                               preference_hint=hint_source, max_preference_drop=0.0)
+        assert gate.check(accepted, reference).accepted
+        result = gate.check(candidate, reference)
+        assert result.accepted and result.preference is None and result.probes[0].preference is None
