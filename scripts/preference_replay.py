@@ -2,9 +2,10 @@
 
     python scripts/preference_replay.py results/eval-final [--cells hybrid-brief-s2 opd-brief-s2 ...]
 
-The publication gate checks that a candidate breaks nothing; it does not check that the preference users taught
-still holds, and in the comparison some accepted versions unlearnt part of it (README, "Method comparison"). This
-asks whether a signal the gate already has at hand would have seen it. For an answer y to a probe x:
+In the comparison before the gate's preference check, some accepted versions unlearnt part of the preference
+(README, "Method comparison"). This asks, offline, whether the signal that check now reads
+(``clawloop.gate.preference``) would have seen it, and how much it moves between versions that kept their score
+(which sets the check's margin). For an answer y to a probe x:
 
     R(y) = log π_ref(y | x ⊕ h) − log π_ref(y | x)      (summed over the answer's tokens, its end token included)
 
