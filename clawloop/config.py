@@ -375,13 +375,16 @@ class GateSettings:
     gate_max_fact_drop: float = _f(0.1, "Largest share by which the candidate's sampled knowledge answers may state "
                                    "their facts less often than the reference's, over all facts asked.")
     gate_preference: bool = _f(True, "Check that a candidate keeps the preference users taught: the hint most often "
-                               "attached to the trained samples, read by the starting weights, must not favour the "
-                               "candidate's probe answers less than the last accepted version's "
-                               "(clawloop/gate/preference.py). Off: a candidate may unlearn it.")
+                               "attached to the trained samples, read by the starting weights, must favour the "
+                               "candidate's probe answers at most gate_max_preference_drop less than the last "
+                               "accepted version's (clawloop/gate/preference.py). Needs the starting weights as "
+                               "the gate's reference (LoRA, or kl_coef > 0 or the retain term); without them the "
+                               "check does not run.")
     gate_max_preference_drop: float = _f(1.0, "Largest drop, in nats, of the mean implicit reward log p_ref(y|x+hint) - "
                                          "log p_ref(y|x) of the candidate's probe answers below the last accepted "
                                          "version's (replayed versions that kept their held-out score moved by up "
-                                         "to 0.6; those that lost it fell by 6 and more).")
+                                         "to 0.6; the two that lost most of it fell by 6 and 9, one that lost "
+                                         "a little by 0.15).")
 
 
 # The sections in reverse reading order: a dataclass collects its bases' fields from the last base to the first,

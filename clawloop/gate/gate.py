@@ -42,8 +42,8 @@ A check:
    above ``max_kl``. The reference is the
    starting weights (LoRA: the adapter switched off; full fine-tuning: the frozen copy kept for ``kl_coef > 0``);
    a full fine-tuning run without that copy measures against the last accepted weights instead;
-6. with a hint to read (``preference_hint``: the trainer's most frequent hint) and an accepted version since the
-   gate started, reads the hint's implicit reward of the candidate's greedy guard answers and of the last accepted
+6. with a hint to read (``preference_hint``: the trainer's most frequent hint), an accepted version since the
+   gate started and the starting weights as the reference (``kl_to="reference"``), reads the hint's implicit reward of the candidate's greedy guard answers and of the last accepted
    version's answers to the same probes under the reference (``clawloop.gate.preference``); the candidate fails
    when its mean is more than ``max_preference_drop`` nats lower: it unlearnt what the users taught.
 
@@ -610,7 +610,11 @@ class PublicationGate:
         decision = decide(outcomes, kl, min_guard_pass=self.min_guard_pass, max_kl=self.max_kl,
                           max_fact_drop=self.max_fact_drop, kl_measured=kl_measured)
         preference, rewards = None, {}
-        if decision.accepted:  # a candidate rejected already needs no reading (nor its rewards kept)
+        if kl_to != "reference":
+            # Without the starting weights there is no fixed reader: rewards read by one accepted version and
+            # compared with the next one's readings would measure the readers, not the answers.
+            self._accepted_reward.clear()
+        elif decision.accepted:  # a candidate rejected already needs no reading (nor its rewards kept)
             preference, rewards = self._preference(answered, outcomes, ref_lp, reference)
             if preference is not None:
                 decision = decide(outcomes, kl, min_guard_pass=self.min_guard_pass, max_kl=self.max_kl,
@@ -654,7 +658,7 @@ class PublicationGate:
         wherever the probe's ids are its messages' rendering; the accepted answers' R are those recorded when
         their version was accepted, read again only where the hint changed since, and an answer equal to the
         accepted version's has its R. So a check costs one reference forward over the hinted prompts of the
-        answers that changed."""
+        answers that changed. A probe whose R is not finite is left out (it must not decide, nor be kept)."""
         hint = self.preference_hint() if self.preference_hint is not None else None
         if not hint:
             return None, {}
@@ -670,33 +674,40 @@ class PublicationGate:
             plain.append(pair[0])
             hinted.append(pair[1])
             reuse = r_T_V is not None and pair[0] == p.ids
-            plain_sums.append(float(r_T_V.gather(1, torch.tensor(ans, dtype=torch.long).view(-1, 1)).sum())
-                              if reuse and ans else (0.0 if reuse else None))
+            plain_sums.append(_summed(r_T_V, ans) if reuse else None)
         if not rows:
             return None, {}
         compared = [i for i, (p, _, _) in enumerate(rows) if _key(p) in self._accepted]
         stale = [i for i in compared if self._accepted_reward.get(_key(rows[i][0]), ("", 0.0))[0] != hint]
         theirs = {i: self._accepted_reward[_key(rows[i][0])][1] for i in compared if i not in stale}
-        mine: dict[int, float] = {}
-        with reference() as ref:
-            if stale:
-                theirs.update(zip(stale, implicit_rewards(ref, [plain[i] for i in stale], [hinted[i] for i in stale],
-                                                          [self._accepted[_key(rows[i][0])][2] for i in stale])))
-            # An answer equal to the accepted version's has its R already.
-            mine.update({i: theirs[i] for i in compared if rows[i][1] == self._accepted[_key(rows[i][0])][2]})
-            todo = [i for i in range(len(rows)) if i not in mine]
-            unplain = [i for i in todo if plain_sums[i] is None]
-            for i, v in zip(unplain, answer_logprob_sums(ref, [plain[i] for i in unplain],
-                                                         [rows[i][1] for i in unplain]) if unplain else []):
-                plain_sums[i] = v
-            hinted_sums = answer_logprob_sums(ref, [hinted[i] for i in todo], [rows[i][1] for i in todo]) \
-                if todo else []
+        # An answer equal to the accepted version's has its R (once that is known).
+        same = [i for i in compared if rows[i][1] == self._accepted[_key(rows[i][0])][2]]
+        todo = [i for i in range(len(rows)) if i not in same]
+        unplain = [i for i in todo if plain_sums[i] is None]
+        if stale or todo:
+            with reference() as ref:
+                if stale:
+                    read = implicit_rewards(ref, [plain[i] for i in stale], [hinted[i] for i in stale],
+                                            [self._accepted[_key(rows[i][0])][2] for i in stale])
+                    theirs.update(zip(stale, read))
+                    # The accepted version's rewards under this hint, whatever becomes of the candidate.
+                    self._accepted_reward.update({_key(rows[i][0]): (hint, r) for i, r in zip(stale, read)})
+                for i, v in zip(unplain, answer_logprob_sums(ref, [plain[i] for i in unplain],
+                                                             [rows[i][1] for i in unplain]) if unplain else []):
+                    plain_sums[i] = v
+                hinted_sums = answer_logprob_sums(ref, [hinted[i] for i in todo], [rows[i][1] for i in todo]) \
+                    if todo else []
+        else:
+            hinted_sums = []
+        mine = {i: theirs[i] for i in same}
         mine.update({i: h - float(plain_sums[i]) for i, h in zip(todo, hinted_sums)})
+        kept = [i for i in range(len(rows)) if math.isfinite(mine[i])]
+        compared = [i for i in compared if i in kept and math.isfinite(theirs[i])]
+        for i in kept:
+            rows[i][2].preference = mine[i]
         for i in compared:
-            rows[i][2].preference, rows[i][2].accepted_preference = mine[i], theirs[i]
-        for i, (_, _, o) in enumerate(rows):
-            o.preference = mine[i]
-        rewards = {_key(p): (hint, mine[i]) for i, (p, _, _) in enumerate(rows)}
+            rows[i][2].accepted_preference = theirs[i]
+        rewards = {_key(rows[i][0]): (hint, mine[i]) for i in kept}
         if not compared:
             return None, rewards
         return PreferenceReading.of(hint, [theirs[i] for i in compared], [mine[i] for i in compared],
@@ -813,6 +824,14 @@ def closing_exchanges(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]
         tail.append({"role": str(role), "content": text})
     tail.reverse()
     return tail
+
+
+def _summed(logprobs_T_V: torch.Tensor, ids: list[int]) -> float:
+    """An answer's summed log-probability from its ``[T, V]`` log-softmax rows (on whatever device they are)."""
+    if not ids:
+        return 0.0
+    index_T = torch.tensor(ids, dtype=torch.long, device=logprobs_T_V.device)
+    return float(logprobs_T_V.gather(1, index_T.view(-1, 1)).sum())
 
 
 def _key(p: _Probe) -> str | bytes:

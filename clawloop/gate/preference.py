@@ -8,17 +8,21 @@ answer by it. For an answer y to a probe x and the hint h,
 
     R(y) = log π_ref(y | x ⊕ h) − log π_ref(y | x)
 
-summed over the answer's tokens (its end token included when it ended): how much more likely the hint makes that
-answer under the starting weights, the hint-conditioned teacher's implicit reward. The check compares the mean R
+summed over the answer's tokens as the gate decoded them (its end token is not among them): how much more likely
+the hint makes that answer under the starting weights, the hint-conditioned teacher's implicit reward. The check
+needs the starting weights as its reader (a LoRA run, or full fine-tuning that keeps a frozen copy for
+``kl_coef > 0`` or the retain term); a gate that measures against the last accepted weights instead does not
+read, since rewards read by one version and compared with the next one's would measure the readers. The check compares the mean R
 of the candidate's greedy answers with that of the last accepted version's answers to the same probes (the
 shipped, corrected and recent prompts both answered; not the knowledge probes, whose answers are facts), and the
 candidate fails when its mean is lower by more than a margin (``Config.gate_max_preference_drop``).
 
 h is the hint most often attached to the samples the trainer has trained since it started (the judge's rule hints
-repeat the preference word for word); on a shared server that is the majority's preference. Replayed on the kept
-versions of the comparison, the mean R fell with every version whose held-out score fell and rose with every one
-whose score rose, but it also moved by up to 0.6 nats between versions that kept their score, hence a margin of
-1 nat: it stops the large drops (6 and 9 nats) and lets the small ones through.
+repeat the preference word for word); on a shared server that is the majority's preference. Replayed offline on
+the kept versions of the comparison (``scripts/preference_replay.py``, which also scores the end token), the mean R
+fell with every version whose held-out score fell and rose with every one whose score rose, but it also moved by up
+to 0.6 nats between versions that kept their score, hence a margin of 1 nat: it stops the large drops (6 and 9
+nats there; 3 and 5 online, where the end token is not scored) and lets the small ones (0.15; 0.10 online) through.
 """
 
 from __future__ import annotations

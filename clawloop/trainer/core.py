@@ -560,10 +560,10 @@ class Trainer:
             self._persist(lambda store: [store.drop_leased_sample(t, r, lease_id=lease_id) for t, r in excluded],
                           "the samples the step left out", should_stop)
         items = [it for it in items if EXCLUDED not in it.info]
-        self.hint_counts.update(it.sample.hints[0] for it in items if it.sample.hints)
         if not update_applied(metrics):
             self._void_update(lease_id, items)
             return None
+        self.hint_counts.update(it.sample.hints[0] for it in items if it.sample.hints)
         step = self.step + 1
         published, gate_metrics = self._check(step, should_stop)
         metrics.update(stats.as_metrics())
