@@ -121,31 +121,31 @@ def test_no_hint_or_the_check_switched_off_changes_nothing(monkeypatch, tiny_tok
         assert result.accepted and result.preference is None and result.probes[0].preference is None
 
 
-def _two_versions(monkeypatch, tiny_tokenizer, base_model, perturb, scripted, **gate_kwargs):
+def _one_accepted(monkeypatch, tiny_tokenizer, base_model, perturb, scripted, kl_to="reference"):
+    """A gate with a hint to read that has accepted one version, and a candidate answering otherwise."""
     accepted, candidate = perturb(base_model, 0.0, 1), perturb(base_model, 0.0, 2)
     scripted(monkeypatch, {id(base_model): {QUESTION: ANSWERS[0]}, id(accepted): {QUESTION: ANSWERS[0]},
                            id(candidate): {QUESTION: ANSWERS[1]}})
     gate = PublicationGate(tiny_tokenizer, probe_tokens=64, probes=[QUESTION], max_kl=1e6,
-                           preference_hint=lambda: HINT, max_preference_drop=0.0, **gate_kwargs)
-    return gate, accepted, candidate
+                           preference_hint=lambda: HINT, max_preference_drop=0.0)
+    reference = lambda: contextlib.nullcontext(base_model)  # noqa: E731
+    assert gate.check(accepted, reference, kl_to=kl_to).accepted
+    return gate, candidate, reference
 
 
 def test_without_the_starting_weights_as_reader_the_check_does_not_read(monkeypatch, tiny_tokenizer, base_model,
                                                                        perturb, scripted):
     # Full fine-tuning without a frozen copy measures against the last accepted weights: a reader that changes with
     # every accepted version would compare readers, not answers.
-    gate, accepted, candidate = _two_versions(monkeypatch, tiny_tokenizer, base_model, perturb, scripted)
-    reference = lambda: contextlib.nullcontext(base_model)  # noqa: E731
-    assert gate.check(accepted, reference, kl_to="last accepted").accepted
+    gate, candidate, reference = _one_accepted(monkeypatch, tiny_tokenizer, base_model, perturb, scripted,
+                                               kl_to="last accepted")
     result = gate.check(candidate, reference, kl_to="last accepted")
     assert result.accepted and result.preference is None
 
 
 def test_after_a_rollback_the_next_candidate_is_not_held_to_the_old_rewards(monkeypatch, tiny_tokenizer, base_model,
                                                                            perturb, scripted):
-    gate, accepted, candidate = _two_versions(monkeypatch, tiny_tokenizer, base_model, perturb, scripted)
-    reference = lambda: contextlib.nullcontext(base_model)  # noqa: E731
-    assert gate.check(accepted, reference).accepted
+    gate, candidate, reference = _one_accepted(monkeypatch, tiny_tokenizer, base_model, perturb, scripted)
     gate.forget_accepted()  # the served version changed outside the gate
     result = gate.check(candidate, reference)
     assert result.accepted and result.preference is None
@@ -153,9 +153,7 @@ def test_after_a_rollback_the_next_candidate_is_not_held_to_the_old_rewards(monk
 
 def test_a_reward_that_is_not_a_number_is_left_out_and_decides_nothing(monkeypatch, tiny_tokenizer, base_model,
                                                                      perturb, scripted):
-    gate, accepted, candidate = _two_versions(monkeypatch, tiny_tokenizer, base_model, perturb, scripted)
-    reference = lambda: contextlib.nullcontext(base_model)  # noqa: E731
-    assert gate.check(accepted, reference).accepted
+    gate, candidate, reference = _one_accepted(monkeypatch, tiny_tokenizer, base_model, perturb, scripted)
     monkeypatch.setattr(gate_module, "answer_logprob_sums", lambda model, prompts, answers: [math.nan] * len(prompts))
     result = gate.check(candidate, reference)
     assert result.accepted and result.preference is None and result.probes[0].preference is None
