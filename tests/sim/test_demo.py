@@ -18,11 +18,13 @@ from sim_support import verdict_simulator
 
 def test_demo_runs_trains_and_writes_its_report(tmp_path, tiny_model_path, capsys):
     run_dir = tmp_path / "demo"
-    # The tiny random model writes word salad, which the guard may judge either way on any probe: its share is
-    # not asked for here (the gate's own decisions are tested in tests/trainer/test_gate.py); the KL bound stays.
+    # The tiny random model writes word salad, which the guard may judge either way on any probe, and reads a hint
+    # as noise: neither the guard's share nor the preference check is asked for here (the gate's own decisions
+    # are tested in tests/trainer/test_gate.py and tests/gate/); the KL bound stays.
     rc = main(["demo", "--model", "tiny", "--interactions", "6", "--eval-every", "3", "--rollout-batch-size", "2",
                "--heldout-n", "3", "--run-dir", str(run_dir), "--num-threads", "2", "--max-batch-size", "4",
-               "--seed", "1", "--gate-every", "1", "--gate-probe-tokens", "8", "--gate-min-guard-pass", "0"])
+               "--seed", "1", "--gate-every", "1", "--gate-probe-tokens", "8", "--gate-min-guard-pass", "0",
+               "--no-gate-preference"])
     assert rc == 0
     printed = capsys.readouterr().out
     # The publication gate's decisions are shown as they happen, and summarised.
