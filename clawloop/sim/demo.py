@@ -304,9 +304,14 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
         + (f"retain_coef {s.retain_coef:g} ({s.retain_batch} general prompts a step), " if s.retain_coef > 0 else "")
         + f"batch {s.rollout_batch_size}, "
         f"{options.interactions} interactions, seed {options.seed}, run dir {run_dir}")
-    out("publication gate: " + (f"on, checking every {s.gate_every} step(s) on the shipped probes and recent prompts "
-                                f"(guard >= {s.gate_min_guard_pass:g} of the reference's sound answers, KL <= "
-                                f"{s.gate_max_kl:g} nats/token)" if s.gate else "off: every step is served unchecked"))
+    probes = "the shipped probes" + (", the knowledge probes" if s.gate_knowledge else "") + \
+        ", the run's corrected and recent prompts"
+    kept = (f", the hint's reward of the answers at most {s.gate_max_preference_drop:g} nats below the last accepted "
+            "version's" if s.gate_preference else "")
+    out("publication gate: " + (f"on, checking every {s.gate_every} step(s) on {probes} (guard >= "
+                                f"{s.gate_min_guard_pass:g} of the reference's sound answers, KL <= "
+                                f"{s.gate_max_kl:g} nats/token{kept})" if s.gate
+                                else "off: every step is served unchecked"))
 
     try:  # per-file "Loading weights" bars of three model loads would bury the progress lines
         from transformers.utils import logging as hf_logging
