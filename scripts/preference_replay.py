@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from clawloop.engines.model_files import default_model_dir, end_token_ids, load_model, load_tokenizer
-    from clawloop.gate.generation import answer_logprobs
+    from clawloop.gate.preference import implicit_rewards
     from clawloop.renderers.chat import ChatRenderer
     from clawloop.teacher import inject_hint
 
@@ -56,11 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     def answer_ids(text: str, cap: int) -> list[int]:
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         return ids + [end_id] if len(ids) < cap else ids
-
-    def summed(prompts: list[list[int]], answers: list[list[int]]) -> list[float]:
-        with torch.no_grad():
-            rows = answer_logprobs(model, prompts, answers)
-        return [float(r.gather(1, torch.tensor(a).view(-1, 1)).sum()) for r, a in zip(rows, answers)]
 
     cells = sorted(Path(args.out, "cells").iterdir()) if args.cells is None else [
         Path(args.out, "cells", name) for name in args.cells]
@@ -100,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                 hinted.append(render(inject_hint(messages, hint)))
                 mine.append(answer_ids(p["answer"], cap))
                 theirs.append(answer_ids(p["accepted_answer"], cap))
-            r_mine = [h - u for h, u in zip(summed(hinted, mine), summed(plain, mine))]
-            r_theirs = [h - u for h, u in zip(summed(hinted, theirs), summed(plain, theirs))]
+            r_mine = implicit_rewards(model, plain, hinted, mine)
+            r_theirs = implicit_rewards(model, plain, hinted, theirs)
             higher = sum(a > b for a, b in zip(r_mine, r_theirs))
             print(f"| {cell.name} | v{version} | {scores.get(version - 1, float('nan')):.2f} → "
                   f"{scores.get(version, float('nan')):.2f} | {len(probes)} | {statistics.mean(r_theirs):.2f} → "

@@ -43,9 +43,10 @@ A check:
    starting weights (LoRA: the adapter switched off; full fine-tuning: the frozen copy kept for ``kl_coef > 0``);
    a full fine-tuning run without that copy measures against the last accepted weights instead;
 6. with a hint to read (``preference_hint``: the trainer's most frequent hint), an accepted version since the
-   gate started and the starting weights as the reference (``kl_to="reference"``), reads the hint's implicit reward of the candidate's greedy guard answers and of the last accepted
-   version's answers to the same probes under the reference (``clawloop.gate.preference``); the candidate fails
-   when its mean is more than ``max_preference_drop`` nats lower: it unlearnt what the users taught.
+   gate started and the starting weights as the reference (``kl_to="reference"``), reads the hint's implicit
+   reward of the candidate's greedy guard answers and of the last accepted version's answers to the same probes
+   under the reference (``clawloop.gate.preference``); the candidate fails when its mean is more than
+   ``max_preference_drop`` nats lower: it unlearnt what the users taught.
 
 The result carries its evidence (every probe's answer, verdict, reasons and KL) for the store and the version
 history. Why these checks and thresholds: docs/publication-gate.md.
@@ -67,7 +68,7 @@ import torch
 
 from clawloop.engines.model_files import end_token_ids
 from clawloop.gate.generation import (answer_logprob_sums, answer_logprobs, length_buckets, probe_answers,
-                                      sampling_uniforms)
+                                      sampling_uniforms, summed_logprob)
 from clawloop.gate.guard import check as guard_check
 from clawloop.gate.knowledge import KNOWLEDGE_TOKENS, KnowledgeProbe, knows, names_fact
 from clawloop.gate.preference import PreferenceReading, implicit_rewards
@@ -674,7 +675,7 @@ class PublicationGate:
             plain.append(pair[0])
             hinted.append(pair[1])
             reuse = r_T_V is not None and pair[0] == p.ids
-            plain_sums.append(_summed(r_T_V, ans) if reuse else None)
+            plain_sums.append(summed_logprob(r_T_V, ans) if reuse else None)
         if not rows:
             return None, {}
         compared = [i for i, (p, _, _) in enumerate(rows) if _key(p) in self._accepted]
@@ -824,14 +825,6 @@ def closing_exchanges(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]
         tail.append({"role": str(role), "content": text})
     tail.reverse()
     return tail
-
-
-def _summed(logprobs_T_V: torch.Tensor, ids: list[int]) -> float:
-    """An answer's summed log-probability from its ``[T, V]`` log-softmax rows (on whatever device they are)."""
-    if not ids:
-        return 0.0
-    index_T = torch.tensor(ids, dtype=torch.long, device=logprobs_T_V.device)
-    return float(logprobs_T_V.gather(1, index_T.view(-1, 1)).sum())
 
 
 def _key(p: _Probe) -> str | bytes:

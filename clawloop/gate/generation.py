@@ -178,10 +178,16 @@ def answer_logprob_sums(model: torch.nn.Module, prompts: list[list[int]], answer
     for group in length_buckets([len(p) + len(a) for p, a in zip(prompts, answers)]):
         rows = _answer_logprobs_batch(model, [prompts[i] for i in group], [answers[i] for i in group])
         for i, lp_T_V in zip(group, rows):
-            if answers[i]:
-                ids_T = torch.tensor(answers[i], dtype=torch.long, device=lp_T_V.device)
-                out[i] = float(lp_T_V.gather(1, ids_T.view(-1, 1)).sum())
+            out[i] = summed_logprob(lp_T_V, answers[i])
     return out
+
+
+def summed_logprob(logprobs_T_V: torch.Tensor, ids: Sequence[int]) -> float:
+    """An answer's summed log-probability from its ``[T, V]`` log-softmax rows (on whatever device they are)."""
+    if not ids:
+        return 0.0
+    index_T = torch.tensor(list(ids), dtype=torch.long, device=logprobs_T_V.device)
+    return float(logprobs_T_V.gather(1, index_T.view(-1, 1)).sum())
 
 
 def _answer_logprobs_batch(model: torch.nn.Module, prompts: list[list[int]],

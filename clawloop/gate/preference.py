@@ -12,10 +12,10 @@ summed over the answer's tokens as the gate decoded them (its end token is not a
 the hint makes that answer under the starting weights, the hint-conditioned teacher's implicit reward. The check
 needs the starting weights as its reader (a LoRA run, or full fine-tuning that keeps a frozen copy for
 ``kl_coef > 0`` or the retain term); a gate that measures against the last accepted weights instead does not
-read, since rewards read by one version and compared with the next one's would measure the readers. The check compares the mean R
-of the candidate's greedy answers with that of the last accepted version's answers to the same probes (the
-shipped, corrected and recent prompts both answered; not the knowledge probes, whose answers are facts), and the
-candidate fails when its mean is lower by more than a margin (``Config.gate_max_preference_drop``).
+read, since rewards read by one version and compared with the next one's would measure the readers. The check
+compares the mean R of the candidate's greedy answers with that of the last accepted version's answers to the same
+probes (the shipped, corrected and recent prompts both answered; not the knowledge probes, whose answers are
+facts), and the candidate fails when its mean is lower by more than a margin (``Config.gate_max_preference_drop``).
 
 h is the hint most often attached to the samples the trainer has trained since it started (the judge's rule hints
 repeat the preference word for word); on a shared server that is the majority's preference. Replayed offline on
