@@ -15,6 +15,8 @@ pure functions of the text (no model, no randomness), so a preference score is r
   emphasis and any case, requiring a word boundary after it and an actual answer (a few words) after it.
 * ``ClosingChecker``: the answer ends with a fixed phrase, ignoring trailing spaces, quotes and emphasis, after
   an actual answer (a few words).
+* ``NumberedListChecker``: the answer is a numbered list (``1. ...``, ``2) ...``) of distinct items, an optional
+  lead-in line before it.
 * ``LowercaseChecker`` / ``NoDigitsChecker``: character-class rules.
 """
 
@@ -178,6 +180,27 @@ class ClosingChecker:
         return f"ends with {self.phrase!r}"
 
 
+# A numbered item: a line that starts with a number and "." or ")" and has text after it.
+_NUMBERED_ITEM = re.compile(r"^[ \t]*\d{1,2}[.)][ \t]+(\S.*)$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class NumberedListChecker:
+    """At least ``min_items`` numbered lines with distinct text (``1. Boil water`` / ``2) Add salt``).
+
+    Distinct, because a model pushed toward lists can repeat one item ("1. A frog 2. A frog"), which no user who
+    asked for a list would accept. Text before the first item (a lead-in sentence) is allowed."""
+
+    min_items: int = 2
+
+    def __call__(self, text: str) -> bool:
+        items = [m.group(1).strip().lower() for m in _NUMBERED_ITEM.finditer(text)]
+        return len(items) >= self.min_items and len(set(items)) == len(items)
+
+    def describe(self) -> str:
+        return f"a numbered list of at least {self.min_items} distinct items"
+
+
 @dataclass(frozen=True)
 class LowercaseChecker:
     """Letters present, none of them upper case."""
@@ -207,6 +230,7 @@ CHECKER_KINDS: dict[str, type] = {
     "brief": BriefChecker,
     "opening": OpeningChecker,
     "closing": ClosingChecker,
+    "numbered_list": NumberedListChecker,
     "lowercase": LowercaseChecker,
     "no_digits": NoDigitsChecker,
 }

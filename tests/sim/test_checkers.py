@@ -10,6 +10,7 @@ from clawloop.sim.checkers import (
     FrenchChecker,
     LowercaseChecker,
     NoDigitsChecker,
+    NumberedListChecker,
     OpeningChecker,
     SpanishChecker,
     sentence_count,
@@ -174,6 +175,29 @@ def test_lowercase_and_no_digits_checkers():
     assert NoDigitsChecker()("There are seven days in a week.")
     assert not NoDigitsChecker()("There are 7 days in a week.")
     assert not NoDigitsChecker()("")
+
+
+LIST_YES = [
+    "1. Boil water.\n2. Add the pasta.\n3. Drain it.",
+    "To make tea:\n\n1) Boil water\n2) Steep the leaves",  # a lead-in line before the list
+    "1. **Sleep** helps memory.\n2. **Sleep** repairs the body.\n3. It cut",  # cut off mid-item by max_tokens
+]
+LIST_NO = [
+    "Boil water, add the pasta and drain it.",  # prose
+    "1. Boil water and add the pasta.",  # one item is not a list
+    "1. A frog\n2. A frog\n3. A frog",  # a repeated item is a loop, not a list
+    "In 1990 it rained. 2. was a good year.",  # numbers inside prose, not at the start of lines
+]
+
+
+@pytest.mark.parametrize("text", LIST_YES)
+def test_numbered_list_checker_accepts_lists(text):
+    assert NumberedListChecker()(text)
+
+
+@pytest.mark.parametrize("text", LIST_NO)
+def test_numbered_list_checker_rejects_prose_single_items_and_repeats(text):
+    assert not NumberedListChecker()(text)
 
 
 @pytest.mark.parametrize("name", sorted(PERSONAS))

@@ -35,6 +35,15 @@ def test_the_shipped_example_loads_and_its_corrections_reach_the_rule_judge():
         assert decision.score == -1 and decision.hint, correction
 
 
+@pytest.mark.parametrize("path", sorted(EXAMPLE.parent.glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_persona_file_loads_and_teaches_through_the_rule_judge(path):
+    persona = load_persona_file(path)
+    assert persona.checker.describe() and persona.heldout_questions
+    for correction in persona.corrections:
+        decision = decide_user([correction])
+        assert decision.score == -1 and decision.hint, correction
+
+
 def _write(tmp_path, fields, suffix=".json"):
     path = tmp_path / f"persona{suffix}"
     path.write_text(json.dumps(fields))
