@@ -4,6 +4,7 @@ demo and eval commands running such a persona."""
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 
@@ -39,9 +40,13 @@ def test_the_shipped_example_loads_and_its_corrections_reach_the_rule_judge():
 def test_every_shipped_persona_file_loads_and_teaches_through_the_rule_judge(path):
     persona = load_persona_file(path)
     assert persona.checker.describe() and persona.heldout_questions
+    # A hint must carry the preference, not some other request the judge read into the correction ("Too much
+    # text" once became "Answer briefly." for a user who wanted a list): it shares a content word with it.
+    wanted = set(re.findall(r"[a-z]{5,}", persona.preference.lower())) - {"answer", "every", "always", "reply"}
     for correction in persona.corrections:
         decision = decide_user([correction])
         assert decision.score == -1 and decision.hint, correction
+        assert wanted & set(re.findall(r"[a-z]+", decision.hint.lower())), (correction, decision.hint)
 
 
 def _write(tmp_path, fields, suffix=".json"):
