@@ -22,7 +22,7 @@ from clawloop.sim.personas import get_persona
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "personas" / "one_sentence_cook.toml"
 
 
-def test_the_shipped_example_loads_and_its_corrections_reach_the_rule_judge():
+def test_the_shipped_example_loads_with_its_own_questions_and_checker():
     persona = load_persona_file(EXAMPLE)
     assert persona.name == "one-sentence-cook" and persona.source == str(EXAMPLE)
     assert persona.checker == BriefChecker(max_words=20)
@@ -30,18 +30,15 @@ def test_the_shipped_example_loads_and_its_corrections_reach_the_rule_judge():
     assert not set(persona.train_questions) & set(persona.heldout_questions)
     assert persona.checker("Boil it for ten minutes in salted water.")
     assert not persona.checker("Boil it for ten minutes. Then drain it and add some oil so it does not stick.")
-    # The demo's default judge must read every correction as one, with a hint, or nothing would be learnt.
-    for correction in persona.corrections:
-        decision = decide_user([correction])
-        assert decision.score == -1 and decision.hint, correction
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLE.parent.glob("*.toml")), ids=lambda p: p.name)
 def test_every_shipped_persona_file_loads_and_teaches_through_the_rule_judge(path):
     persona = load_persona_file(path)
     assert persona.checker.describe() and persona.heldout_questions
-    # A hint must carry the preference, not some other request the judge read into the correction ("Too much
-    # text" once became "Answer briefly." for a user who wanted a list): it shares a content word with it.
+    # The demo's default judge must read every correction as one, with a hint, or nothing would be learnt; and the
+    # hint must carry the preference, not some other request the judge read into the correction ("Too much text"
+    # once became "Answer briefly." for a user who wanted a list): it shares a content word with it.
     wanted = set(re.findall(r"[a-z]{5,}", persona.preference.lower())) - {"answer", "every", "always", "reply"}
     for correction in persona.corrections:
         decision = decide_user([correction])
