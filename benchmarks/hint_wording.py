@@ -35,6 +35,13 @@ how often its greedy answer to a held-out question follows the preference, and i
 position, for ``inshort`` and ``brief``.
 
     python benchmarks/hint_wording.py --no-opening --no-follow --no-facts --draft    # about 8 minutes, 1 thread
+
+With ``--placement`` a last table sets the hint after the question only against the hint in the system prompt as
+well (``hint_placement``; the system prompt keeps the template's default text before it): the knowledge probes the
+teacher keeps, how often its greedy answer to a held-out question follows, and its mean P("In") at the first
+position, for ``inshort`` and ``brief``.
+
+    python benchmarks/hint_wording.py --no-opening --no-follow --no-facts --placement  # about 4 minutes, 2 threads
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ from clawloop.config import Config  # noqa: E402
 from clawloop.engines import model_files  # noqa: E402
 from clawloop.gate.knowledge import KNOWLEDGE, KNOWLEDGE_TOKENS, knows  # noqa: E402
 from clawloop.judge.rules import as_instruction, decide, split_sentences  # noqa: E402
-from clawloop.renderers import chat_render_fn  # noqa: E402
+from clawloop.renderers import chat_render_fn, template_default_system  # noqa: E402
 from clawloop.sim.personas import PERSONAS  # noqa: E402
 from clawloop.teacher import inject_hint  # noqa: E402
 
@@ -68,10 +75,10 @@ def imperative_hint(correction: str) -> str:
 
 @torch.no_grad()
 def opening_stats(model: Any, render: Any, tokenizer: Any, question: str, hint: str, opening: str,
-                  k: int, draft: str | None = None) -> dict[str, float]:
+                  k: int, draft: str | None = None, system: str | None = None) -> dict[str, float]:
     """P(first token of ``opening``), its rank, top-k membership and P(whole ``opening``) under the hinted prompt
-    (with ``draft``, when given)."""
-    prompt_ids = render(inject_hint([{"role": "user", "content": question}], hint, draft), None)
+    (with ``draft``, and the hint in the system prompt too, when given: ``inject_hint``'s arguments)."""
+    prompt_ids = render(inject_hint([{"role": "user", "content": question}], hint, draft, system=system), None)
     target_ids = tokenizer(opening, add_special_tokens=False)["input_ids"]
     ids = torch.tensor([prompt_ids + target_ids])
     logprobs_T_V = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
@@ -86,11 +93,11 @@ def opening_stats(model: Any, render: Any, tokenizer: Any, question: str, hint: 
 
 @torch.no_grad()
 def greedy(model: Any, render: Any, tokenizer: Any, question: str, hint: str, max_tokens: int,
-           draft: str | None = None) -> str:
-    """The greedy answer to ``question`` with ``hint`` (and ``draft``, when given) injected (none when ``hint`` is
-    empty)."""
+           draft: str | None = None, system: str | None = None) -> str:
+    """The greedy answer to ``question`` with ``hint`` (and ``draft``, and the hint in the system prompt too, when
+    given) injected (none when ``hint`` is empty)."""
     messages = [{"role": "user", "content": question}]
-    prompt_ids = render(inject_hint(messages, hint, draft) if hint else messages, None)
+    prompt_ids = render(inject_hint(messages, hint, draft, system=system) if hint else messages, None)
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
                          pad_token_id=tokenizer.eos_token_id)
     return tokenizer.decode(out[0, len(prompt_ids):], skip_special_tokens=True)
@@ -110,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-facts", action="store_true", help="Skip the knowledge-probe table.")
     ap.add_argument("--draft", action="store_true", help="Add the table of the hint alone vs the hint with a "
                     "draft answer to rewrite (teacher_draft).")
+    ap.add_argument("--placement", action="store_true", help="Add the table of the hint after the question only "
+                    "vs in the system prompt too (hint_placement = system_and_user).")
     ap.add_argument("--max-tokens", type=int, default=48, help="Greedy answer length for the follow rate.")
     ap.add_argument("--follow-questions", type=int, default=4, help="Held-out questions per persona for the "
                     "follow rate (0 = all; every one costs a greedy answer per distinct hint).")
@@ -133,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         facts_table(model, render, tokenizer)
     if args.draft:
         draft_table(model, render, tokenizer, args.max_tokens, k)
+    if args.placement:
+        placement_table(model, render, tokenizer, args.max_tokens, k)
     return 0
 
 
@@ -237,6 +248,34 @@ def draft_table(model: Any, render: Any, tokenizer: Any, max_tokens: int, k: int
                 p_in[drafted].append(opening_stats(model, render, tokenizer, q, hint, "In short,", k, d)["p_first"])
         print(f"{name:10} | {kept[False]:8d} -> {kept[True]:2d}     | {follow[False]:5d} -> {follow[True]:2d} of "
               f"{len(qs):2d} | {mean(p_in[False]):6.3f} -> {mean(p_in[True]):5.3f}", flush=True)
+
+
+def placement_table(model: Any, render: Any, tokenizer: Any, max_tokens: int, k: int) -> None:
+    """The hint after the question only (``hint_placement = "user"``) vs there and in the system prompt, after the
+    template's default text (``"system_and_user"``): knowledge probes kept, held-out answers following, P("In")."""
+    print()
+    print(f"The hint after the question vs in the system prompt too (hint_placement); knowledge probes "
+          f"{KNOWLEDGE_TOKENS} tokens, held-out answers {max_tokens}, greedy", flush=True)
+    placements = {"user": None, "system_and_user": template_default_system(tokenizer)}
+    known = [probe for probe in KNOWLEDGE
+             if knows(greedy(model, render, tokenizer, probe.question, "", KNOWLEDGE_TOKENS), probe.answers)]
+    print(f"{'persona':10} | {'facts kept (of ' + str(len(known)) + ')':>18} | {'held-out follow':>17} | "
+          f"{'P(In) first':>15}   (user -> system_and_user)", flush=True)
+    for name in ("inshort", "brief"):
+        persona = PERSONAS[name]
+        hint = imperative_hint(persona.corrections[0])
+        qs = list(persona.heldout_questions)
+        kept, follow, p_in = {}, {}, {}
+        for where, system in placements.items():
+            kept[where] = sum(knows(greedy(model, render, tokenizer, probe.question, hint, KNOWLEDGE_TOKENS,
+                                           system=system), probe.answers) for probe in known)
+            follow[where] = sum(bool(persona.judge(greedy(model, render, tokenizer, q, hint, max_tokens,
+                                                          system=system), q).satisfied) for q in qs)
+            p_in[where] = mean([opening_stats(model, render, tokenizer, q, hint, "In short,", k,
+                                              system=system)["p_first"] for q in qs])
+        a, b = placements
+        print(f"{name:10} | {kept[a]:8d} -> {kept[b]:2d}     | {follow[a]:5d} -> {follow[b]:2d} of "
+              f"{len(qs):2d} | {p_in[a]:6.3f} -> {p_in[b]:5.3f}", flush=True)
 
 
 if __name__ == "__main__":

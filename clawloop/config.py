@@ -168,6 +168,11 @@ class JudgingSettings:
                                           "{structured_outputs = {regex = '...'}} (see the README).")
 
 
+HINT_PLACEMENTS = ("user", "system_and_user")
+"""Where the teacher reads a hint (``hint_placement``): after the last user message, or there and in the system
+prompt as well."""
+
+
 @dataclass
 class TeacherSettings:
     """The hints a turn's votes give, and the teacher that scores the response under each. ``Config.teaching``."""
@@ -179,6 +184,12 @@ class TeacherSettings:
                              "prompt carries the hint, the answer served, then the hint again (clawloop.teacher."
                              "inject_hint). The teacher keeps the answer's facts, but it copies the draft it "
                              "scores, so the student learns less: off (docs/method.md, 'The teacher's draft').")
+    hint_placement: str = _f("user", "Where the teacher reads a hint: 'user' (appended to the last user message) "
+                             "or 'system_and_user' (there and in the system prompt too, one being added with the "
+                             "chat template's default text when the conversation has none; clawloop.teacher."
+                             "inject_hint), as the gate's preference check then does. The teacher then keeps its facts "
+                             "under a hint like 'Begin every answer with \"In short,\"', but the student's candidates "
+                             "lost theirs as before: off (docs/method.md, 'Where the hint goes').")
     context_samples: int = _f(0, "Context distillation: answers the teacher samples under an accepted hint, per "
                               "hinted turn, each trained as its own sample on the un-hinted prompt (0 = off; "
                               "docs/context-distillation.md).")
@@ -462,6 +473,7 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
         choice("opd_target", OPD_TARGETS)
         choice("judge_context", JUDGE_CONTEXTS)
         choice("teacher", TEACHERS)
+        choice("hint_placement", HINT_PLACEMENTS)
         choice("judge_backend", JUDGE_BACKENDS)
         choice("policy_scope", POLICY_SCOPES)
         if self.policy_scope == "per_user":

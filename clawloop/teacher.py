@@ -6,7 +6,8 @@ message holding ``"[user's hint / instruction]\\n" + hint`` is added at the end)
 renderer and tools the API used when serving, and the turn's **stored response ids** are appended — the response
 is never re-tokenised from text. ``render_matches`` says whether rendering the un-hinted messages today reproduces
 the stored prompt ids (it does not when the serving template changed since the turn was recorded).
-Tool-call loops keep their later tool messages untouched: the hint goes where the user spoke last.
+Tool-call loops keep their later tool messages untouched: the hint goes where the user spoke last. With
+``hint_placement = "system_and_user"`` it also ends the system prompt (``inject_hint``'s ``system``).
 
 Scores: ``Teacher.score`` answers a trainer's ``TeacherRequest``s (``clawloop.wire``): per sample, the turn,
 its hint candidates and the ids the trainer needs the teacher's log-probs at (the old policy's top-k, computed
@@ -43,6 +44,7 @@ from clawloop.engines.model_files import end_token_ids
 from clawloop.temperature import effective_temperature
 from clawloop.judge.prompts import content_text
 from clawloop.losses import OPD_TARGETS, hinted_positions, mix_rows, mixes
+from clawloop.renderers import template_default_system
 from clawloop.store import TurnRecord
 from clawloop.wire import TeacherRequest, TeacherScores
 
@@ -75,8 +77,16 @@ def train_temperature(config: TrainTemperatureSetting, turn: TurnRecord | float)
     return sampled if sampled > 0 else 1.0
 
 
-def inject_hint(messages: Sequence[dict[str, Any]], hint: str, draft: str | None = None) -> list[dict[str, Any]]:
+def inject_hint(messages: Sequence[dict[str, Any]], hint: str, draft: str | None = None, *,
+                system: str | None = None) -> list[dict[str, Any]]:
     """A copy of ``messages`` with ``hint`` appended to the last user message (or a new user message).
+
+    With ``system`` (``hint_placement = "system_and_user"``: the system prompt the chat template writes when there
+    is none, often ''), the hint is also appended to the system message, one being added (``system`` followed by
+    the hint) when the conversation has none. Told 'Begin every answer with "In short,"' only after the question,
+    SmolLM2-135M takes the phrase for the topic ("In short, "In short," is a common idiomatic expression …") and
+    states 7 of the 17 facts it knows; told it in its system prompt as well, it states all 17 and still opens 10 of
+    14 held-out answers with the phrase (docs/method.md, "Where the hint goes").
 
     With a ``draft`` (the answer that was served, ``teacher_draft``), the hint is followed by the draft under
     ``DRAFT_PREFIX`` and then by the hint once more: a small teacher told only "Begin every answer with "In short,""
@@ -86,12 +96,26 @@ def inject_hint(messages: Sequence[dict[str, Any]], hint: str, draft: str | None
     answer it reads, though, the teacher copies it, which is why the setting is off (docs/method.md)."""
     addition = hint if draft is None else hint + HINT_SEPARATOR + DRAFT_PREFIX + draft + HINT_SEPARATOR + hint
     out = copy.deepcopy(list(messages))
+    if system is not None:
+        if out and out[0].get("role") == "system":
+            out[0]["content"] = content_text(out[0].get("content")) + HINT_SEPARATOR + HINT_PREFIX + hint
+        else:
+            out.insert(0, {"role": "system", "content": (system + HINT_SEPARATOR if system else "") + HINT_PREFIX
+                           + hint})
     for message in reversed(out):
         if message.get("role") == "user":
             message["content"] = content_text(message.get("content")) + HINT_SEPARATOR + HINT_PREFIX + addition
             return out
     out.append({"role": "user", "content": HINT_PREFIX + addition})
     return out
+
+
+def hint_system(config: Any, tokenizer: Any) -> str | None:
+    """``inject_hint``'s ``system`` for ``config.hint_placement``: None (the hint goes after the last user message
+    only) or the system prompt the tokenizer's template writes when there is none ('' without a tokenizer)."""
+    if getattr(config, "hint_placement", "user") != "system_and_user":
+        return None
+    return template_default_system(tokenizer) if tokenizer is not None else ""
 
 
 class Teacher:
@@ -107,6 +131,8 @@ class Teacher:
         tokenizer, and then a mixed target is refused."""
         self.decode: Callable[[list[int]], str] | None = (
             None if tokenizer is None else lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        self.hint_system = hint_system(config, tokenizer)
+        """Where the hint goes besides the last user message (``inject_hint``'s ``system``)."""
         self.draft = bool(config.teacher_draft)
         """Whether hinted prompts carry the served answer (``teacher_draft``), read from the stored ids as text."""
         if self.draft and self.decode is None:
@@ -122,7 +148,8 @@ class Teacher:
         """The teacher prompt for one candidate; ``None``/'' means the un-hinted stored prompt ids."""
         if not hint:
             return list(turn.prompt_ids)
-        return list(self.render(inject_hint(turn.messages, hint, self._draft(turn)), turn.tools))
+        return list(self.render(inject_hint(turn.messages, hint, self._draft(turn), system=self.hint_system),
+                                turn.tools))
 
     def _draft(self, turn: TurnRecord) -> str | None:
         """The turn's served answer as text, when the teacher is shown it (``teacher_draft``); None otherwise."""

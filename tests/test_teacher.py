@@ -62,6 +62,37 @@ def test_draft_sits_between_the_hint_and_the_hint_again():
         "instruction]\nLong.\n\nBe brief.")
 
 
+def test_system_placement_adds_the_hint_to_the_system_prompt_too():
+    """``hint_placement = "system_and_user"``: the hint also ends the system message, or starts a new one after
+    the template's default text; the user message gets it as before, and the input is not modified."""
+    hinted = "\n\n[user's hint / instruction]\nBe brief."
+    out = inject_hint(TOOL_LOOP, "Be brief.", system="ignored while a system message exists")
+    assert out[0] == {"role": "system", "content": "You are terse." + hinted}
+    assert out[1]["content"] == "List the files." + hinted and out[2:] == TOOL_LOOP[2:]
+    assert TOOL_LOOP[0]["content"] == "You are terse."
+    question = [{"role": "user", "content": "Q?"}]
+    assert inject_hint(question, "Be brief.", system="Default.") == [
+        {"role": "system", "content": "Default." + hinted}, {"role": "user", "content": "Q?" + hinted}]
+    assert inject_hint(question, "Be brief.", system="")[0] == {"role": "system", "content": hinted.lstrip()}
+
+
+def test_system_placement_keeps_the_templates_default_system_prompt(tiny_engine, tiny_tokenizer):
+    """The teacher's hinted prompt under ``system_and_user`` is the served prompt with the hint added after the
+    default system text the template writes (SmolLM2's), not a prompt that lost that text."""
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    turn = make_turn(tiny_tokenizer, tiny_engine, messages, max_tokens=4)
+    render = chat_render_fn(tiny_tokenizer)
+    teacher = Teacher(tiny_engine, render, Config(model="tiny", topk=4, hint_placement="system_and_user"),
+                      tokenizer=tiny_tokenizer)
+    default = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    assert tiny_tokenizer.decode(turn.prompt_ids).startswith(f"<|im_start|>system\n{default}<|im_end|>")
+    assert tiny_tokenizer.decode(teacher.prompt_ids(turn, "Be brief.")) == (
+        f"<|im_start|>system\n{default}\n\n[user's hint / instruction]\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nName a fruit.\n\n[user's hint / instruction]\nBe brief.<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    assert teacher.prompt_ids(turn, "") == turn.prompt_ids
+
+
 def test_train_temperature_rule():
     cfg = SimpleNamespace(train_temperature=0.0)
     assert train_temperature(cfg, 0.6) == 0.6

@@ -343,7 +343,8 @@ class PublicationGate:
                  knowledge: Sequence[KnowledgeProbe] = (), knowledge_tokens: int = KNOWLEDGE_TOKENS,
                  fixed_prompts: PromptSource | None = None, knowledge_samples: int = 0,
                  knowledge_temperature: float = 0.6, max_fact_drop: float = MAX_FACT_DROP,
-                 preference_hint: Callable[[], str | None] | None = None, max_preference_drop: float = 1.0):
+                 preference_hint: Callable[[], str | None] | None = None, max_preference_drop: float = 1.0,
+                 hint_system: str | None = None):
         self.tokenizer = tokenizer
         self.min_guard_pass = float(min_guard_pass)
         self.max_kl = float(max_kl)
@@ -363,6 +364,9 @@ class PublicationGate:
         """Gives the hint the preference check reads (``clawloop.gate.preference``), or None while there is none;
         the check is off when this is None."""
         self.max_preference_drop = float(max_preference_drop)
+        self.hint_system = hint_system
+        """Where the preference check writes the hint besides the last user message, as the teacher does
+        (``clawloop.teacher.inject_hint``'s ``system``)."""
         self.recent_prompts = recent_prompts
         self.fixed_prompts = fixed_prompts
         self.renderer = ChatRenderer(tokenizer)
@@ -718,7 +722,8 @@ class PublicationGate:
         """A probe's messages rendered without and with the hint; None when the renderer refuses them (content it
         cannot render as text): that probe is left out of the preference check, never the cause of a rejection."""
         try:
-            return self._render_messages(messages), self._render_messages(inject_hint(messages, hint))
+            hinted = inject_hint(messages, hint, system=self.hint_system)
+            return self._render_messages(messages), self._render_messages(hinted)
         except (ValueError, TypeError, KeyError):
             return None
 

@@ -62,10 +62,17 @@ _WORD_COUNT_RES = [
     re.compile(r"^\s*(?:just\s+|only\s+)?" + _WORDS + r"\s+words?(?:,?\s*(?:only|please))?\s*[.!]*\s*$"),
 ]
 _WORD_LIMIT_RE = re.compile(r"\b(at most|no more than|fewer than|less than|under|max(imum)?)\s+(\d+)\s+words\b")
-_SHORTER_RE = re.compile(r"\b(too (long|wordy|verbose|many words|much text)|shorter|be (brief|concise)|briefer"
-                         r"|more concise|keep it (short|brief)|that short|fewer words)\b")
-_FORMAT_RE = re.compile(r"\b(as|in|with|use)\s+(a\s+)?(bullet(ed)?\s+points|bullets|a numbered list|numbered list"
+_TOO_LONG_RE = re.compile(r"\btoo (long|wordy|verbose|many words|much text)\b")
+_SHORTER_RE = re.compile(r"\b(shorter|be (brief|concise)|briefer|more concise|keep it (short|brief)|that short"
+                         r"|fewer words)\b")
+_FORMAT_RE = re.compile(r"\b(as|in|with|use)\s+(a\s+)?(bullet(ed)?\s+points|bullets|(numbered|bulleted)\s+list"
                         r"|list|table|markdown|json|code block)\b")
+# A format asked for by its name alone ("A numbered list, please.", "Numbered list please!").
+_FORMAT_NOUN_RE = re.compile(r"^\s*(just\s+|only\s+)?(a\s+)?(bullet(ed)?\s+points|bullets|(numbered|bulleted)\s+list"
+                             r"|list|table|code block)(,?\s*(only|please))?\s*[.!]*\s*$")
+_WITH_ARTICLE = ("numbered list", "bulleted list", "list", "table", "code block")
+"""Formats the instruction names with "a" ("Answer with a numbered list."); the others take "in" ("Answer in
+bullet points.", "Answer in json.")."""
 _UNANSWERED_RE = re.compile(r"\b(didn't|did not|doesn't|does not|don't|do not|never)\s+answer"
                             r"(ed)?\s+(what i asked|my question|the question)\b|\banswer my question\b")
 _MUST_BE_RE = re.compile(r"^(it|that|this|the answer|your answer|the reply|the code)\s+(must|should|has to|needs to)"
@@ -100,6 +107,9 @@ class Instruction:
     """Higher wins among instructions of the same kind."""
     consumes_next: bool = False
     """The instruction carries the next sentence (the question after "Answer my question:")."""
+    complaint: bool = False
+    """Read from a complaint alone ("That's too long." gives "Answer briefly."): dropped when the message asks
+    for something itself ("Too much text. A numbered list, please." asks for a list, not for brevity)."""
 
 
 def quoted(text: str) -> list[str]:
@@ -132,6 +142,14 @@ def is_imperative(sentence: str) -> bool:
     while words and words[0] in _PRE_VERB:
         words = words[1:]
     return bool(words) and (words[0] in _VERBS or (words[0] == "do" and len(words) > 1 and words[1] == "not"))
+
+
+def format_instruction(what: str) -> str:
+    """The instruction for a named format: "Answer with a numbered list.", "Answer in bullet points."."""
+    what = re.sub(r"^a\s+", "", " ".join(what.split()))
+    if what.startswith("bullet") and not what.endswith("list"):
+        return "Answer in bullet points."
+    return f"Answer with a {what}." if what in _WITH_ARTICLE else f"Answer in {what}."
 
 
 def rewrite(sentence: str, message_quotes: Sequence[str] = (), message_low: str = "",
@@ -176,13 +194,11 @@ def rewrite(sentence: str, message_quotes: Sequence[str] = (), message_low: str 
     limit = _WORD_LIMIT_RE.search(low)
     if limit:
         return Instruction(f"Answer in at most {limit.group(3)} words.", "length", 2)
-    if _SHORTER_RE.search(low):
-        return Instruction("Answer briefly.", "length", 1)
-    fmt = _FORMAT_RE.search(low)
+    if _SHORTER_RE.search(low) or _TOO_LONG_RE.search(low):
+        return Instruction("Answer briefly.", "length", 1, complaint=not _SHORTER_RE.search(low))
+    fmt = _FORMAT_RE.search(low) or _FORMAT_NOUN_RE.match(low)
     if fmt:
-        what = fmt.group(3)
-        what = "bullet points" if what.startswith("bullet") else ("a " + what if what in ("list", "table") else what)
-        return Instruction(f"Answer with {what}." if what.startswith("a ") else f"Answer in {what}.", "format", 2)
+        return Instruction(format_instruction(fmt.group(3)), "format", 2)
     if _UNANSWERED_RE.search(low):
         question = next_sentence.strip() if next_sentence.strip().endswith("?") else ""
         return Instruction(f"Answer the question: {question}" if question else "Answer the question asked.",
@@ -229,6 +245,8 @@ def imperative_hint(sentences: Sequence[str], max_sentences: int = 3) -> str:
         if ins is not None:
             found.append((i, ins))
             skip = ins.consumes_next
+    if any(not ins.complaint and ins.kind != "vague" for _, ins in found):
+        found = [(i, ins) for i, ins in found if not ins.complaint]
     best: dict[str, tuple[int, Instruction]] = {}
     others: list[tuple[int, Instruction]] = []
     for i, ins in found:

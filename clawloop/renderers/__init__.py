@@ -9,9 +9,10 @@ served with. Modules:
 * ``tool_calls``     — ``<tool_call>`` blocks in generated text -> OpenAI tool calls, whole or streamed.
 """
 
-from clawloop.renderers.chat import ChatRenderer, RenderedPrompt, chat_render_fn
+from clawloop.renderers.chat import ChatRenderer, RenderedPrompt, chat_render_fn, template_default_system
 from clawloop.renderers.safe_tokenizer import SafeChatTokenizer, TemplateRefusedError
 from clawloop.renderers.tool_calls import ParsedAnswer, ToolCallStreamFilter, assistant_message, parse_answer
 
 __all__ = ["ChatRenderer", "ParsedAnswer", "RenderedPrompt", "SafeChatTokenizer", "TemplateRefusedError",
-           "ToolCallStreamFilter", "assistant_message", "chat_render_fn", "parse_answer"]
+           "ToolCallStreamFilter", "assistant_message", "chat_render_fn", "parse_answer",
+           "template_default_system"]

@@ -156,6 +156,33 @@ class ChatRenderer:
         return self.safe.token_lower_bound([messages, tools])
 
 
+def template_default_system(tokenizer: Any) -> str:
+    """The system prompt the tokenizer's chat template writes when a conversation has none ('' when it writes none,
+    or when the template cannot say: no template, or one that refuses a system message).
+
+    Found by rendering a conversation with a marked system message and the same conversation without one: the text
+    the template put where the marked system prompt stood is its default (SmolLM2-135M-Instruct: "You are a helpful
+    AI assistant named SmolLM, trained by Hugging Face")."""
+    system, user = "\u2063system-marker\u2063", "\u2063user-marker\u2063"
+    try:
+        marked = tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                                {"role": "user", "content": user}], tokenize=False)
+        plain = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False)
+    except Exception:  # noqa: BLE001 - any template error means no default can be read
+        return ""
+    if not isinstance(marked, str) or not isinstance(plain, str) or system not in marked:
+        return ""
+    head, after = marked.split(system, 1)
+    between = after.split(user, 1)[0]  # what closes the system block and opens the user's
+    if not plain.startswith(head) or not between:
+        return ""
+    rest = plain[len(head):]
+    end = rest.find(between)
+    if end < 0 or not rest[end + len(between):].startswith(user):
+        return ""
+    return rest[:end]
+
+
 def chat_render_fn(tokenizer: Any) -> Callable[..., list[int]]:
     """(messages, tools) -> prompt ids with the serving renderer: the judge and the teacher see a turn exactly as
     it was served."""

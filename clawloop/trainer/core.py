@@ -54,6 +54,7 @@ from clawloop.gate.gate import GateResult, PublicationGate
 from clawloop.gate.knowledge import KNOWLEDGE
 from clawloop.retry import Backoff, retry_sync
 from clawloop.store import LeaseLost, SampleRecord
+from clawloop.teacher import hint_system
 from clawloop.trainer import checkpoint as ckpt
 from clawloop.trainer import versions as history
 from clawloop.trainer.batch import prepare_items
@@ -178,7 +179,8 @@ class Trainer:
 
         c = self.config
         store = self._source()
-        return PublicationGate(load_tokenizer(self.models.model_dir), min_guard_pass=c.gate_min_guard_pass,
+        tokenizer = load_tokenizer(self.models.model_dir)
+        return PublicationGate(tokenizer, min_guard_pass=c.gate_min_guard_pass,
                                max_kl=c.gate_max_kl, probe_tokens=c.gate_probe_tokens,
                                recent_prompts=lambda: store.recent_prompts(c.gate_recent_prompts),
                                knowledge=KNOWLEDGE if c.gate_knowledge else (),
@@ -187,7 +189,8 @@ class Trainer:
                                knowledge_temperature=c.default_temperature or 1.0,
                                max_fact_drop=c.gate_max_fact_drop,
                                preference_hint=self._preference_hint if c.gate_preference else None,
-                               max_preference_drop=c.gate_max_preference_drop)
+                               max_preference_drop=c.gate_max_preference_drop,
+                               hint_system=hint_system(c, tokenizer))
 
     def _preference_hint(self) -> str | None:
         """The hint the gate's preference check reads: the one most often first among the hints of the samples

@@ -10,7 +10,8 @@ import pytest
 from clawloop.api.errors import APIError
 from clawloop.api.schemas import parse_chat_request
 from clawloop.api.token_texts import TokenTexts
-from clawloop.renderers import ChatRenderer, ToolCallStreamFilter, assistant_message, parse_answer
+from clawloop.renderers import (ChatRenderer, ToolCallStreamFilter, assistant_message, parse_answer,
+                                template_default_system)
 from clawloop.renderers.chat import tools_instruction
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
@@ -82,6 +83,21 @@ def test_tool_history_is_rendered_as_text_the_model_can_read(renderer):
     # Consecutive tool results become one user message of <tool_response> blocks.
     assert ("<|im_start|>user\n<tool_response>\nrain, 8C\n</tool_response>\n<tool_response>\nsun, 24C\n"
             "</tool_response><|im_end|>\n<|im_start|>assistant\n") in text
+
+
+def test_the_templates_default_system_prompt_is_read_from_the_template(tiny_tokenizer):
+    """SmolLM2's template writes its own system prompt when a conversation has none; a template that writes none,
+    or one that refuses a system message, gives ''."""
+    import copy
+
+    assert template_default_system(tiny_tokenizer) == (
+        "You are a helpful AI assistant named SmolLM, trained by Hugging Face")
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}<assistant>"
+    assert template_default_system(tok) == ""
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system') }}"
+                         "{% endif %}{{ m.content }}{% endfor %}")
+    assert template_default_system(tok) == ""
 
 
 def test_a_template_that_knows_tools_receives_them_natively(tiny_tokenizer):

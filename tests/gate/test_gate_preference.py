@@ -12,7 +12,7 @@ import torch
 from clawloop.gate import gate as gate_module
 from clawloop.gate.gate import PublicationGate, decide
 from clawloop.gate.preference import PreferenceReading, implicit_rewards
-from clawloop.renderers.chat import ChatRenderer
+from clawloop.renderers.chat import ChatRenderer, template_default_system
 from clawloop.teacher import inject_hint
 
 HINT = 'Begin every answer with "In short,".'
@@ -26,11 +26,13 @@ def _chat(tokenizer, messages):
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def _direct_reward(model, tokenizer, answer_ids):
-    """R by two plain full-sequence forwards in float64, independent of the gate's batching."""
+def _direct_reward(model, tokenizer, answer_ids, system=None):
+    """R by two plain full-sequence forwards in float64, independent of the gate's batching (``system``: the hint
+    placed in the system prompt too, ``inject_hint``'s argument)."""
     messages = [{"role": "user", "content": QUESTION}]
     total = 0.0
-    for sign, prompt in ((1.0, _chat(tokenizer, inject_hint(messages, HINT))), (-1.0, _chat(tokenizer, messages))):
+    hinted = inject_hint(messages, HINT, system=system)
+    for sign, prompt in ((1.0, _chat(tokenizer, hinted)), (-1.0, _chat(tokenizer, messages))):
         ids = torch.tensor([prompt + answer_ids])
         with torch.no_grad():
             logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
@@ -98,6 +100,24 @@ def test_a_candidate_the_hint_favours_less_than_the_accepted_version_is_rejected
         monkeypatch.setattr(gate_module, "answer_logprob_sums", lambda *a: forwards.append(a) or [])
         fourth = gate.check(accepted, reference)
         assert fourth.accepted and fourth.preference.drop == 0.0 and forwards == []
+
+
+def test_the_check_reads_the_hint_where_the_teacher_does(monkeypatch, tiny_tokenizer, base_model, perturb,
+                                                        scripted):
+    # Under hint_placement = "system_and_user" the teacher reads the hint in the system prompt too; the check's
+    # reward must be the one that teacher gives, not the user-message-only one.
+    system = template_default_system(tiny_tokenizer)
+    ids = list(tiny_tokenizer(ANSWERS[1], add_special_tokens=False)["input_ids"])
+    expected = _direct_reward(base_model, tiny_tokenizer, ids, system=system)
+    assert abs(expected - _direct_reward(base_model, tiny_tokenizer, ids)) > 1e-3
+    accepted, candidate = perturb(base_model, 0.0, 1), perturb(base_model, 0.0, 2)
+    scripted(monkeypatch, {id(base_model): {QUESTION: ANSWERS[0]}, id(accepted): {QUESTION: ANSWERS[0]},
+                           id(candidate): {QUESTION: ANSWERS[1]}})
+    gate = PublicationGate(tiny_tokenizer, probe_tokens=64, probes=[QUESTION], max_kl=1e6,
+                           preference_hint=lambda: HINT, max_preference_drop=1e6, hint_system=system)
+    reference = lambda: contextlib.nullcontext(base_model)  # noqa: E731
+    assert gate.check(accepted, reference).accepted
+    assert gate.check(candidate, reference).probes[0].preference == pytest.approx(expected, abs=1e-3)
 
 
 def test_the_unhinted_half_is_read_from_the_kl_forward_where_the_ids_are_the_messages_rendering(tiny_tokenizer):

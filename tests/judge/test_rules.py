@@ -69,6 +69,13 @@ def test_approval_is_plus_one_without_hint(reply):
     ("Wrong, answer in one word: what is 100 degrees Celsius?", "Answer in one word."),
     ("In Spanish, please! No hablo inglés.", "Answer in Spanish."),
     ("Please use bullet points.", "Answer in bullet points."),
+    # A format named alone is asked for, and a numbered list takes its article; a complaint about length beside a
+    # request is dropped (the request is what the user wants instead), a request for brevity is not.
+    ("Numbered list please!", "Answer with a numbered list."),
+    ("Too much text in one block. A numbered list, please.", "Answer with a numbered list."),
+    ("That's too long. Please answer with a numbered list.", "Answer with a numbered list."),
+    ("Shorter, please. Use a numbered list.", "Answer briefly. Answer with a numbered list."),
+    ("That's too long.", "Answer briefly."),
     ("You didn't answer what I asked: What is a volcano?", "Answer the question: What is a volcano?"),
     ("That's not a haiku. It must be 5-7-5. Fix it. And make it rhyme.", "Make it 5-7-5. Make it rhyme."),
     ("You need sudo for that file.", "Use sudo for that file."),
