@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -219,64 +220,62 @@ def facts_table(model: Any, render: Any, tokenizer: Any) -> None:
 
 
 def draft_table(model: Any, render: Any, tokenizer: Any, max_tokens: int, k: int) -> None:
-    print()
-    print(f"The hint alone vs the hint with a draft to rewrite (teacher_draft; the draft is the un-hinted greedy "
-          f"answer of {max_tokens} tokens); knowledge probes {KNOWLEDGE_TOKENS} tokens, greedy", flush=True)
-    drafts = {probe.question: greedy(model, render, tokenizer, probe.question, "", max_tokens).strip()
-              for probe in KNOWLEDGE}
-    known = [probe for probe in KNOWLEDGE if knows(drafts[probe.question], probe.answers)]
-    print(f"{'persona':10} | {'facts kept (of ' + str(len(known)) + ')':>18} | {'held-out follow':>17} | "
-          f"{'P(In) first':>15}   (hint alone -> with draft)", flush=True)
-    for name in ("inshort", "brief"):
-        persona = PERSONAS[name]
-        hint = imperative_hint(persona.corrections[0])
-        kept = {False: 0, True: 0}
-        for probe in known:
-            for drafted in kept:
-                answer = greedy(model, render, tokenizer, probe.question, hint, KNOWLEDGE_TOKENS,
-                                drafts[probe.question] if drafted else None)
-                kept[drafted] += knows(answer, probe.answers)
-        qs = list(persona.heldout_questions)
-        follow = {False: 0, True: 0}
-        p_in: dict[bool, list[float]] = {False: [], True: []}
-        for q in qs:
-            draft = greedy(model, render, tokenizer, q, "", max_tokens).strip()
-            for drafted in follow:
-                d = draft if drafted else None
-                follow[drafted] += bool(persona.judge(greedy(model, render, tokenizer, q, hint, max_tokens, d),
-                                                      q).satisfied)
-                p_in[drafted].append(opening_stats(model, render, tokenizer, q, hint, "In short,", k, d)["p_first"])
-        print(f"{name:10} | {kept[False]:8d} -> {kept[True]:2d}     | {follow[False]:5d} -> {follow[True]:2d} of "
-              f"{len(qs):2d} | {mean(p_in[False]):6.3f} -> {mean(p_in[True]):5.3f}", flush=True)
+    """The hint alone vs the hint with a draft to rewrite (``teacher_draft``; the draft is the un-hinted greedy
+    answer)."""
+    two_way_table(model, render, tokenizer, max_tokens, k,
+                  f"The hint alone vs the hint with a draft to rewrite (teacher_draft; the draft is the un-hinted "
+                  f"greedy answer of {max_tokens} tokens); knowledge probes {KNOWLEDGE_TOKENS} tokens, greedy",
+                  ("hint alone", "with draft"), lambda with_it, plain: {"draft": plain if with_it else None},
+                  reads_plain=True)
 
 
 def placement_table(model: Any, render: Any, tokenizer: Any, max_tokens: int, k: int) -> None:
     """The hint after the question only (``hint_placement = "user"``) vs there and in the system prompt, after the
-    template's default text (``"system_and_user"``): knowledge probes kept, held-out answers following, P("In")."""
+    template's default text (``"system_and_user"``)."""
+    default = template_default_system(tokenizer)
+    two_way_table(model, render, tokenizer, max_tokens, k,
+                  f"The hint after the question vs in the system prompt too (hint_placement); knowledge probes "
+                  f"{KNOWLEDGE_TOKENS} tokens, held-out answers {max_tokens}, greedy",
+                  ("user", "system_and_user"), lambda with_it, plain: {"system": default if with_it else None})
+
+
+def two_way_table(model: Any, render: Any, tokenizer: Any, max_tokens: int, k: int, title: str,
+                  labels: tuple[str, str], hint_args: Callable[[bool, str], dict[str, Any]],
+                  reads_plain: bool = False) -> None:
+    """For ``inshort`` and ``brief``, the hint shown two ways (``hint_args(False | True, plain answer)`` gives
+    ``inject_hint``'s ``draft`` and ``system``): the knowledge probes the teacher keeps (of those the un-hinted
+    model answers right in ``max_tokens`` tokens), how often its greedy answer to a held-out question follows,
+    and its mean P("In") at the first position. ``reads_plain``: the way needs the un-hinted answer to the
+    held-out question (otherwise it is not generated)."""
     print()
-    print(f"The hint after the question vs in the system prompt too (hint_placement); knowledge probes "
-          f"{KNOWLEDGE_TOKENS} tokens, held-out answers {max_tokens}, greedy", flush=True)
-    placements = {"user": None, "system_and_user": template_default_system(tokenizer)}
-    known = [probe for probe in KNOWLEDGE
-             if knows(greedy(model, render, tokenizer, probe.question, "", KNOWLEDGE_TOKENS), probe.answers)]
+    print(title, flush=True)
+    plain = {probe.question: greedy(model, render, tokenizer, probe.question, "", max_tokens).strip()
+             for probe in KNOWLEDGE}
+    known = [probe for probe in KNOWLEDGE if knows(plain[probe.question], probe.answers)]
     print(f"{'persona':10} | {'facts kept (of ' + str(len(known)) + ')':>18} | {'held-out follow':>17} | "
-          f"{'P(In) first':>15}   (user -> system_and_user)", flush=True)
+          f"{'P(In) first':>15}   ({labels[0]} -> {labels[1]})", flush=True)
+    ways = (False, True)
     for name in ("inshort", "brief"):
         persona = PERSONAS[name]
         hint = imperative_hint(persona.corrections[0])
+        kept = {way: 0 for way in ways}
+        for probe in known:
+            for way in ways:
+                answer = greedy(model, render, tokenizer, probe.question, hint, KNOWLEDGE_TOKENS,
+                                **hint_args(way, plain[probe.question]))
+                kept[way] += knows(answer, probe.answers)
         qs = list(persona.heldout_questions)
-        kept, follow, p_in = {}, {}, {}
-        for where, system in placements.items():
-            kept[where] = sum(knows(greedy(model, render, tokenizer, probe.question, hint, KNOWLEDGE_TOKENS,
-                                           system=system), probe.answers) for probe in known)
-            follow[where] = sum(bool(persona.judge(greedy(model, render, tokenizer, q, hint, max_tokens,
-                                                          system=system), q).satisfied) for q in qs)
-            p_in[where] = mean([opening_stats(model, render, tokenizer, q, hint, "In short,", k,
-                                              system=system)["p_first"] for q in qs])
-        a, b = placements
-        print(f"{name:10} | {kept[a]:8d} -> {kept[b]:2d}     | {follow[a]:5d} -> {follow[b]:2d} of "
-              f"{len(qs):2d} | {p_in[a]:6.3f} -> {p_in[b]:5.3f}", flush=True)
-
+        follow = {way: 0 for way in ways}
+        p_in: dict[bool, list[float]] = {way: [] for way in ways}
+        for q in qs:
+            own = greedy(model, render, tokenizer, q, "", max_tokens).strip() if reads_plain else ""
+            for way in ways:
+                args = hint_args(way, own)
+                follow[way] += bool(persona.judge(greedy(model, render, tokenizer, q, hint, max_tokens, **args),
+                                                  q).satisfied)
+                p_in[way].append(opening_stats(model, render, tokenizer, q, hint, "In short,", k, **args)["p_first"])
+        print(f"{name:10} | {kept[False]:8d} -> {kept[True]:2d}     | {follow[False]:5d} -> {follow[True]:2d} of "
+              f"{len(qs):2d} | {mean(p_in[False]):6.3f} -> {mean(p_in[True]):5.3f}", flush=True)
 
 if __name__ == "__main__":
     sys.exit(main())

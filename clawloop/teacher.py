@@ -113,7 +113,7 @@ def inject_hint(messages: Sequence[dict[str, Any]], hint: str, draft: str | None
 def hint_system(config: Any, tokenizer: Any) -> str | None:
     """``inject_hint``'s ``system`` for ``config.hint_placement``: None (the hint goes after the last user message
     only) or the system prompt the tokenizer's template writes when there is none ('' without a tokenizer)."""
-    if getattr(config, "hint_placement", "user") != "system_and_user":
+    if config.hint_placement != "system_and_user":
         return None
     return template_default_system(tokenizer) if tokenizer is not None else ""
 

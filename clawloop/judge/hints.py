@@ -65,11 +65,10 @@ _WORD_LIMIT_RE = re.compile(r"\b(at most|no more than|fewer than|less than|under
 _TOO_LONG_RE = re.compile(r"\btoo (long|wordy|verbose|many words|much text)\b")
 _SHORTER_RE = re.compile(r"\b(shorter|be (brief|concise)|briefer|more concise|keep it (short|brief)|that short"
                          r"|fewer words)\b")
-_FORMAT_RE = re.compile(r"\b(as|in|with|use)\s+(a\s+)?(bullet(ed)?\s+points|bullets|(numbered|bulleted)\s+list"
-                        r"|list|table|markdown|json|code block)\b")
+_FORMATS = r"(?P<format>bullet(ed)?\s+points|bullets|(numbered|bulleted)\s+list|list|table|markdown|json|code block)"
+_FORMAT_RE = re.compile(r"\b(as|in|with|use)\s+(a\s+)?" + _FORMATS + r"\b")
 # A format asked for by its name alone ("A numbered list, please.", "Numbered list please!").
-_FORMAT_NOUN_RE = re.compile(r"^\s*(just\s+|only\s+)?(a\s+)?(bullet(ed)?\s+points|bullets|(numbered|bulleted)\s+list"
-                             r"|list|table|code block)(,?\s*(only|please))?\s*[.!]*\s*$")
+_FORMAT_NOUN_RE = re.compile(r"^\s*(just\s+|only\s+)?(a\s+)?" + _FORMATS + r"(,?\s*(only|please))?\s*[.!]*\s*$")
 _WITH_ARTICLE = ("numbered list", "bulleted list", "list", "table", "code block")
 """Formats the instruction names with "a" ("Answer with a numbered list."); the others take "in" ("Answer in
 bullet points.", "Answer in json.")."""
@@ -146,7 +145,7 @@ def is_imperative(sentence: str) -> bool:
 
 def format_instruction(what: str) -> str:
     """The instruction for a named format: "Answer with a numbered list.", "Answer in bullet points."."""
-    what = re.sub(r"^a\s+", "", " ".join(what.split()))
+    what = " ".join(what.split())
     if what.startswith("bullet") and not what.endswith("list"):
         return "Answer in bullet points."
     return f"Answer with a {what}." if what in _WITH_ARTICLE else f"Answer in {what}."
@@ -194,11 +193,12 @@ def rewrite(sentence: str, message_quotes: Sequence[str] = (), message_low: str 
     limit = _WORD_LIMIT_RE.search(low)
     if limit:
         return Instruction(f"Answer in at most {limit.group(3)} words.", "length", 2)
-    if _SHORTER_RE.search(low) or _TOO_LONG_RE.search(low):
-        return Instruction("Answer briefly.", "length", 1, complaint=not _SHORTER_RE.search(low))
+    asked_shorter = _SHORTER_RE.search(low) is not None
+    if asked_shorter or _TOO_LONG_RE.search(low):
+        return Instruction("Answer briefly.", "length", 1, complaint=not asked_shorter)
     fmt = _FORMAT_RE.search(low) or _FORMAT_NOUN_RE.match(low)
     if fmt:
-        return Instruction(format_instruction(fmt.group(3)), "format", 2)
+        return Instruction(format_instruction(fmt["format"]), "format", 2)
     if _UNANSWERED_RE.search(low):
         question = next_sentence.strip() if next_sentence.strip().endswith("?") else ""
         return Instruction(f"Answer the question: {question}" if question else "Answer the question asked.",
