@@ -27,6 +27,11 @@ Printed per variant, on the persona's held-out questions (never trained on), bef
 
 ``--scales 0.3 0.5`` also scores each variant with its LoRA update multiplied by those factors (weight-space
 interpolation toward the starting weights): how much of a preference and of the facts a smaller move keeps.
+
+``--replay RUN_DIR --replay-steps 1,2`` trains instead on what an online run trained at those steps: the samples
+its store records as consumed by each step, one step per recorded step, in order, from the starting weights (the
+store is copied; the run is not touched). The online loop's batches are not this loop's (multi-turn prompts,
+thanked follow-ups), and what they cost in facts is what a candidate of the run was rejected for.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import argparse
 import asyncio
 import contextlib
 import random
+import sqlite3
 import sys
 import tempfile
 import time
@@ -200,6 +206,23 @@ def adapter_scaled(policy: Any, scale: float) -> Any:
             m.scaling = s
 
 
+def replay_store(run_dir: Path, steps: list[int], path: Path) -> list[int]:
+    """A copy of ``run_dir``'s store at ``path`` in which only the samples consumed by ``steps`` are ready to
+    train again; returns how many samples each of those steps had."""
+    with sqlite3.connect(f"file:{run_dir / 'store.sqlite'}?mode=ro", uri=True) as source, \
+            sqlite3.connect(path) as copy:
+        source.backup(copy)
+    with sqlite3.connect(path) as db:
+        counts = [db.execute("SELECT COUNT(*) FROM samples WHERE consumed_step=?", (s,)).fetchone()[0]
+                  for s in steps]
+        if not all(counts):
+            raise SystemExit(f"{run_dir}: steps {steps} consumed {counts} samples (a step with none)")
+        db.execute("UPDATE samples SET state='consumed', lease_id='', lease_expires=0")
+        marks = ",".join("?" * len(steps))
+        db.execute(f"UPDATE samples SET state='ready', consumed_step=NULL WHERE consumed_step IN ({marks})", steps)
+    return counts
+
+
 def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, persona: Any, tokenizer: Any,
                 teacher: Any, out: Any, before: dict[str, Any]) -> dict[str, Any]:
     """One variant's rounds from the starting weights; ``before`` is their held-out scores (the same for every
@@ -214,6 +237,7 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
         first_id = tokenizer.encode(first, add_special_tokens=False)[0] if first else None
         if not before:
             before.update(heldout(models, tokenizer, persona, first_id))
+        counts = replay_store(args.replay, args.replay_steps, Path(tmp) / "store.sqlite") if args.replay else []
         store = Store(Path(tmp) / "store.sqlite")
         trainer = Trainer(config, store, LocalVersion(), run_dir=tmp, teacher=in_process(teacher), models=models,
                           console=None)
@@ -223,7 +247,13 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
         rng.shuffle(pool)
         started = time.perf_counter()
         good_total = 0
-        for r in range(args.rounds):
+        for r, n in enumerate(counts):  # --replay: the run's own batches, oldest first
+            lease_id, leased = BatchLeaser(store, n, partial=True).lease()
+            metrics = trainer.run_batch(lease_id, leased) or {}
+            terms = {k: round(v, 4) for k, v in metrics.items()
+                     if k.endswith("_loss") and isinstance(v, float) and v != 0.0}
+            out(f"  {name} replayed step {args.replay_steps[r]}: turns {sorted(x.turn_id for x in leased)}; {terms}")
+        for r in range(0 if args.replay else args.rounds):
             questions = [pool[(r * args.batch + i) % len(pool)] for i in range(args.batch)]
             good, hinted = store_round(store, tokenizer, models, persona, questions, rng, r, config, teacher)
             good_total += good
@@ -233,7 +263,7 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
                      if k.endswith("_loss") and isinstance(v, float) and v != 0.0}
             out(f"  {name} round {r + 1}/{args.rounds}: {good}/{len(questions)} sampled answers followed, "
                 f"{hinted} hinted; {terms}")
-        step_s = (time.perf_counter() - started) / max(1, args.rounds)
+        step_s = (time.perf_counter() - started) / max(1, len(counts) if args.replay else args.rounds)
         after = heldout(models, tokenizer, persona, first_id)
         scaled = {}
         for scale in args.scales:
@@ -255,6 +285,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variant", action="append", default=[],
                         help="name:key=value,... (settings on top of the demo preset); repeatable.")
+    parser.add_argument("--replay", type=Path, default=None, metavar="RUN_DIR",
+                        help="Train on an online run's own batches instead of sampling rounds (see --replay-steps).")
+    parser.add_argument("--replay-steps", type=lambda t: [int(x) for x in t.split(",")], default=[1, 2],
+                        help="The run's steps whose samples are replayed, in order (default 1,2).")
     parser.add_argument("--scales", type=float, nargs="*", default=[],
                         help="Also score each variant with its LoRA update scaled by these factors (weight-space "
                              "interpolation toward the starting weights).")
@@ -273,7 +307,9 @@ def main() -> int:
             print(f"variant {name}: {settings or 'the demo preset'}", flush=True)
             results.append(run_variant(name, settings, args, persona, tokenizer, teacher,
                                        lambda line: print(line, flush=True), before))
-    print(f"\npersona {persona.name}, {args.rounds} rounds of {args.batch}, seed {args.seed}; held-out "
+    trained = (f"{args.replay}'s steps {','.join(map(str, args.replay_steps))}" if args.replay
+               else f"{args.rounds} rounds of {args.batch}")
+    print(f"\npersona {persona.name}, {trained}, seed {args.seed}; held-out "
           f"{len(persona.heldout_questions)} questions (before → after)")
     print(f"{'variant':<16} {'P(first)':>19} {'follows':>13} {'guard':>13} {'facts kept':>11} {'s/round':>8}")
     for r in results:

@@ -308,6 +308,9 @@ class TrainerSettings:
                                  "its cache of adapters.)")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     adam_betas: list[float] = _f([0.9, 0.98], "AdamW betas.")
+    adam_eps: float = _f(1e-8, "AdamW epsilon, added to the root of the second moment: a parameter whose gradient "
+                         "is much smaller moves less than the learning rate in a step (Adam's steps are "
+                         "otherwise the same size for every parameter, whatever its gradient).")
     grad_clip: float = _f(1.0, "Max global grad norm (<= 0 disables).")
     steps_per_batch: int = _f(1, "Optimizer steps taken on each batch (PPO epochs).")
     micro_batch_size: int = _f(4, "Samples per forward/backward inside a step (gradient accumulation).")
@@ -354,6 +357,11 @@ class GateSettings:
                     "never served and training returns to the last accepted weights (see gate_restore_after; "
                     "docs/publication-gate.md).")
     gate_every: int = _f(1, "Check (and publish) every N optimizer steps; the steps in between are not published.")
+    gate_reject_lr_scale: float = _f(1.0, "After each rejected candidate, training goes on at this multiple of the "
+                                     "learning rate it had (1 = unchanged): the next candidates move the model "
+                                     "less. Never below gate_min_lr_scale x lr; back to lr at a rollback or "
+                                     "restart.")
+    gate_min_lr_scale: float = _f(0.125, "Smallest multiple of lr that gate_reject_lr_scale brings training to.")
     gate_restore_after: int = _f(1, "Consecutive rejected candidates after which training goes back to the last "
                                  "accepted weights; before that a rejected candidate is only kept from users and "
                                  "training goes on from it, so a preference whose way passes through versions that "
@@ -530,6 +538,10 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
         positive("gate_max_preference_drop", 0.0, strict=False)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port!r} must be in [0, 65535]")
+        positive("adam_eps")
+        for name in ("gate_reject_lr_scale", "gate_min_lr_scale"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be in (0, 1]")
         if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
             raise ConfigError(f"adam_betas={self.adam_betas!r} must be two numbers in [0, 1)")
         self._validate_context()

@@ -28,7 +28,8 @@ With the question given (``check(text, question=...)``), two more rules apply:
   "one short sentence" found this shortcut, and a user who thanks for it would reward it;
 * ``off_topic``: no content word of the question (4+ letters, or 3 when it has no longer one; not a function
   word) appears in the answer,
-  matching on a 5-letter prefix so ``pancakes``/``pancake`` or ``read``/``reading`` count. This catches the
+  matching on a 5-letter prefix so ``pancakes``/``pancake`` or ``read``/``reading`` count (and a final e
+  dropped before an ending, ``care``/``caring``). This catches the
   commonest non-answer of a small model told to open with a greeting ("Hello! I'm here to help. What's your
   question?"). It assumes question and answer share a language, so personas that want another language
   than the question's leave it off.
@@ -103,7 +104,14 @@ def on_topic(question: str, answer: str) -> bool:
         return True
     shortest = min(4, *(len(k) for k in keys))
     said = {w.lower() for w in _LETTERS_RE.findall(answer) if len(w) >= shortest}
-    return any(s.startswith(k[:5]) or k.startswith(s[:5]) for k in keys for s in said)
+    return any(s.startswith(k[:5]) or k.startswith(s[:5]) or _drops_final_e(k, s) for k in keys for s in said)
+
+
+def _drops_final_e(key: str, word: str) -> bool:
+    """``word`` is ``key`` inflected after dropping its final e ("care" → "caring", "bake" → "baked"): the prefix
+    rule misses these, and "How do I care for a cat?" answered "Caring for a cat …" was called off topic."""
+    return len(key) >= 4 and key.endswith("e") and word.startswith(key[:-1]) and \
+        word[len(key) - 1:] in ("ing", "ings", "ed", "er", "ers")
 
 
 def echoes(question: str, answer: str) -> bool:

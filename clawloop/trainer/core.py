@@ -154,6 +154,9 @@ class Trainer:
         self.rejections_in_row = 0
         """Rejected candidates since the last accepted one (or restore): training goes back to the accepted
         weights when it reaches ``gate_restore_after``. Not kept across a restart, which starts it at 0."""
+        self.lr_scale = 1.0
+        """The multiple of ``learning_rate`` training runs at: ``gate_reject_lr_scale`` per rejected candidate,
+        down to ``gate_min_lr_scale``; 1 again at a rollback or restart."""
         self.gate_seconds = 0.0
         self.retain: RetainTerm | None = None
         """The retain term once built (``_retain``); its targets are recomputed after a restart, the same ones."""
@@ -240,6 +243,11 @@ class Trainer:
         if not self.parallel.load(self.models, self.optimizer, state.weights, state.optimizer,
                                   self.config.learning_rate):
             self.optimizer = make_optimizer(self.models, self.config)
+        self._apply_lr_scale()
+
+    def _apply_lr_scale(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.learning_rate * self.lr_scale
 
     def _save_version(self, version: int, step: int, evidence: dict[str, Any]) -> None:
         """Main process: keep the accepted state (``self.accepted``, just taken) as version ``version``."""
@@ -485,6 +493,9 @@ class Trainer:
                 return published, metrics
         self.gate_rejections += 1
         self.rejections_in_row += 1
+        self.lr_scale = max(self.config.gate_min_lr_scale, self.lr_scale * self.config.gate_reject_lr_scale)
+        self._apply_lr_scale()
+        metrics["lr_scale"] = self.lr_scale
         restore = self.rejections_in_row >= self.config.gate_restore_after
         if restore:
             self._restore(self.accepted)
@@ -527,6 +538,7 @@ class Trainer:
         self.steps_since_check = 0
         self.unchecked_steps = []
         self.rejections_in_row = 0
+        self.lr_scale = 1.0
         rolled_back = self.parallel.share(lambda: self._source().record_rollback(
             version, previous, {"optimizer": optimizer, "step": self.step}))
         log.warning("trainer: rolled back from version %d to version %d (optimizer %s)", previous, version,

@@ -64,7 +64,7 @@ def make_optimizer(models: TrainModels, config: Config) -> torch.optim.Optimizer
     if not params:
         raise RuntimeError("the model has no trainable parameters")
     beta1, beta2 = config.adam_betas
-    return torch.optim.AdamW(params, lr=config.learning_rate, betas=(beta1, beta2),
+    return torch.optim.AdamW(params, lr=config.learning_rate, betas=(beta1, beta2), eps=config.adam_eps,
                              weight_decay=config.weight_decay)
 
 

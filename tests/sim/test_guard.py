@@ -85,6 +85,8 @@ def test_guard_rejects_junk_with_a_reason(text, reason):
         ("What is the capital of Egypt?", "Cairo is the capital."),
         ("What is an owl?", "Owls are birds that hunt at night."),  # a 3-letter topic, when it is the only one
         ("What is the Sun?", "The Sun is the star at the centre of our solar system."),
+        ("How do I care for a cat?", "Caring for a cat takes patience and a clean litter box."),  # care → caring
+        ("How do I bake bread?", "Baking starts with flour, water, yeast and salt."),
     ],
 )
 def test_on_topic_answers_pass(question, answer):
@@ -98,6 +100,7 @@ def test_on_topic_answers_pass(question, answer):
         ("What is the capital of Greece?", ", ".join(["Χρημακός Αθώμαλο"] * 2)),
         ("What is an owl?", "Awesome!"),  # passed a gate check while only 4+-letter topic words counted
         ("What is an owl?", "A wisecrak."),
+        ("How do I care for a cat?", "Cars need regular oil changes."),  # "car" alone is not "care" inflected
     ],
 )
 def test_answers_that_ignore_the_question_are_off_topic(question, answer):

@@ -27,15 +27,21 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _gated_store(tmp_path, base_model, tiny_tokenizer, wrecking: int) -> Store:
+    """Two ordinary samples (a first batch the gate accepts), then ``wrecking`` samples of a looping answer."""
+    store = Store(tmp_path / "store.sqlite")
+    add_sample(store, base_model, tiny_tokenizer, 0, reward=-1.0)
+    add_sample(store, base_model, tiny_tokenizer, 1, reward=1.0)
+    for i in range(2, 2 + wrecking):
+        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0, answer=" the" * 40)
+    return store
+
+
 def test_training_goes_on_from_rejected_candidates_until_the_limit(make_config, base_model, tiny_tokenizer, tmp_path,
                                                                    engine):
     config = make_config(method="rl", lora=True, lr=1e-3, gate_probe_tokens=16, gate_max_kl=1.0, gate=True,
                          gate_restore_after=2)
-    store = Store(tmp_path / "store.sqlite")
-    add_sample(store, base_model, tiny_tokenizer, 0, reward=-1.0)
-    add_sample(store, base_model, tiny_tokenizer, 1, reward=1.0)
-    for i in range(2, 6):
-        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0, answer=" the" * 40)
+    store = _gated_store(tmp_path, base_model, tiny_tokenizer, 4)
     trainer = Trainer(config, store, engine, console=None)
     assert trainer.run_batch(*store.lease_samples(2))["gate_accepted"] == 1.0 and engine.policy_version == 1
     accepted = trainable_state_dict(trainer.models)
@@ -62,3 +68,35 @@ def test_training_goes_on_from_rejected_candidates_until_the_limit(make_config, 
     fates = step_fates(store.steps(), store.versions(), store.events())
     assert fates[1]["disposition"] == "in_version"
     assert fates[2]["disposition"] == fates[3]["disposition"] == "rejected"
+
+
+def _lrs(trainer: Trainer) -> list[float]:
+    return [group["lr"] for group in trainer.optimizer.param_groups]
+
+
+def test_each_rejection_lowers_the_learning_rate_down_to_its_floor(make_config, base_model, tiny_tokenizer, tmp_path,
+                                                                   engine):
+    """``gate_reject_lr_scale``: after a rejected candidate the next ones are trained with smaller steps, never
+    below ``gate_min_lr_scale`` x lr, and a rollback trains at the configured lr again."""
+    config = make_config(method="rl", lora=True, lr=1e-3, gate_probe_tokens=16, gate_max_kl=1.0, gate=True,
+                         gate_reject_lr_scale=0.5, gate_min_lr_scale=0.25)
+    store = _gated_store(tmp_path, base_model, tiny_tokenizer, 6)
+    trainer = Trainer(config, store, engine, console=None)
+    assert trainer.run_batch(*store.lease_samples(2))["gate_accepted"] == 1.0
+    assert _lrs(trainer) == [1e-3]
+    for expected in (0.5, 0.25, 0.25):
+        for group in trainer.optimizer.param_groups:  # an update that wrecks the weights, so the gate rejects
+            group["lr"] = 1.0
+        metrics = trainer.run_batch(*store.lease_samples(2))
+        assert metrics["gate_accepted"] == 0.0 and metrics["gate_restored"] == 1.0
+        assert metrics["lr_scale"] == expected and _lrs(trainer) == pytest.approx([1e-3 * expected])
+    trainer.rollback(1)
+    assert trainer.lr_scale == 1.0 and _lrs(trainer) == [1e-3]
+
+
+def test_the_learning_rate_scale_is_checked(make_config):
+    from clawloop.config import ConfigError
+
+    for bad in ({"gate_reject_lr_scale": 0.0}, {"gate_reject_lr_scale": 1.5}, {"gate_min_lr_scale": -0.1}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            make_config(**bad)

@@ -181,3 +181,27 @@ def test_advantage_mode_shapes_an_all_negative_batch(make_config, base_model, ti
 
 def test_default_advantage_mode_is_balanced(make_config):
     assert make_config().advantage_mode == "balanced"
+
+
+def test_adam_eps_reaches_the_optimizer_and_damps_small_gradients(make_config):
+    """``adam_eps`` is AdamW's epsilon: a parameter whose gradient is far below it moves far less than the
+    learning rate in the first step, where with the default it moves the whole learning rate."""
+    from clawloop.config import ConfigError
+    from clawloop.trainer.model import load_train_models
+    from clawloop.trainer.step import make_optimizer
+
+    moved = {}
+    for eps in (1e-8, 1e-2):
+        config = make_config(method="rl", lora=True, lr=1e-3, adam_eps=eps)
+        models = load_train_models(config)
+        optimizer = make_optimizer(models, config)
+        assert {group["eps"] for group in optimizer.param_groups} == {eps}
+        param = models.trainable_parameters()[0]
+        before = param.detach().clone()
+        param.grad = torch.full_like(param, 1e-4)
+        optimizer.step()
+        moved[eps] = float((param.detach() - before).abs().max())
+    assert moved[1e-8] == pytest.approx(1e-3, rel=1e-3)
+    assert moved[1e-2] < 2e-5
+    with pytest.raises(ConfigError, match="adam_eps"):
+        make_config(adam_eps=0.0)
