@@ -137,13 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     models = load_train_models(demo_config())  # the comparison's model and LoRA shape: the demo preset
     tokenizer = load_tokenizer(models.model_dir)
-    # Only the gate's per-probe verdicts are used (pooled below); its own accept/reject is not.
-    gate = PublicationGate(tokenizer, probe_tokens=64, probes=EXTRA_PROBES)
-    sampler = SampledProbes(tokenizer, PROBES, args.sampled, demo_config().default_temperature) if args.sampled \
-        else None
-    if sampler is not None:
+    gate, sampler = None, None
+    if args.sampled:
+        sampler = SampledProbes(tokenizer, PROBES, args.sampled, demo_config().default_temperature)
         with models.reference_model() as reference:  # the starting weights (LoRA: the adapter switched off)
             sampler.answer_with_reference(reference)
+    else:  # only the gate's per-probe verdicts are used (pooled below); its own accept/reject is not
+        gate = PublicationGate(tokenizer, probe_tokens=64, probes=EXTRA_PROBES)
     rows = []
     for cell in cells:
         heldout = heldout_guard_by_version(cell)
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             if sampler is not None:
                 verdicts = sampler.verdicts(models.causal_lm)
             else:
+                assert gate is not None
                 extra = gate.check(models.causal_lm, models.reference_model)
                 verdicts = [(o.prompt, o.ok) for o in extra.probes if o.reference_ok]
             own = [p for p in stored.meta["evidence"]["probes"] if p.get("reference_ok", True)]

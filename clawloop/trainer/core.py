@@ -246,6 +246,7 @@ class Trainer:
         self._apply_lr_scale()
 
     def _apply_lr_scale(self) -> None:
+        """Every parameter group at ``learning_rate`` × ``lr_scale``."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.learning_rate * self.lr_scale
 
@@ -355,8 +356,8 @@ class Trainer:
                 self.policy_version = self.sink.publish(self.models, found.weights, found.policy_version)
         if found.optimizer is not None:
             self.optimizer.load_state_dict(found.optimizer)
-        for group in self.optimizer.param_groups:  # the configured lr wins over the saved one
-            group["lr"] = self.config.learning_rate
+        self.lr_scale = 1.0
+        self._apply_lr_scale()  # the configured lr wins over the saved one
         if not history.has_version(self.run_dir, found.policy_version):
             self.accepted = self._snapshot(self.policy_version)
         log.warning("trainer: resumed from %s (step %d, version %d); %d samples requeued", found.path.name,
@@ -524,11 +525,11 @@ class Trainer:
         self.optimizer = make_optimizer(self.models, self.config)
         if self.parallel.load(self.models, self.optimizer, stored.weights if stored is not None else None,
                               stored.optimizer if stored is not None else None, self.config.learning_rate):
-            for group in self.optimizer.param_groups:  # the configured lr wins over the saved one
-                group["lr"] = self.config.learning_rate
             optimizer = "restored"
         else:
             optimizer = "reset (not kept with this version)"
+        self.lr_scale = 1.0
+        self._apply_lr_scale()  # the configured lr wins over the saved one
         weights = stored.weights if stored is not None else None
         self.policy_version = int(self.parallel.share(lambda: self.sink.publish(self.models, weights, version)))
         self.needs_publish, self.pending_version = False, None
@@ -538,7 +539,6 @@ class Trainer:
         self.steps_since_check = 0
         self.unchecked_steps = []
         self.rejections_in_row = 0
-        self.lr_scale = 1.0
         rolled_back = self.parallel.share(lambda: self._source().record_rollback(
             version, previous, {"optimizer": optimizer, "step": self.step}))
         log.warning("trainer: rolled back from version %d to version %d (optimizer %s)", previous, version,
