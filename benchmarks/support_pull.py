@@ -63,7 +63,8 @@ from clawloop.sim.personas import get_persona  # noqa: E402
 from clawloop.store import SampleRecord, Store, TurnRecord  # noqa: E402
 from clawloop.trainer.core import Trainer  # noqa: E402
 from clawloop.trainer.leasing import BatchLeaser  # noqa: E402
-from clawloop.trainer.model import TrainModels, load_train_models  # noqa: E402
+from clawloop.trainer import versions as history  # noqa: E402
+from clawloop.trainer.model import TrainModels, load_train_models, load_trainable_state_dict  # noqa: E402
 from clawloop.trainer.publish import LocalVersion  # noqa: E402
 from clawloop.trainer.teacher_client import in_process  # noqa: E402
 
@@ -72,7 +73,8 @@ FIRST_TOKENS = {"inshort": "In"}
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
-    """``name:key=value,key=value`` → (name, settings); values are read as int, float, bool or text."""
+    """``name:key=value,key=value`` → (name, settings); values are read as int, float, bool or text, and a value
+    with ``+`` as a list of texts (``lora_target_modules=q_proj+v_proj``)."""
     name, _, rest = text.partition(":")
     settings: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
@@ -86,6 +88,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
                 pass
         if raw in ("true", "false"):
             value = raw == "true"
+        if isinstance(value, str) and "+" in raw:
+            value = raw.split("+")
         settings[key.strip()] = value
     return name, settings
 
@@ -235,12 +239,22 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
         models = load_train_models(config)
         first = FIRST_TOKENS.get(persona.name)
         first_id = tokenizer.encode(first, add_special_tokens=False)[0] if first else None
-        if not before:
+        if not before and not args.start_version:
             before.update(heldout(models, tokenizer, persona, first_id))
         counts = replay_store(args.replay, args.replay_steps, Path(tmp) / "store.sqlite") if args.replay else []
         store = Store(Path(tmp) / "store.sqlite")
         trainer = Trainer(config, store, LocalVersion(), run_dir=tmp, teacher=in_process(teacher), models=models,
                           console=None)
+        if args.start_version:  # the run's kept version, weights and AdamW state, as its trainer had them
+            kept = history.load_version(args.replay, args.start_version)
+            load_trainable_state_dict(models, kept.weights)
+            if kept.optimizer is not None and args.start_optimizer != "fresh":
+                trainer.optimizer.load_state_dict(kept.optimizer)
+                if args.start_optimizer == "no-momentum":
+                    for state in trainer.optimizer.state.values():
+                        state["exp_avg"].zero_()
+            if not before:
+                before.update(heldout(models, tokenizer, persona, first_id))
         leaser = BatchLeaser(store, args.batch * (1 + int(config.context_samples)), partial=True)
         rng = random.Random(args.seed)
         pool = list(persona.train_questions)
@@ -289,10 +303,18 @@ def main() -> int:
                         help="Train on an online run's own batches instead of sampling rounds (see --replay-steps).")
     parser.add_argument("--replay-steps", type=lambda t: [int(x) for x in t.split(",")], default=[1, 2],
                         help="The run's steps whose samples are replayed, in order (default 1,2).")
+    parser.add_argument("--start-version", type=int, default=0, metavar="N",
+                        help="With --replay: start from the run's kept version N (its weights and optimizer state) "
+                             "instead of the starting weights; 'before' is then that version's scores.")
+    parser.add_argument("--start-optimizer", choices=("kept", "fresh", "no-momentum"), default="kept",
+                        help="With --start-version: the version's AdamW state as kept, a fresh one, or the kept one "
+                             "with its first moment (momentum) zeroed.")
     parser.add_argument("--scales", type=float, nargs="*", default=[],
                         help="Also score each variant with its LoRA update scaled by these factors (weight-space "
                              "interpolation toward the starting weights).")
     args = parser.parse_args()
+    if args.start_version and not args.replay:
+        parser.error("--start-version needs --replay RUN_DIR (the run whose version it is)")
     torch.set_num_threads(args.threads)
     variants = [parse_variant(v) for v in (args.variant or ["select-only:support_coef=0",
                                                              "with-support:support_coef=1"])]

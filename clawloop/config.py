@@ -367,6 +367,11 @@ class GateSettings:
                                  "training goes on from it, so a preference whose way passes through versions that "
                                  "fail a check can still be reached (docs/publication-gate.md). 1 = back at every "
                                  "rejection.")
+    gate_restore_momentum: bool = _f(True, "When training goes back to the last accepted weights, also take back "
+                                     "that version's AdamW momentum (its first moment). Off: the momentum is zeroed "
+                                     "(the second moment kept), so the next steps move by their own gradients and "
+                                     "not on along the last accepted version's own last direction, which every "
+                                     "retry from it would otherwise start by repeating (docs/publication-gate.md).")
     gate_min_guard_pass: float = _f(0.95, "Smallest share of the probes the reference answers soundly that the "
                                     "candidate must answer soundly too (degeneracy guard): of n such probes, "
                                     "floor((1 - this) x n) may regress, always at least one (one more for a "

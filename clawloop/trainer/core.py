@@ -245,6 +245,13 @@ class Trainer:
             self.optimizer = make_optimizer(self.models, self.config)
         self._apply_lr_scale()
 
+    def _zero_momentum(self) -> None:
+        """AdamW's first moment set to zero, its second moment and step counts kept (``gate_restore_momentum``
+        off). Element by element, so every rank of a sharded optimizer does the same to its shard."""
+        for state in self.optimizer.state.values():
+            if "exp_avg" in state:
+                state["exp_avg"].zero_()
+
     def _apply_lr_scale(self) -> None:
         """Every parameter group at ``learning_rate`` × ``lr_scale``."""
         for group in self.optimizer.param_groups:
@@ -500,6 +507,8 @@ class Trainer:
         restore = self.rejections_in_row >= self.config.gate_restore_after
         if restore:
             self._restore(self.accepted)
+            if not self.config.gate_restore_momentum:
+                self._zero_momentum()
             self.rejections_in_row = 0
             self.unchecked_steps = []
         # else: the steps stay unchecked; the next decision (accepted, or a rejection that restores) names them

@@ -100,3 +100,28 @@ def test_the_learning_rate_scale_is_checked(make_config):
     for bad in ({"gate_reject_lr_scale": 0.0}, {"gate_reject_lr_scale": 1.5}, {"gate_min_lr_scale": -0.1}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             make_config(**bad)
+
+
+def test_a_restore_can_leave_the_accepted_versions_momentum_behind(make_config, base_model, tiny_tokenizer, tmp_path,
+                                                                   engine):
+    """``gate_restore_momentum``: back at the accepted weights, the optimizer has that version's momentum (the
+    default) or none, with the second moment the version had either way."""
+    for keep in (True, False):
+        config = make_config(method="rl", lora=True, lr=1e-3, gate_probe_tokens=16, gate_max_kl=1.0, gate=True,
+                             gate_restore_momentum=keep)
+        (tmp_path / str(keep)).mkdir()
+        store = _gated_store(tmp_path / str(keep), base_model, tiny_tokenizer, 2)
+        trainer = Trainer(config, store, engine, console=None)
+        assert trainer.run_batch(*store.lease_samples(2))["gate_accepted"] == 1.0
+        accepted = {k: {n: t.clone() for n, t in v.items() if torch.is_tensor(t)}
+                    for k, v in trainer.optimizer.state.items()}
+        assert any(s["exp_avg"].abs().sum() > 0 for s in accepted.values())
+        for group in trainer.optimizer.param_groups:  # an update that wrecks the weights, so the gate rejects
+            group["lr"] = 1.0
+        assert trainer.run_batch(*store.lease_samples(2))["gate_restored"] == 1.0
+        for param, state in trainer.optimizer.state.items():
+            kept = accepted[param]
+            assert torch.equal(state["exp_avg_sq"], kept["exp_avg_sq"])
+            assert torch.equal(state["exp_avg"], kept["exp_avg"] if keep else torch.zeros_like(kept["exp_avg"]))
+        trainer.close()
+        store.close()
