@@ -66,6 +66,7 @@ from clawloop.trainer.leasing import BatchLeaser  # noqa: E402
 from clawloop.trainer import versions as history  # noqa: E402
 from clawloop.trainer.model import TrainModels, load_train_models, load_trainable_state_dict  # noqa: E402
 from clawloop.trainer.publish import LocalVersion  # noqa: E402
+from clawloop.trainer.step import zero_momentum  # noqa: E402
 from clawloop.trainer.teacher_client import in_process  # noqa: E402
 
 MAX_NEW_TOKENS = 48
@@ -251,8 +252,7 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
             if kept.optimizer is not None and args.start_optimizer != "fresh":
                 trainer.optimizer.load_state_dict(kept.optimizer)
                 if args.start_optimizer == "no-momentum":
-                    for state in trainer.optimizer.state.values():
-                        state["exp_avg"].zero_()
+                    zero_momentum(trainer.optimizer)
             if not before:
                 before.update(heldout(models, tokenizer, persona, first_id))
         leaser = BatchLeaser(store, args.batch * (1 + int(config.context_samples)), partial=True)

@@ -69,7 +69,7 @@ from clawloop.trainer.retain import RetainTerm, build_examples
 from clawloop.trainer.retain_prompts import RETAIN_PROMPTS
 from clawloop.trainer.teacher_client import TeacherClient
 from clawloop.trainer.step import EXCLUDED, UPDATE_SKIPPED, VoidedUpdates, excluded_samples, make_optimizer, \
-    train_step, update_applied
+    train_step, update_applied, zero_momentum
 
 log = logging.getLogger(__name__)
 
@@ -244,13 +244,6 @@ class Trainer:
                                   self.config.learning_rate):
             self.optimizer = make_optimizer(self.models, self.config)
         self._apply_lr_scale()
-
-    def _zero_momentum(self) -> None:
-        """AdamW's first moment set to zero, its second moment and step counts kept (``gate_restore_momentum``
-        off). Element by element, so every rank of a sharded optimizer does the same to its shard."""
-        for state in self.optimizer.state.values():
-            if "exp_avg" in state:
-                state["exp_avg"].zero_()
 
     def _apply_lr_scale(self) -> None:
         """Every parameter group at ``learning_rate`` × ``lr_scale``."""
@@ -508,7 +501,7 @@ class Trainer:
         if restore:
             self._restore(self.accepted)
             if not self.config.gate_restore_momentum:
-                self._zero_momentum()
+                zero_momentum(self.optimizer)
             self.rejections_in_row = 0
             self.unchecked_steps = []
         # else: the steps stay unchecked; the next decision (accepted, or a rejection that restores) names them

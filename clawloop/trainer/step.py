@@ -68,6 +68,14 @@ def make_optimizer(models: TrainModels, config: Config) -> torch.optim.Optimizer
                              weight_decay=config.weight_decay)
 
 
+def zero_momentum(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's first moment set to zero, its second moment and step counts kept. Element by element, so every rank
+    of a sharded optimizer does the same to its shard."""
+    for state in optimizer.state.values():
+        if "exp_avg" in state:
+            state["exp_avg"].zero_()
+
+
 def rewards_for(items: list[TrainItem], config: Config) -> list[float]:
     """Each sample's GRPO advantage: its reward (with ``group_norm``, normalised within groups of samples sharing a
     prompt), then shaped across the batch by ``advantage_mode`` (docs/collapse-fix.md)."""
