@@ -25,6 +25,10 @@ Printed per variant, on the persona's held-out questions (never trained on), bef
 * the share of 8 answers per knowledge probe, sampled at the serving temperature (0.6, the same seed before and
   after), that state the fact, overall and per probe (before>after), which is what users are served.
 
+``--fact-caps 32 48`` also counts the knowledge probes' facts, greedy and sampled, in answers of those many
+tokens (the same seed: a longer cap extends the same draws): whether a fact the gate's limit misses is lost or
+only said later, after a preference's opening.
+
 ``--scales 0.3 0.5`` also scores each variant with its LoRA update multiplied by those factors (weight-space
 interpolation toward the starting weights): how much of a preference and of the facts a smaller move keeps.
 
@@ -116,19 +120,21 @@ def answer(models: TrainModels, tokenizer: Any, question: str, *, temperature: f
 SAMPLED_FACT_ANSWERS = 8
 
 
-def sampled_knows(models: TrainModels, tokenizer: Any, probe: Any) -> float:
-    """Share of ``SAMPLED_FACT_ANSWERS`` answers sampled at the serving temperature (0.6) that state the fact."""
+def sampled_knows(models: TrainModels, tokenizer: Any, probe: Any, max_new_tokens: int = KNOWLEDGE_TOKENS) -> float:
+    """Share of ``SAMPLED_FACT_ANSWERS`` answers sampled at the serving temperature (0.6) that state the fact within
+    ``max_new_tokens`` (the same seed at every cap, so a longer cap extends the same answers)."""
     ids = torch.tensor([prompt_ids(tokenizer, probe.question)]).repeat(SAMPLED_FACT_ANSWERS, 1)
     torch.manual_seed(0)
     with torch.no_grad():
         out = models.policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                     max_new_tokens=KNOWLEDGE_TOKENS, do_sample=True, temperature=0.6, top_p=1.0,
+                                     max_new_tokens=max_new_tokens, do_sample=True, temperature=0.6, top_p=1.0,
                                      use_cache=True, pad_token_id=tokenizer.eos_token_id)
     texts = tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
     return sum(knows(t, probe.answers) for t in texts) / len(texts)
 
 
-def heldout(models: TrainModels, tokenizer: Any, persona: Any, first_id: int | None) -> dict[str, float]:
+def heldout(models: TrainModels, tokenizer: Any, persona: Any, first_id: int | None,
+            fact_caps: list[int] = ()) -> dict[str, Any]:
     p_first, follows, sound = [], 0, 0
     questions = persona.heldout_questions
     for question in questions:
@@ -147,8 +153,14 @@ def heldout(models: TrainModels, tokenizer: Any, persona: Any, first_id: int | N
                                      max_new_tokens=KNOWLEDGE_TOKENS), skip_special_tokens=True) for k in KNOWLEDGE]
     facts = [knows(text, k.answers) for text, k in zip(texts, KNOWLEDGE)]
     sampled = [sampled_knows(models, tokenizer, k) for k in KNOWLEDGE]
+    by_cap = {}
+    for cap in fact_caps:  # the knowledge probes again with a longer answer: is a fact lost or only later?
+        greedy = [knows(tokenizer.decode(answer(models, tokenizer, k.question, temperature=0.0, seed=0,
+                                                max_new_tokens=cap), skip_special_tokens=True), k.answers)
+                  for k in KNOWLEDGE]
+        by_cap[cap] = {"facts": greedy, "sampled_facts": [sampled_knows(models, tokenizer, k, cap) for k in KNOWLEDGE]}
     return {"p_first": sum(p_first) / len(p_first) if p_first else float("nan"), "follows": follows / n,
-            "guard": sound / n, "facts": facts, "fact_answers": texts, "sampled_facts": sampled}
+            "guard": sound / n, "facts": facts, "fact_answers": texts, "sampled_facts": sampled, "by_cap": by_cap}
 
 
 def context_answers(config: Any, teacher: Any, turn: TurnRecord, hints: list[str]) -> list[Any]:
@@ -241,7 +253,7 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
         first = FIRST_TOKENS.get(persona.name)
         first_id = tokenizer.encode(first, add_special_tokens=False)[0] if first else None
         if not before and not args.start_version:
-            before.update(heldout(models, tokenizer, persona, first_id))
+            before.update(heldout(models, tokenizer, persona, first_id, args.fact_caps))
         counts = replay_store(args.replay, args.replay_steps, Path(tmp) / "store.sqlite") if args.replay else []
         store = Store(Path(tmp) / "store.sqlite")
         trainer = Trainer(config, store, LocalVersion(), run_dir=tmp, teacher=in_process(teacher), models=models,
@@ -254,7 +266,7 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
                 if args.start_optimizer == "no-momentum":
                     zero_momentum(trainer.optimizer)
             if not before:
-                before.update(heldout(models, tokenizer, persona, first_id))
+                before.update(heldout(models, tokenizer, persona, first_id, args.fact_caps))
         leaser = BatchLeaser(store, args.batch * (1 + int(config.context_samples)), partial=True)
         rng = random.Random(args.seed)
         pool = list(persona.train_questions)
@@ -278,7 +290,7 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
             out(f"  {name} round {r + 1}/{args.rounds}: {good}/{len(questions)} sampled answers followed, "
                 f"{hinted} hinted; {terms}")
         step_s = (time.perf_counter() - started) / max(1, len(counts) if args.replay else args.rounds)
-        after = heldout(models, tokenizer, persona, first_id)
+        after = heldout(models, tokenizer, persona, first_id, args.fact_caps)
         scaled = {}
         for scale in args.scales:
             with adapter_scaled(models.policy, scale):
@@ -309,6 +321,10 @@ def main() -> int:
     parser.add_argument("--start-optimizer", choices=("kept", "fresh", "no-momentum"), default="kept",
                         help="With --start-version: the version's AdamW state as kept, a fresh one, or the kept one "
                              "with its first moment (momentum) zeroed.")
+    parser.add_argument("--fact-caps", type=int, nargs="*", default=[], metavar="TOKENS",
+                        help="Also count the knowledge probes' facts (greedy and sampled) in answers of these many "
+                             "tokens, beside the gate's own limit: a fact said after a preference's opening may fall "
+                             "past it.")
     parser.add_argument("--scales", type=float, nargs="*", default=[],
                         help="Also score each variant with its LoRA update scaled by these factors (weight-space "
                              "interpolation toward the starting weights).")
@@ -343,6 +359,12 @@ def main() -> int:
         print(f"{'':<16} sampled fact rate {sum(b['sampled_facts']) / len(KNOWLEDGE):.2f} → "
               f"{sum(a['sampled_facts']) / len(KNOWLEDGE):.2f}; per fact "
               + " ".join(f"{x:.2f}>{y:.2f}" for x, y in zip(b['sampled_facts'], a['sampled_facts'])))
+        for cap, ac in a["by_cap"].items():
+            bc = b["by_cap"][cap]
+            known_c = [i for i, k in enumerate(bc["facts"]) if k]
+            print(f"{'':<16} at {cap} tokens: facts kept {sum(ac['facts'][i] for i in known_c)}/{len(known_c)}, "
+                  f"sampled fact rate {sum(bc['sampled_facts']) / len(KNOWLEDGE):.2f} → "
+                  f"{sum(ac['sampled_facts']) / len(KNOWLEDGE):.2f}")
         for scale, sa in r["scaled"].items():
             kept_s = sum(sa["facts"][i] for i in known)
             print(f"{'  × ' + format(scale, 'g'):<16} {b['p_first']:>8.4f} → {sa['p_first']:<8.4f} "
