@@ -7,7 +7,8 @@ temporary store, and runs ``--steps`` steps through ``clawloop.trainer.core.Trai
 step (the default). Each line shows the optimizer step's time and the gate check's time (greedy answers to the
 shipped probes plus the run's ``gate_recent_prompts`` recent distinct prompts, ``gate_probe_tokens`` each, then
 the KL forward pass, and for a candidate every other rule accepts the preference reading under ``--hint``,
-whose time the line also shows), and their ratio. The first check also answers every probe with the reference once (its
+whose time the line also shows), and their ratio; the line below splits the check's time into its parts
+(``GateResult.seconds_by_part``). The first check also answers every probe with the reference once (its
 verdicts are kept), so it is slower than the steady state. Before the gate's own check, the same candidate is
 checked by a plain gate (on unless ``--no-plain``: shipped and recent probes only, without the knowledge probes
 and the run's corrected prompts), so the two times are measured side by side on the same weights; the line
@@ -112,6 +113,9 @@ def main() -> None:
                      else "on the knowledge probes alone")
                   + (f" | of it the preference reading {m['gate_preference_s']:.2f}s (ratio reading/train "
                      f"{m['gate_preference_s'] / train_s:.2f})" if "gate_preference_s" in m else ""))
+            parts = [(label, m[f"gate_{part}_s"]) for part, label in PARTS if f"gate_{part}_s" in m]
+            print("  where the check's time went: " + ", ".join(f"{label} {s:.2f}s ({s / train_s:.2f}x a step)"
+                                                             for label, s in parts))
             if side is not None and side.last:
                 plain_s, same, total, agree = side.last
                 print(f"  plain gate (no knowledge probes or corrected prompts) on the same candidate: {plain_s:.2f}s "
@@ -120,6 +124,10 @@ def main() -> None:
         compare_batching(trainer, tokenizer, args.probe_tokens)
         trainer.close()
         store.close()
+
+
+PARTS = (("reference_answers", "the reference's first answers"), ("knowledge", "knowledge probes"),
+         ("guard", "guard probes"), ("kl", "KL forward"), ("preference", "preference reading"))
 
 
 class SideBySide:

@@ -60,7 +60,7 @@ import math
 import re
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ContextManager
 
@@ -166,6 +166,11 @@ class GateResult:
     preference: PreferenceReading | None = None
     """The preference check's measurement; None when it did not run (off, no hint or no accepted version yet, or
     the check stopped early)."""
+    seconds_by_part: dict[str, float] = field(default_factory=dict)
+    """Where ``seconds`` went, for the parts the check ran: ``reference_answers`` (the starting weights answering
+    probes they had not answered before), ``knowledge`` and ``guard`` (the candidate's answers to the knowledge
+    probes and to the others, a LoRA adapter's merge included), ``kl`` (the reference's forward over the
+    candidate's greedy answers) and ``preference`` (the preference check's reading)."""
 
     def summary(self) -> str:
         verdict = "accepted" if self.accepted else "rejected (" + "; ".join(self.reasons) + ")"
@@ -187,6 +192,7 @@ class GateResult:
                 "facts_right": self.facts_right, "facts_reference_right": self.facts_reference_right,
                 "broken_fixes": self.broken_fixes, "unanswered": self.unanswered, "kl_measured": self.kl_measured,
                 "kl": self.kl, "kl_to": self.kl_to, "seconds": round(self.seconds, 3),
+                "seconds_by_part": {k: round(v, 3) for k, v in self.seconds_by_part.items()},
                 "preference": None if self.preference is None else self.preference.as_dict(),
                 "thresholds": dict(self.thresholds), "probes": [asdict(p) for p in self.probes]}
 
@@ -562,10 +568,11 @@ class PublicationGate:
         answered: list[tuple[_Probe, list[int], torch.Tensor | None]] = []
         outcomes: list[ProbeOutcome] = []
         unasked, stopped, kl_measured = 0, False, True
+        parts_s: dict[str, float] = {}
         for k, part in enumerate(parts):
             missing = [p for p in part if _key(p) not in self._reference_ok]
             if missing:  # the reference answers each probe once, the first time a check reaches it
-                with reference() as ref:
+                with _timed(parts_s, "reference_answers"), reference() as ref:
                     for p, (answers, _) in zip(missing, self._ask(ref, missing, eos)):
                         right = sum(self._verdict(p, ans)[0] for ans in answers)
                         self._reference_right[_key(p)] = right
@@ -575,7 +582,7 @@ class PublicationGate:
             batches = [[asked[i] for i in idx] for idx in length_buckets([len(p.ids) for p in asked])]
             if not batches:
                 continue
-            with enter_candidate() as model:
+            with _timed(parts_s, "guard" if k else "knowledge"), enter_candidate() as model:
                 for n, batch in enumerate(batches):
                     for p, (answers, lp) in zip(batch, self._ask(model, batch, eos)):
                         outcome, ans = (self._sampled_outcome(p, answers) if lp is None
@@ -600,7 +607,7 @@ class PublicationGate:
         greedy = [(p, a) for p, a, lp in answered if lp is not None]
         scored = iter(())
         if greedy:
-            with reference() as ref:
+            with _timed(parts_s, "kl"), reference() as ref:
                 scored = iter(answer_logprobs(ref, [p.ids for p, _ in greedy], [a for _, a in greedy]))
         ref_lp = [next(scored) if lp is not None else None for _, _, lp in answered]
         kl_sum, kl_tokens = 0.0, 0
@@ -620,7 +627,8 @@ class PublicationGate:
             # compared with the next one's readings would measure the readers, not the answers.
             self._accepted_reward.clear()
         elif decision.accepted:  # a candidate rejected already needs no reading (nor its rewards kept)
-            preference, rewards = self._preference(answered, outcomes, ref_lp, reference)
+            with _timed(parts_s, "preference") if self.preference_hint is not None else contextlib.nullcontext():
+                preference, rewards = self._preference(answered, outcomes, ref_lp, reference)
             if preference is not None:
                 decision = decide(outcomes, kl, min_guard_pass=self.min_guard_pass, max_kl=self.max_kl,
                                   max_fact_drop=self.max_fact_drop, kl_measured=kl_measured, preference=preference,
@@ -650,7 +658,7 @@ class PublicationGate:
                           knowledge_counted=decision.knowledge_counted, forgotten=decision.forgotten,
                           facts_right=decision.facts_right, facts_reference_right=decision.facts_reference_right,
                           broken_fixes=decision.broken_fixes, unanswered=unasked, kl_measured=kl_measured,
-                          preference=preference)
+                          preference=preference, seconds_by_part=parts_s)
 
     def _preference(self, answered: list[tuple[_Probe, list[int], torch.Tensor | None]],
                     outcomes: list[ProbeOutcome], ref_lp: list[torch.Tensor | None],
@@ -830,6 +838,16 @@ def closing_exchanges(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]
         tail.append({"role": str(role), "content": text})
     tail.reverse()
     return tail
+
+
+@contextlib.contextmanager
+def _timed(seconds: dict[str, float], part: str) -> Iterator[None]:
+    """Adds the block's wall time to ``seconds[part]``."""
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        seconds[part] = seconds.get(part, 0.0) + time.monotonic() - t0
 
 
 def _key(p: _Probe) -> str | bytes:

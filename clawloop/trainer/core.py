@@ -474,12 +474,12 @@ class Trainer:
             evidence: dict[str, Any] = {"accepted": False, "reasons": [f"the gate failed: {error}"]}
         else:
             self.gate_seconds += result.seconds
-            metrics = {"gate_accepted": 1.0 if result.accepted else 0.0, "gate_s": result.seconds}
+            metrics = {"gate_accepted": 1.0 if result.accepted else 0.0, "gate_s": result.seconds,
+                       **{f"gate_{part}_s": s for part, s in result.seconds_by_part.items()}}
             if result.kl_measured:  # a check decided on the knowledge probes alone measured neither
                 metrics.update(gate_guard_pass=result.guard_pass, gate_kl=result.kl)
             if result.preference is not None:
                 metrics["gate_preference_drop"] = result.preference.drop
-                metrics["gate_preference_s"] = result.preference.seconds
             if result.facts_reference_right:
                 metrics["gate_facts_right"] = float(result.facts_right)
                 metrics["gate_facts_reference_right"] = float(result.facts_reference_right)

@@ -328,6 +328,13 @@ def test_a_candidate_that_lost_its_facts_is_rejected_before_the_long_answers(mon
     assert accepted.accepted and accepted.unanswered == 0 and len(accepted.probes) == 4
     assert calls == [(id(candidate), 16), (id(base_model), 2), (id(candidate), 2)]  # the reference's verdicts on
     # the facts were kept; the guard's two probes are asked of it now
+    # Each check says where its time went, by the parts it ran.
+    assert set(rejected.seconds_by_part) == {"reference_answers", "knowledge"}
+    assert set(accepted.seconds_by_part) == {"knowledge", "reference_answers", "guard", "kl"}
+    for result in (rejected, accepted):
+        assert all(s >= 0 for s in result.seconds_by_part.values())
+        assert sum(result.seconds_by_part.values()) <= result.seconds
+        assert result.evidence()["seconds_by_part"].keys() == result.seconds_by_part.keys()
 
 
 def test_a_right_fact_counts_whatever_the_question_rules_say(monkeypatch, tiny_tokenizer, base_model, perturb,
