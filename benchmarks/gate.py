@@ -6,9 +6,8 @@ demo's own settings, whose step adds the retain term), writes
 temporary store, and runs ``--steps`` steps through ``clawloop.trainer.core.Trainer`` with the gate checking every
 step (the default). Each line shows the optimizer step's time and the gate check's time (greedy answers to the
 shipped probes plus the run's ``gate_recent_prompts`` recent distinct prompts, ``gate_probe_tokens`` each, then
-the KL forward pass, and for a candidate every other rule accepts the preference reading under ``--hint``,
-whose time the line also shows), and their ratio; the line below splits the check's time into its parts
-(``GateResult.seconds_by_part``). The first check also answers every probe with the reference once (its
+the KL forward pass, and for a candidate every other rule accepts the preference reading under ``--hint``),
+and their ratio; the line below splits the check's time into its parts (``GateResult.seconds_by_part``). The first check also answers every probe with the reference once (its
 verdicts are kept), so it is slower than the steady state. Before the gate's own check, the same candidate is
 checked by a plain gate (on unless ``--no-plain``: shipped and recent probes only, without the knowledge probes
 and the run's corrected prompts), so the two times are measured side by side on the same weights; the line
@@ -110,9 +109,7 @@ def main() -> None:
                   f"(ratio gate/train {gate_s / train_s:.2f}) | whole step {wall:.2f}s | "
                   f"{'accepted' if m.get('gate_accepted') else 'rejected'} "
                   + (f"guard {m['gate_guard_pass']:.2f} KL {m['gate_kl']:.3f}" if "gate_kl" in m
-                     else "on the knowledge probes alone")
-                  + (f" | of it the preference reading {m['gate_preference_s']:.2f}s (ratio reading/train "
-                     f"{m['gate_preference_s'] / train_s:.2f})" if "gate_preference_s" in m else ""))
+                     else "on the knowledge probes alone"))
             parts = [(label, m[f"gate_{part}_s"]) for part, label in PARTS if f"gate_{part}_s" in m]
             print("  where the check's time went: " + ", ".join(f"{label} {s:.2f}s ({s / train_s:.2f}x a step)"
                                                              for label, s in parts))

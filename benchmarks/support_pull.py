@@ -149,18 +149,20 @@ def heldout(models: TrainModels, tokenizer: Any, persona: Any, first_id: int | N
         follows += verdict.ok
         sound += verdict.sound
     n = len(questions)
-    texts = [tokenizer.decode(answer(models, tokenizer, k.question, temperature=0.0, seed=0,
-                                     max_new_tokens=KNOWLEDGE_TOKENS), skip_special_tokens=True) for k in KNOWLEDGE]
-    facts = [knows(text, k.answers) for text, k in zip(texts, KNOWLEDGE)]
-    sampled = [sampled_knows(models, tokenizer, k) for k in KNOWLEDGE]
-    by_cap = {}
-    for cap in fact_caps:  # the knowledge probes again with a longer answer: is a fact lost or only later?
-        greedy = [knows(tokenizer.decode(answer(models, tokenizer, k.question, temperature=0.0, seed=0,
-                                                max_new_tokens=cap), skip_special_tokens=True), k.answers)
-                  for k in KNOWLEDGE]
-        by_cap[cap] = {"facts": greedy, "sampled_facts": [sampled_knows(models, tokenizer, k, cap) for k in KNOWLEDGE]}
+    known = knowledge(models, tokenizer, KNOWLEDGE_TOKENS)
+    # The knowledge probes again with longer answers: is a fact lost, or only said later?
+    by_cap = {cap: knowledge(models, tokenizer, cap) for cap in fact_caps}
     return {"p_first": sum(p_first) / len(p_first) if p_first else float("nan"), "follows": follows / n,
-            "guard": sound / n, "facts": facts, "fact_answers": texts, "sampled_facts": sampled, "by_cap": by_cap}
+            "guard": sound / n, **known, "by_cap": by_cap}
+
+
+def knowledge(models: TrainModels, tokenizer: Any, max_new_tokens: int) -> dict[str, list[Any]]:
+    """The knowledge probes answered in at most ``max_new_tokens``: each greedy answer, whether it states its fact,
+    and the share of sampled answers that do."""
+    texts = [tokenizer.decode(answer(models, tokenizer, k.question, temperature=0.0, seed=0,
+                                     max_new_tokens=max_new_tokens), skip_special_tokens=True) for k in KNOWLEDGE]
+    return {"facts": [knows(text, k.answers) for text, k in zip(texts, KNOWLEDGE)], "fact_answers": texts,
+            "sampled_facts": [sampled_knows(models, tokenizer, k, max_new_tokens) for k in KNOWLEDGE]}
 
 
 def context_answers(config: Any, teacher: Any, turn: TurnRecord, hints: list[str]) -> list[Any]:

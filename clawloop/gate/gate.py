@@ -675,7 +675,6 @@ class PublicationGate:
         hint = self.preference_hint() if self.preference_hint is not None else None
         if not hint:
             return None, {}
-        t0 = time.monotonic()
         rows, plain_sums, plain, hinted = [], [], [], []
         for (p, ans, lp), o, r_T_V in zip(answered, outcomes, ref_lp):
             if lp is None or p.source == "knowledge" or p.messages is None:
@@ -723,8 +722,7 @@ class PublicationGate:
         rewards = {_key(rows[i][0]): (hint, mine[i]) for i in kept}
         if not compared:
             return None, rewards
-        return PreferenceReading.of(hint, [theirs[i] for i in compared], [mine[i] for i in compared],
-                                    seconds=time.monotonic() - t0), rewards
+        return PreferenceReading.of(hint, [theirs[i] for i in compared], [mine[i] for i in compared]), rewards
 
     def _hinted_pair(self, messages: list[dict[str, Any]], hint: str) -> tuple[list[int], list[int]] | None:
         """A probe's messages rendered without and with the hint; None when the renderer refuses them (content it

@@ -56,16 +56,13 @@ class PreferenceReading:
     """Mean R of the last accepted version's answers, nats."""
     candidate_mean: float
     """Mean R of the candidate's answers, nats."""
-    seconds: float = 0.0
-    """What reading it cost the check (rendering and the reference's forwards)."""
 
     @classmethod
-    def of(cls, hint: str, accepted: Sequence[float], candidate: Sequence[float],
-           seconds: float = 0.0) -> PreferenceReading:
+    def of(cls, hint: str, accepted: Sequence[float], candidate: Sequence[float]) -> PreferenceReading:
         if not accepted or len(accepted) != len(candidate):
             raise ValueError(f"need the same non-zero number of rewards (got {len(accepted)} and {len(candidate)})")
         return cls(hint=hint, probes=len(accepted), accepted_mean=statistics.fmean(accepted),
-                   candidate_mean=statistics.fmean(candidate), seconds=seconds)
+                   candidate_mean=statistics.fmean(candidate))
 
     @property
     def drop(self) -> float:
