@@ -68,7 +68,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -340,8 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(config, store, max_steps=args.max_steps, lease_s=args.lease_s, poll_s=args.poll_s,
             idle_exit_s=args.idle_exit_s, report_weights=bool(args.api), api=api, teacher=teacher)
-        # Leave together: a rank tearing its group down while another still talks to it can abort in gloo.
-        dist.barrier()
+        leave_together()
     finally:
         if store is not None:
             store.close()
@@ -350,12 +349,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    code = main()
-    # The work is done and written (the group was torn down in main). Leave without running the interpreter's
-    # teardown: on a loaded machine a rank has aborted there ("terminate called without an active exception",
-    # a C++ thread of the distributed runtime destroyed while still joinable) after a successful run.
+def leave_together() -> None:
+    """Wait for every rank before the group is torn down: a rank tearing its group down while another still talks
+    to it can abort in gloo."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a rank's process once its work is written and its group torn down, without the interpreter's teardown:
+    on a loaded machine a rank has aborted there ("terminate called without an active exception", a C++ thread of
+    the distributed runtime destroyed while still joinable) after a successful run."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    exit_now(main())

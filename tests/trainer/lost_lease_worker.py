@@ -29,6 +29,7 @@ def main(store_file: str, model_dir: str, run_dir: str) -> None:
     try:
         trained = distributed.run(config, store, max_steps=2, poll_s=0.1, report_weights=False)
         print(f"rank {os.environ.get('RANK')} trained {trained}", flush=True)
+        distributed.leave_together()
     finally:
         if store is not None:
             store.close()
@@ -38,3 +39,4 @@ def main(store_file: str, model_dir: str, run_dir: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
+    distributed.exit_now(0)  # as the trainer's own entry point leaves
