@@ -1,24 +1,26 @@
 """Cost of the publication gate next to the cost of the training step it follows, on the default model.
 
 One process loads SmolLM2-135M-Instruct for training (LoRA r16, lr 1e-3, kl 0.05, GRPO; ``--demo-preset``: the
-demo's own settings, whose step adds the retain term), writes
-``--steps × --samples`` served turns with real chat-template prompts and ``--tokens`` answer tokens into a
-temporary store, and runs ``--steps`` steps through ``clawloop.trainer.core.Trainer`` with the gate checking every
-step (the default). Each line shows the optimizer step's time and the gate check's time (greedy answers to the
-shipped probes plus the run's ``gate_recent_prompts`` recent distinct prompts, ``gate_probe_tokens`` each, then
-the KL forward pass, and for a candidate every other rule accepts the preference reading under ``--hint``),
-and their ratio; the line below splits the check's time into its parts (``GateResult.seconds_by_part``). The first check also answers every probe with the reference once (its
+demo's own settings, whose step adds the retain term), writes ``--steps × --samples`` served turns with real
+chat-template prompts and ``--tokens`` answer tokens into a temporary store, and runs ``--steps`` steps through
+``clawloop.trainer.core.Trainer`` with the gate checking every step (the default). Each line shows the optimizer
+step's time and the gate check's time (greedy answers to the shipped probes plus the run's ``gate_recent_prompts``
+recent distinct prompts, ``gate_probe_tokens`` each, then the KL forward pass, and for a candidate every other rule
+accepts the preference reading under ``--hint``), and their ratio; the line below splits the check's time into its
+parts (``GateResult.seconds_by_part``). The first check also answers every probe with the reference once (its
 verdicts are kept), so it is slower than the steady state. Before the gate's own check, the same candidate is
-checked by a plain gate (on unless ``--no-plain``: shipped and recent probes only, without the knowledge probes
-and the run's corrected prompts), so the two times are measured side by side on the same weights; the line
-also says whether both decided alike and how many of their common answers are equal. The last lines time the greedy
-answers to probes of mixed lengths in one padded batch and in the gate's length groups, side by side, then (LoRA)
-with the adapter as it trains against merged for the check, then the gate's decoding (rows leave the batch as
-they end) against one ``generate`` call per group, as the candidate
-answers and with most answers cut short.
+checked by a plain gate (on unless ``--no-plain``: shipped and recent probes only, without the knowledge probes and
+the run's corrected prompts), so the two times are measured side by side on the same weights; the line also says
+whether both decided alike and how many of their common answers are equal. With ``--without-kept-states`` the other
+gate is the trainer's own without the reference's kept prompt states (``clawloop.gate.scoring``), and the line
+below it compares the parts' times. The last lines time the greedy answers to probes of mixed lengths in one padded
+batch and in the gate's length groups, side by side, then the reference's forward over those answers with and
+without kept prompt states, then (LoRA) with the adapter as it trains against merged for the check, then the gate's decoding (rows leave the batch as they end) against one ``generate`` call per group, as
+the candidate answers and with most answers cut short.
 
     .venv/bin/python benchmarks/gate.py                    # 3 steps of 4 samples x 64 tokens, 1 thread
     .venv/bin/python benchmarks/gate.py --threads 2 --probe-tokens 16
+    .venv/bin/python benchmarks/gate.py --threads 2 --steps 6 --demo-preset --without-kept-states
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--full", action="store_true", help="Full fine-tuning instead of LoRA.")
     parser.add_argument("--no-plain", dest="plain", action="store_false", help="Skip the plain gate's check.")
+    parser.add_argument("--without-kept-states", action="store_true", help="Check each candidate first with the "
+                        "trainer's gate as it is but without the reference's kept prompt states (instead of the "
+                        "plain gate), to time the KL and preference forwards both ways on the same candidates.")
     parser.add_argument("--hint", default="Answer in one short sentence.", help="The hint the preference check "
                         "reads (the benchmark's samples carry none); '' leaves the check without one.")
     parser.add_argument("--demo-preset", action="store_true", help="Train with the demo's preset (hybrid, the retain "
@@ -90,7 +95,8 @@ def main() -> None:
         trainer = Trainer(config, store, LocalVersion(), console=None)
         if args.hint:  # the samples carry no hint; the preference check reads this one as if they had
             trainer.hint_counts[args.hint] += 1
-        side = SideBySide(trainer.gate, tokenizer, config, store) if args.plain else None
+        side = (SideBySide(trainer.gate, without_states(trainer.gate)) if args.without_kept_states
+                else SideBySide(trainer.gate, plain_gate(tokenizer, config, store)) if args.plain else None)
         if side is not None:
             trainer.gate = side  # type: ignore[assignment]
         mode = ("full fine-tuning" if args.full else f"LoRA r{config.lora_rank}") + (
@@ -114,10 +120,22 @@ def main() -> None:
             print("  where the check's time went: " + ", ".join(f"{label} {s:.2f}s ({s / train_s:.2f}x a step)"
                                                              for label, s in parts))
             if side is not None and side.last:
-                plain_s, same, total, agree = side.last
-                print(f"  plain gate (no knowledge probes or corrected prompts) on the same candidate: {plain_s:.2f}s "
-                      f"(ratio plain/train {plain_s / train_s:.2f}, plain/gate {plain_s / max(gate_s, 1e-9):.2f}x) | "
-                      f"same decision: {agree} | same answers: {same}/{total}")
+                other, same, total, agree = side.last
+                what = ("without kept prompt states" if args.without_kept_states
+                        else "plain gate (no knowledge probes or corrected prompts)")
+                print(f"  {what}, the same candidate: {other.seconds:.2f}s (ratio to train "
+                      f"{other.seconds / train_s:.2f}, to the gate's check {other.seconds / max(gate_s, 1e-9):.2f}x) "
+                      f"| same decision: {agree} | same answers: {same}/{total}")
+                if args.without_kept_states:
+                    mine = {part: m[f"gate_{part}_s"] for part, _ in PARTS if f"gate_{part}_s" in m}
+                    print("    parts without / with: " + ", ".join(
+                        f"{label} {other.seconds_by_part[part]:.2f}s / {mine[part]:.2f}s "
+                        f"({other.seconds_by_part[part] / max(mine[part], 1e-9):.2f}x)"
+                        for part, label in PARTS if part in mine and part in other.seconds_by_part)
+                        + (f" | KL {other.kl:.5f} / {m['gate_kl']:.5f}" if other.kl_measured and "gate_kl" in m
+                           else " | no KL measured"))
+                    states = trainer.gate.prompt_states
+                    print(f"    kept prompt states: {states.tokens} tokens, {states.nbytes / 2 ** 20:.1f} MiB")
         compare_batching(trainer, tokenizer, args.probe_tokens)
         trainer.close()
         store.close()
@@ -127,28 +145,41 @@ PARTS = (("reference_answers", "the reference's first answers"), ("knowledge", "
          ("guard", "guard probes"), ("kl", "KL forward"), ("preference", "preference reading"))
 
 
+def plain_gate(tokenizer, config, store):
+    """Shipped and recent probes only: no knowledge probes, corrected prompts or preference check."""
+    from clawloop.gate.gate import PublicationGate
+
+    return PublicationGate(tokenizer, min_guard_pass=config.gate_min_guard_pass, max_kl=config.gate_max_kl,
+                           probe_tokens=config.gate_probe_tokens,
+                           recent_prompts=lambda: store.recent_prompts(config.gate_recent_prompts))
+
+
+def without_states(gate):
+    """A copy of ``gate`` that scores every prompt afresh (its own kept verdicts, the same tokenizer)."""
+    import copy
+
+    shared = (gate.tokenizer, gate.preference_hint, gate.recent_prompts, gate.fixed_prompts)  # the run's, not copied
+    return copy.deepcopy(gate, memo={id(gate.prompt_states): None, **{id(x): x for x in shared}})
+
+
 class SideBySide:
-    """Stands in for the trainer's gate: checks each candidate with a plain gate first (timed), then with the
+    """Stands in for the trainer's gate: checks each candidate with another gate first (timed), then with the
     trainer's own gate, whose result the trainer gets."""
 
-    def __init__(self, gate, tokenizer, config, store):
-        from clawloop.gate.gate import PublicationGate
-
+    def __init__(self, gate, other):
         self.gate = gate
-        self.plain = PublicationGate(tokenizer, min_guard_pass=config.gate_min_guard_pass, max_kl=config.gate_max_kl,
-                                     probe_tokens=config.gate_probe_tokens,
-                                     recent_prompts=lambda: store.recent_prompts(config.gate_recent_prompts))
-        self.last: tuple[float, int, int, bool] | None = None
+        self.other = other
+        self.last = None
 
     def __getattr__(self, name):
         return getattr(self.gate, name)
 
     def check(self, candidate, reference, kl_to="reference"):
-        plain = self.plain.check(candidate, reference, kl_to=kl_to)
+        other = self.other.check(candidate, reference, kl_to=kl_to)
         result = self.gate.check(candidate, reference, kl_to=kl_to)
         answers = {(p.source, p.prompt): p.answer for p in result.probes}
-        common = [(answers[(p.source, p.prompt)], p.answer) for p in plain.probes if (p.source, p.prompt) in answers]
-        self.last = (plain.seconds, sum(a == b for a, b in common), len(common), plain.accepted == result.accepted)
+        common = [(answers[(p.source, p.prompt)], p.answer) for p in other.probes if (p.source, p.prompt) in answers]
+        self.last = (other, sum(a == b for a, b in common), len(common), other.accepted == result.accepted)
         return result
 
 
@@ -177,9 +208,39 @@ def compare_batching(trainer, tokenizer, probe_tokens: int) -> None:
           f" one batch {timings['one batch']:.2f}s | length groups {groups} {timings['length groups']:.2f}s | "
           f"speed-up {timings['one batch'] / timings['length groups']:.2f}x | same answers: "
           f"{sum(a == b for a, b in zip(outputs['one batch'], outputs['length groups']))}/{len(prompts)}")
+    compare_scoring(trainer.models, prompts, outputs["length groups"])
     if trainer.models.lora:
         compare_merged(trainer.models, prompts, probe_tokens, eos)
     compare_decoding(model, prompts, probe_tokens, eos)
+
+
+def compare_scoring(models, prompts: list[list[int]], answers: list[list[int]], repeats: int = 3) -> None:
+    """The reference's forward over those answers (the KL's), scoring whole sequences against scoring after kept
+    prompt states (``clawloop.gate.scoring``, the default budget), alternately on the same weights; the states
+    are made by a first call, timed on its own."""
+    from clawloop.config import Config
+    from clawloop.gate.scoring import PromptStates, answer_logprobs
+    from clawloop.trainer.model import gate_reference
+
+    states = PromptStates(Config().gate_prompt_state_tokens)
+    timings: dict[str, list[float]] = {"whole": [], "kept": []}
+    with gate_reference(models, None) as reference:
+        t0 = time.perf_counter()
+        first = answer_logprobs(reference, prompts, answers, states=states)
+        first_s = time.perf_counter() - t0
+        for _ in range(repeats):
+            for name, kept in (("whole", None), ("kept", states)):
+                t0 = time.perf_counter()
+                out = answer_logprobs(reference, prompts, answers, states=kept)
+                timings[name].append(time.perf_counter() - t0)
+                if kept is None:
+                    whole = out
+    diff = max(float((a - b).abs().max()) for a, b in zip(whole, first) if a.numel())
+    whole_s, kept_s = sorted(timings["whole"])[repeats // 2], sorted(timings["kept"])[repeats // 2]
+    print(f"the reference's KL forward over those {len(answers)} answers ({sum(map(len, answers))} tokens): whole "
+          f"sequences {whole_s:.2f}s | after kept prompt states {kept_s:.2f}s (the first call, making them, "
+          f"{first_s:.2f}s; {states.tokens} tokens, {states.nbytes / 2 ** 20:.1f} MiB) | speed-up "
+          f"{whole_s / kept_s:.2f}x (median of {repeats}) | largest log-probability difference {diff:.1e}")
 
 
 def compare_merged(models, prompts: list[list[int]], probe_tokens: int, eos: list[int]) -> None:

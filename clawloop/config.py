@@ -409,6 +409,12 @@ class GateSettings:
                                          "version's (replayed versions that kept their held-out score moved by up "
                                          "to 0.6; the two that lost most of it fell by 6 and 9, one that lost "
                                          "a little by 0.15).")
+    gate_prompt_state_tokens: int = _f(8192, "Prompt tokens whose KV cache under the starting weights the gate keeps "
+                                       "between checks, so that its KL and preference forwards read only the "
+                                       "answers (clawloop/gate/scoring.py); least recently used prompts go first, "
+                                       "0 keeps none. A kept token costs 2 x layers x KV heads x head size float32 "
+                                       "values (the trainer's reference is float32): 46 KB for SmolLM2-135M, 295 KB "
+                                       "for Qwen3-4B.")
 
 
 # The sections in reverse reading order: a dataclass collects its bases' fields from the last base to the first,
@@ -541,6 +547,7 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
         if not 0.0 <= self.gate_max_fact_drop <= 1.0:
             raise ConfigError(f"gate_max_fact_drop={self.gate_max_fact_drop!r} must be in [0, 1]")
         positive("gate_max_preference_drop", 0.0, strict=False)
+        positive("gate_prompt_state_tokens", 0.0, strict=False)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port!r} must be in [0, 65535]")
         positive("adam_eps")

@@ -75,6 +75,7 @@ def test_json_file(tmp_path):
     ({"gate_knowledge_samples": -1}, ["gate_knowledge_samples", ">= 0"]),
     ({"gate_max_fact_drop": 1.5}, ["gate_max_fact_drop", "[0, 1]"]),
     ({"gate_max_preference_drop": -0.5}, ["gate_max_preference_drop", ">= 0"]),
+    ({"gate_prompt_state_tokens": -1}, ["gate_prompt_state_tokens", ">= 0"]),
 ])
 def test_invalid_values_fail_naming_the_setting(bad, words):
     with pytest.raises(ConfigError) as err:

@@ -67,12 +67,12 @@ from typing import Any, ContextManager
 import torch
 
 from clawloop.engines.model_files import end_token_ids
-from clawloop.gate.generation import (answer_logprob_sums, answer_logprobs, length_buckets, probe_answers,
-                                      sampling_uniforms, summed_logprob)
+from clawloop.gate.generation import length_buckets, probe_answers, sampling_uniforms
 from clawloop.gate.guard import check as guard_check
 from clawloop.gate.knowledge import KNOWLEDGE_TOKENS, KnowledgeProbe, knows, names_fact
 from clawloop.gate.preference import PreferenceReading, implicit_rewards
 from clawloop.gate.probes import PROBES
+from clawloop.gate.scoring import PromptStates, answer_logprob_sums, answer_logprobs, summed_logprob
 from clawloop.judge.envelopes import strip_messages
 from clawloop.renderers.chat import ChatRenderer
 from clawloop.teacher import inject_hint
@@ -350,7 +350,7 @@ class PublicationGate:
                  fixed_prompts: PromptSource | None = None, knowledge_samples: int = 0,
                  knowledge_temperature: float = 0.6, max_fact_drop: float = MAX_FACT_DROP,
                  preference_hint: Callable[[], str | None] | None = None, max_preference_drop: float = 1.0,
-                 hint_system: str | None = None):
+                 hint_system: str | None = None, prompt_states: PromptStates | None = None):
         self.tokenizer = tokenizer
         self.min_guard_pass = float(min_guard_pass)
         self.max_kl = float(max_kl)
@@ -375,6 +375,9 @@ class PublicationGate:
         (``clawloop.teacher.inject_hint``'s ``system``)."""
         self.recent_prompts = recent_prompts
         self.fixed_prompts = fixed_prompts
+        self.prompt_states = prompt_states
+        """The starting weights' kept prompt states (``clawloop.gate.scoring``), used by the KL and preference
+        forwards when the reference is those weights (``kl_to="reference"``); None scores every prompt afresh."""
         self.renderer = ChatRenderer(tokenizer)
         self.shipped = [_Probe("shipped", p, self._render(p), question=p, messages=[{"role": "user", "content": p}])
                         for p in probes]
@@ -558,6 +561,7 @@ class PublicationGate:
         if kl_to != "reference":
             self._reference_ok.clear()
             self._reference_right.clear()
+        states = self.prompt_states if kl_to == "reference" else None  # kept states are the fixed weights' only
         probe_set = self.probe_set()
         eos = self._eos_ids()
         # Two parts, the knowledge probes first: their answers are short, and most rejections in simulated runs
@@ -608,7 +612,8 @@ class PublicationGate:
         scored = iter(())
         if greedy:
             with _timed(parts_s, "kl"), reference() as ref:
-                scored = iter(answer_logprobs(ref, [p.ids for p, _ in greedy], [a for _, a in greedy]))
+                scored = iter(answer_logprobs(ref, [p.ids for p, _ in greedy], [a for _, a in greedy],
+                                              states=states))
         ref_lp = [next(scored) if lp is not None else None for _, _, lp in answered]
         kl_sum, kl_tokens = 0.0, 0
         for outcome, (_, ans, c_T_V), r_T_V in zip(outcomes, answered, ref_lp):
@@ -628,7 +633,7 @@ class PublicationGate:
             self._accepted_reward.clear()
         elif decision.accepted:  # a candidate rejected already needs no reading (nor its rewards kept)
             with _timed(parts_s, "preference") if self.preference_hint is not None else contextlib.nullcontext():
-                preference, rewards = self._preference(answered, outcomes, ref_lp, reference)
+                preference, rewards = self._preference(answered, outcomes, ref_lp, reference, states)
             if preference is not None:
                 decision = decide(outcomes, kl, min_guard_pass=self.min_guard_pass, max_kl=self.max_kl,
                                   max_fact_drop=self.max_fact_drop, kl_measured=kl_measured, preference=preference,
@@ -662,7 +667,7 @@ class PublicationGate:
 
     def _preference(self, answered: list[tuple[_Probe, list[int], torch.Tensor | None]],
                     outcomes: list[ProbeOutcome], ref_lp: list[torch.Tensor | None],
-                    reference: Callable[[], ContextManager[torch.nn.Module]]
+                    reference: Callable[[], ContextManager[torch.nn.Module]], states: PromptStates | None
                     ) -> tuple[PreferenceReading | None, dict[str | bytes, tuple[str, float]]]:
         """The preference check (``clawloop.gate.preference``): the hint's R of the candidate's greedy guard
         answers, by probe key, and the reading over those the last accepted version also answered (None when
@@ -700,15 +705,16 @@ class PublicationGate:
             with reference() as ref:
                 if stale:
                     read = implicit_rewards(ref, [plain[i] for i in stale], [hinted[i] for i in stale],
-                                            [self._accepted[_key(rows[i][0])][2] for i in stale])
+                                            [self._accepted[_key(rows[i][0])][2] for i in stale], states=states)
                     theirs.update(zip(stale, read))
                     # The accepted version's rewards under this hint, whatever becomes of the candidate.
                     self._accepted_reward.update({_key(rows[i][0]): (hint, r) for i, r in zip(stale, read)})
                 for i, v in zip(unplain, answer_logprob_sums(ref, [plain[i] for i in unplain],
-                                                             [rows[i][1] for i in unplain]) if unplain else []):
+                                                             [rows[i][1] for i in unplain], states=states)
+                                if unplain else []):
                     plain_sums[i] = v
-                hinted_sums = answer_logprob_sums(ref, [hinted[i] for i in todo], [rows[i][1] for i in todo]) \
-                    if todo else []
+                hinted_sums = answer_logprob_sums(ref, [hinted[i] for i in todo], [rows[i][1] for i in todo],
+                                                  states=states) if todo else []
         else:
             hinted_sums = []
         mine = {i: theirs[i] for i in same}

@@ -7,9 +7,8 @@ every answer position from the generation's own logits. A row given uniforms (``
 instead, at ``temperature``, by inverse transform: its token at answer position t is the first whose cumulative
 probability reaches its t-th uniform. Two models given the same uniforms draw coupled answers (the same tokens
 wherever their distributions barely differ), so a comparison of the reference's sampled answers with a candidate's
-measures the models, not the dice;
-``answer_logprobs`` scores given answers under another model (the reference) in one forward per group, and
-``answer_logprob_sums`` sums each answer's log-probability the same way (the preference check's implicit reward).
+measures the models, not the dice. Scoring given answers under another model (the reference) is
+``clawloop.gate.scoring``.
 """
 
 from __future__ import annotations
@@ -156,54 +155,3 @@ def _inverse_transform(logits_S_V: torch.Tensor, uniforms: list[torch.Tensor]) -
     cdf_S_V = torch.softmax(logits_S_V, dim=-1).double().cumsum(dim=-1)
     u_S = torch.stack(uniforms).to(cdf_S_V.device) * cdf_S_V[:, -1]
     return torch.searchsorted(cdf_S_V, u_S[:, None]).squeeze(1).clamp(max=cdf_S_V.shape[-1] - 1)
-
-
-@torch.no_grad()
-def answer_logprobs(model: torch.nn.Module, prompts: list[list[int]], answers: list[list[int]]) -> list[torch.Tensor]:
-    """Log-softmax ``[T, V]`` at the positions that predict each answer token (a right-padded forward per
-    ``length_buckets`` group)."""
-    out: list[torch.Tensor] = [torch.zeros(0) for _ in prompts]
-    for group in length_buckets([len(p) + len(a) for p, a in zip(prompts, answers)]):
-        for i, lp in zip(group, _answer_logprobs_batch(model, [prompts[i] for i in group],
-                                                       [answers[i] for i in group])):
-            out[i] = lp
-    return out
-
-
-@torch.no_grad()
-def answer_logprob_sums(model: torch.nn.Module, prompts: list[list[int]], answers: list[list[int]]) -> list[float]:
-    """Each answer's summed log-probability given its prompt (``answer_logprobs`` gathered at the answer's own
-    tokens, one group at a time, so no ``[T, V]`` row outlives its group)."""
-    out = [0.0 for _ in prompts]
-    for group in length_buckets([len(p) + len(a) for p, a in zip(prompts, answers)]):
-        rows = _answer_logprobs_batch(model, [prompts[i] for i in group], [answers[i] for i in group])
-        for i, lp_T_V in zip(group, rows):
-            out[i] = summed_logprob(lp_T_V, answers[i])
-    return out
-
-
-def summed_logprob(logprobs_T_V: torch.Tensor, ids: Sequence[int]) -> float:
-    """An answer's summed log-probability from its ``[T, V]`` log-softmax rows (on whatever device they are)."""
-    if not ids:
-        return 0.0
-    index_T = torch.tensor(list(ids), dtype=torch.long, device=logprobs_T_V.device)
-    return float(logprobs_T_V.gather(1, index_T.view(-1, 1)).sum())
-
-
-def _answer_logprobs_batch(model: torch.nn.Module, prompts: list[list[int]],
-                           answers: list[list[int]]) -> list[torch.Tensor]:
-    device = next(model.parameters()).device
-    seqs = [p + a for p, a in zip(prompts, answers)]
-    width = max(len(x) for x in seqs)
-    ids_B_L = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
-    mask_B_L = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
-    for i, x in enumerate(seqs):
-        ids_B_L[i, :len(x)] = torch.tensor(x, dtype=torch.long)
-        mask_B_L[i, :len(x)] = 1
-    hidden_B_L_H = model.get_decoder()(input_ids=ids_B_L, attention_mask=mask_B_L, use_cache=False)[0]
-    head = model.get_output_embeddings()
-    out = []
-    for i, (p, a) in enumerate(zip(prompts, answers)):
-        logits_T_V = head(hidden_B_L_H[i, len(p) - 1:len(p) - 1 + len(a)])
-        out.append(torch.log_softmax(logits_T_V.float(), dim=-1))
-    return out

@@ -34,14 +34,15 @@ from typing import Any
 
 import torch
 
-from clawloop.gate.generation import answer_logprob_sums
+from clawloop.gate.scoring import PromptStates, answer_logprob_sums
 
 
 def implicit_rewards(model: torch.nn.Module, plain_prompts: Sequence[list[int]], hinted_prompts: Sequence[list[int]],
-                     answers: Sequence[list[int]]) -> list[float]:
-    """R(y) for each answer: its summed log-probability after the hinted prompt minus after the plain one."""
-    hinted = answer_logprob_sums(model, list(hinted_prompts), list(answers))
-    plain = answer_logprob_sums(model, list(plain_prompts), list(answers))
+                     answers: Sequence[list[int]], *, states: PromptStates | None = None) -> list[float]:
+    """R(y) for each answer: its summed log-probability after the hinted prompt minus after the plain one
+    (``states``: the prompts' kept states under ``model``, ``clawloop.gate.scoring``)."""
+    hinted = answer_logprob_sums(model, list(hinted_prompts), list(answers), states=states)
+    plain = answer_logprob_sums(model, list(plain_prompts), list(answers), states=states)
     return [h - u for h, u in zip(hinted, plain)]
 
 

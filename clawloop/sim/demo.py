@@ -510,7 +510,7 @@ def gate_line(event: dict[str, Any]) -> str:
 def gate_summary(config: Config, events: list[dict[str, Any]]) -> dict[str, Any]:
     """The gate's decisions of a run, without the probe answers (those are in the store's events)."""
     decisions = [{k: e.get(k) for k in ("kind", "step", "steps", "version", "guard_pass", "kl", "kl_measured",
-                                        "reasons", "seconds")} for e in events]
+                                        "reasons", "seconds", "seconds_by_part")} for e in events]
     seconds = [e.get("seconds", 0.0) for e in events]
     return {"on": bool(config.gate), "every": config.gate_every, "checks": len(events),
             "rejections": sum(e.get("kind") == "gate_rejected" for e in events),

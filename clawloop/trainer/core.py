@@ -52,6 +52,7 @@ import torch
 from clawloop.config import Config
 from clawloop.gate.gate import GateResult, PublicationGate
 from clawloop.gate.knowledge import KNOWLEDGE
+from clawloop.gate.scoring import PromptStates
 from clawloop.retry import Backoff, retry_sync
 from clawloop.store import LeaseLost, SampleRecord
 from clawloop.teacher import hint_system
@@ -183,6 +184,11 @@ class Trainer:
         c = self.config
         store = self._source()
         tokenizer = load_tokenizer(self.models.model_dir)
+        states = None
+        if c.gate_prompt_state_tokens > 0:  # made by the first gate of these models, shared by the others
+            if self.models.gate_prompt_states is None:
+                self.models.gate_prompt_states = PromptStates(c.gate_prompt_state_tokens)
+            states = self.models.gate_prompt_states
         return PublicationGate(tokenizer, min_guard_pass=c.gate_min_guard_pass,
                                max_kl=c.gate_max_kl, probe_tokens=c.gate_probe_tokens,
                                recent_prompts=lambda: store.recent_prompts(c.gate_recent_prompts),
@@ -193,7 +199,7 @@ class Trainer:
                                max_fact_drop=c.gate_max_fact_drop,
                                preference_hint=self._preference_hint if c.gate_preference else None,
                                max_preference_drop=c.gate_max_preference_drop,
-                               hint_system=hint_system(c, tokenizer))
+                               hint_system=hint_system(c, tokenizer), prompt_states=states)
 
     def _preference_hint(self) -> str | None:
         """The hint the gate's preference check reads: the one most often first among the hints of the samples

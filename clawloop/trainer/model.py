@@ -28,13 +28,16 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from clawloop.config import Config
 from clawloop.engines.model_files import load_model, resolve_device, resolve_model
 from clawloop.memory import release_large_frees
+
+if TYPE_CHECKING:
+    from clawloop.gate.scoring import PromptStates
 
 
 @dataclass
@@ -51,6 +54,10 @@ class TrainModels:
     retain_examples: list[Any] | None = None
     """The retain term's targets (``clawloop.trainer.retain``), built once from the starting weights and shared by
     every trainer of these models (one per user under per-user policies)."""
+    gate_prompt_states: PromptStates | None = None
+    """The gate reference's kept prompt states (``clawloop.gate.scoring``), made by the trainer's first gate and
+    shared, as the retain targets are, by every trainer of these models: every user's gate reads the same shipped
+    probes under the same starting weights (under ``torchrun``, rank 0's unsharded copy of them)."""
 
     @property
     def device(self) -> torch.device:

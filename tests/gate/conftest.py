@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from clawloop.gate import gate as gate_module
-from clawloop.gate.generation import answer_logprobs
+from clawloop.gate.scoring import answer_logprobs
 
 
 @pytest.fixture(autouse=True)

@@ -97,7 +97,7 @@ def test_a_candidate_the_hint_favours_less_than_the_accepted_version_is_rejected
         assert third.preference.candidate_mean == pytest.approx(rewards[favoured], abs=1e-3)
         # The same answers again: their rewards are known, so the reading runs no forward and finds no drop.
         forwards = []
-        monkeypatch.setattr(gate_module, "answer_logprob_sums", lambda *a: forwards.append(a) or [])
+        monkeypatch.setattr(gate_module, "answer_logprob_sums", lambda *a, **kw: forwards.append(a) or [])
         fourth = gate.check(accepted, reference)
         assert fourth.accepted and fourth.preference.drop == 0.0 and forwards == []
 
@@ -174,6 +174,7 @@ def test_after_a_rollback_the_next_candidate_is_not_held_to_the_old_rewards(monk
 def test_a_reward_that_is_not_a_number_is_left_out_and_decides_nothing(monkeypatch, tiny_tokenizer, base_model,
                                                                      perturb, scripted):
     gate, candidate, reference = _one_accepted(monkeypatch, tiny_tokenizer, base_model, perturb, scripted)
-    monkeypatch.setattr(gate_module, "answer_logprob_sums", lambda model, prompts, answers: [math.nan] * len(prompts))
+    monkeypatch.setattr(gate_module, "answer_logprob_sums",
+                        lambda model, prompts, answers, **kw: [math.nan] * len(prompts))
     result = gate.check(candidate, reference)
     assert result.accepted and result.preference is None and result.probes[0].preference is None

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from clawloop.gate import gate as gate_module
-from clawloop.gate.gate import (NEAR_IDENTICAL_KL, ProbeOutcome, PublicationGate, answer_logprobs, decide,
-                                tolerated_regressions)
+from clawloop.gate.gate import NEAR_IDENTICAL_KL, ProbeOutcome, PublicationGate, decide, tolerated_regressions
 from clawloop.gate.guard import check as guard_check
 from clawloop.gate.probes import PROBES
+from clawloop.gate.scoring import answer_logprobs
 
 DATA = json.loads((Path(__file__).parent / "data" / "smollm2_probe_answers.json").read_text(encoding="utf-8"))
 CANDIDATES = DATA["candidates"]

@@ -137,3 +137,23 @@ def test_a_restart_over_users_training_is_refused_unless_resumed_or_fresh(tmp_pa
         assert (archive / "users" / ALICE / "versions" / "v3").is_dir() and not (run_dir / "users").exists()
     finally:
         store.close()
+
+
+def test_every_users_gate_shares_the_reference_kept_prompt_states(make_config, tiny_model_path, tmp_path):
+    # One set of states for the one starting weights: every user's gate reads the same shipped probes under them.
+    store = Store(tmp_path / "run" / "store.sqlite")
+    engine = HFEngine(str(tiny_model_path), device="cpu", adapter_slots=2, num_threads=1)
+    try:
+        for tokens, run in ((4096, "run"), (0, "off")):
+            config = per_user_config(make_config, gate=True, gate_prompt_state_tokens=tokens)
+            policies = UserPolicies(config, store, engine, run_dir=tmp_path / run, console=None)
+            alice, bob = policies.activate(ALICE).gate, policies.activate(BOB).gate
+            if tokens:
+                assert alice.prompt_states is not None and alice.prompt_states is bob.prompt_states
+                assert alice.prompt_states.max_tokens == tokens
+            else:
+                assert alice.prompt_states is None and bob.prompt_states is None
+            policies.close()
+    finally:
+        engine.close_sync()
+        store.close()
