@@ -54,6 +54,10 @@ class PromptStates:
         """Prompt tokens kept now."""
         return sum(len(key) for key in self._states)
 
+    def clear(self) -> None:
+        """Drop every kept state (a forgotten user's prompts may be among them; the rest are made again on use)."""
+        self._states.clear()
+
     @property
     def nbytes(self) -> int:
         """Memory the kept states take."""

@@ -230,14 +230,17 @@ class UserPolicies:
         return trainer.run_batch(lease_id, samples, should_stop)
 
     def forget(self, owner: str) -> None:
-        """Let go of everything of ``owner`` held here: their trainer, its optimizer state and gate, and their
-        adapter weights (the training model's adapter goes back to the fresh one when it was theirs). Their folder
-        and records are the forget command's to delete."""
+        """Let go of everything of ``owner`` held here: their trainer, its optimizer state and gate, the gates'
+        kept prompt states, and their adapter weights (the training model's adapter goes back to the fresh one when
+        it was theirs). Their folder and records are the forget command's to delete."""
         trainer = self.trainers.pop(owner, None)
         if trainer is not None:
             close_keeping_teacher(trainer)
         self.kept_weights.pop(owner, None)
         self.last_trained.pop(owner, None)
+        if self.models.gate_prompt_states is not None:
+            # The gates' kept prompt states are computed from every user's recent prompts, theirs among them.
+            self.models.gate_prompt_states.clear()
         if self.active == owner:
             load_trainable_state_dict(self.models, self.start_weights)
             self.active = None

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from clawloop.engines.hf import HFEngine
+from clawloop.gate.scoring import answer_logprobs
 from clawloop.store import Store
 from clawloop.trainer.core import Trainer
 from clawloop.trainer.model import trainable_state_dict
@@ -149,8 +150,14 @@ def test_every_users_gate_shares_the_reference_kept_prompt_states(make_config, t
             policies = UserPolicies(config, store, engine, run_dir=tmp_path / run, console=None)
             alice, bob = policies.activate(ALICE).gate, policies.activate(BOB).gate
             if tokens:
-                assert alice.prompt_states is not None and alice.prompt_states is bob.prompt_states
-                assert alice.prompt_states.max_tokens == tokens
+                states = alice.prompt_states
+                assert states is not None and states is bob.prompt_states and states.max_tokens == tokens
+                # States made from a user's prompts do not outlive the user: a forget drops them all.
+                prompt = alice.probe_set()[0].ids
+                answer_logprobs(policies.models.causal_lm, [prompt], [prompt[-3:]], states=states)
+                assert states.tokens == len(prompt)
+                policies.forget(ALICE)
+                assert states.tokens == 0 and states.nbytes == 0
             else:
                 assert alice.prompt_states is None and bob.prompt_states is None
             policies.close()
