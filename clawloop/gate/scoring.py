@@ -213,7 +213,9 @@ def answer_logprob_sums(model: torch.nn.Module, prompts: list[list[int]], answer
     """Each answer's summed log-probability given its prompt (``answer_logprobs`` gathered at the answer's own
     tokens, one length group at a time, so no ``[T, V]`` row outlives its group)."""
     out = [0.0 for _ in prompts]
-    for group in length_buckets([len(p) + len(a) for p, a in zip(prompts, answers)]):
+    # After kept states a row costs its answer alone, so its group is its answer length's (as the states batch it).
+    kept = states is not None and states.max_tokens > 0
+    for group in length_buckets([len(a) if kept else len(p) + len(a) for p, a in zip(prompts, answers)]):
         rows = answer_logprobs(model, [prompts[i] for i in group], [answers[i] for i in group], states=states)
         for i, lp_T_V in zip(group, rows):
             out[i] = summed_logprob(lp_T_V, answers[i])
