@@ -42,6 +42,15 @@ teacher keeps, how often its greedy answer to a held-out question follows, and i
 position, for ``inshort`` and ``brief``.
 
     python benchmarks/hint_wording.py --no-opening --no-follow --no-facts --placement  # about 4 minutes, 2 threads
+
+With ``--openings`` a last table tries candidate opening words for a persona of one's own, each as the hint
+``Begin every answer with "<opening>".``: the un-hinted model's mean probability of its first token at the first
+position (how far from the student's own choices the preference lies), how often the hinted teacher's greedy answer
+to a held-out ``everyday`` question opens with it and passes the guard (``OpeningChecker``), and how many knowledge
+probes the hinted teacher keeps. A preference the student can take from its teacher without the gate rejecting it
+needs both a teacher that follows and one that keeps its facts.
+
+    python benchmarks/hint_wording.py --no-opening --no-follow --no-facts --openings "So," "Well," "Answer:"
 """
 
 from __future__ import annotations
@@ -58,9 +67,12 @@ import torch  # noqa: E402
 
 from clawloop.config import Config  # noqa: E402
 from clawloop.engines import model_files  # noqa: E402
+from clawloop.gate.guard import check as guard_check  # noqa: E402
 from clawloop.gate.knowledge import KNOWLEDGE, KNOWLEDGE_TOKENS, knows  # noqa: E402
 from clawloop.judge.rules import as_instruction, decide, split_sentences  # noqa: E402
 from clawloop.renderers import chat_render_fn, template_default_system  # noqa: E402
+from clawloop.sim.checkers import OpeningChecker  # noqa: E402
+from clawloop.sim.data.questions import POOLS  # noqa: E402
 from clawloop.sim.personas import PERSONAS  # noqa: E402
 from clawloop.teacher import inject_hint  # noqa: E402
 
@@ -123,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48, help="Greedy answer length for the follow rate.")
     ap.add_argument("--follow-questions", type=int, default=4, help="Held-out questions per persona for the "
                     "follow rate (0 = all; every one costs a greedy answer per distinct hint).")
+    ap.add_argument("--openings", nargs="+", default=[], metavar="OPENING",
+                    help="Add the table of candidate opening words (each as 'Begin every answer with \"OPENING\".').")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, args.threads))
     path = model_files.resolve_model(args.model)
@@ -145,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         draft_table(model, render, tokenizer, args.max_tokens, k)
     if args.placement:
         placement_table(model, render, tokenizer, args.max_tokens, k)
+    if args.openings:
+        openings_table(model, render, tokenizer, args.openings, args.follow_questions, args.max_tokens)
     return 0
 
 
@@ -217,6 +233,33 @@ def facts_table(model: Any, render: Any, tokenizer: Any) -> None:
             print(f"{name:10} | {len(known) - len(lost):2d}/{len(known)} kept | hint {hint!r}", flush=True)
             for line in lost:
                 print(f"{'':10} |   lost: {line}", flush=True)
+
+
+def openings_table(model: Any, render: Any, tokenizer: Any, openings: list[str], n_questions: int,
+                   max_tokens: int) -> None:
+    print()
+    qs = list(POOLS["everyday"]["heldout"])
+    qs = qs[:n_questions] if n_questions else qs
+    known = [probe for probe in KNOWLEDGE
+             if knows(greedy(model, render, tokenizer, probe.question, "", KNOWLEDGE_TOKENS), probe.answers)]
+    print(f"Candidate openings as 'Begin every answer with \"...\".': P(first token) un-hinted, the hinted teacher's "
+          f"greedy answers that open with it soundly ({len(qs)} everyday held-out questions, {max_tokens} tokens), "
+          f"knowledge probes it keeps (of {len(known)} the un-hinted model knows)", flush=True)
+    for opening in openings:
+        hint = f'Begin every answer with "{opening}".'
+        first_id = tokenizer.encode(opening, add_special_tokens=False)[0]
+        checker = OpeningChecker(word=opening.strip(" ,.!:;"))
+        p_first, follows = [], 0
+        for q in qs:
+            with torch.no_grad():
+                logits = model(torch.tensor([render([{"role": "user", "content": q}], None)])).logits[0, -1]
+            p_first.append(float(torch.softmax(logits.float(), -1)[first_id]))
+            answer = greedy(model, render, tokenizer, q, hint, max_tokens)
+            follows += checker(answer) and guard_check(answer, question=q).ok
+        kept = sum(knows(greedy(model, render, tokenizer, probe.question, hint, KNOWLEDGE_TOKENS), probe.answers)
+                   for probe in known)
+        print(f"{opening!r:14} | P(first) {mean(p_first):.4f} | follows {follows:2d}/{len(qs)} | "
+              f"facts kept {kept:2d}/{len(known)}", flush=True)
 
 
 def draft_table(model: Any, render: Any, tokenizer: Any, max_tokens: int, k: int) -> None:

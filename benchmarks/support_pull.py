@@ -19,7 +19,8 @@ Printed per variant, on the persona's held-out questions (never trained on), bef
   (for ``inshort``, "In"), mean over the questions;
 * ``follows``: the share of greedy answers that follow the preference (the persona's checker) and pass the
   degeneracy guard: what the demo's score counts;
-* ``guard``: the share of greedy answers that pass the guard alone;
+* ``guard``: the share of greedy answers that pass the guard alone; each failing answer after the rounds is printed
+  with the guard's reasons;
 * ``facts kept``: of the knowledge probes the starting model answers correctly (the publication gate's, greedy,
   at the gate's token limit), how many it still does; each forgotten one is printed with its answer;
 * the share of 8 answers per knowledge probe, sampled at the serving temperature (0.6, the same seed before and
@@ -28,6 +29,10 @@ Printed per variant, on the persona's held-out questions (never trained on), bef
 ``--fact-caps 32 48`` also counts the knowledge probes' facts, greedy and sampled, in answers of those many
 tokens (the same seed: a longer cap extends the same draws): whether a fact the gate's limit misses is lost or
 only said later, after a preference's opening.
+
+``--persona-file F`` trains a persona from a file instead (``clawloop/sim/persona_file.py``), and ``--first-word W``
+also reports the mean probability of ``W``'s first token at the start of a held-out answer, as is done for
+``inshort``'s "In": whether a preference is learnable can be tried before an online run.
 
 ``--scales 0.3 0.5`` also scores each variant with its LoRA update multiplied by those factors (weight-space
 interpolation toward the starting weights): how much of a preference and of the facts a smaller move keeps.
@@ -63,7 +68,7 @@ from clawloop.gate.knowledge import KNOWLEDGE, KNOWLEDGE_TOKENS, knows  # noqa: 
 from clawloop.judge.rules import decide_user  # noqa: E402
 from clawloop.pipeline import context_params, context_sample  # noqa: E402
 from clawloop.sim.demo import demo_config  # noqa: E402
-from clawloop.sim.personas import get_persona  # noqa: E402
+from clawloop.sim.persona_file import resolve_persona  # noqa: E402
 from clawloop.store import SampleRecord, Store, TurnRecord  # noqa: E402
 from clawloop.trainer.core import Trainer  # noqa: E402
 from clawloop.trainer.leasing import BatchLeaser  # noqa: E402
@@ -135,7 +140,7 @@ def sampled_knows(models: TrainModels, tokenizer: Any, probe: Any, max_new_token
 
 def heldout(models: TrainModels, tokenizer: Any, persona: Any, first_id: int | None,
             fact_caps: list[int] = ()) -> dict[str, Any]:
-    p_first, follows, sound = [], 0, 0
+    p_first, follows, sound, unsound = [], 0, 0, []
     questions = persona.heldout_questions
     for question in questions:
         ids = torch.tensor([prompt_ids(tokenizer, question)])
@@ -148,12 +153,14 @@ def heldout(models: TrainModels, tokenizer: Any, persona: Any, first_id: int | N
         verdict = persona.judge(text, question)
         follows += verdict.ok
         sound += verdict.sound
+        if not verdict.sound:
+            unsound.append(f"{question} → {text!r} ({', '.join(verdict.guard_reasons)})")
     n = len(questions)
     known = knowledge(models, tokenizer, KNOWLEDGE_TOKENS)
     # The knowledge probes again with longer answers: is a fact lost, or only said later?
     by_cap = {cap: knowledge(models, tokenizer, cap) for cap in fact_caps}
     return {"p_first": sum(p_first) / len(p_first) if p_first else float("nan"), "follows": follows / n,
-            "guard": sound / n, **known, "by_cap": by_cap}
+            "guard": sound / n, "unsound": unsound, **known, "by_cap": by_cap}
 
 
 def knowledge(models: TrainModels, tokenizer: Any, max_new_tokens: int) -> dict[str, list[Any]]:
@@ -306,6 +313,11 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--persona", default="inshort")
+    parser.add_argument("--persona-file", default="", metavar="FILE",
+                        help="A persona from a TOML or JSON file (clawloop/sim/persona_file.py) instead of --persona.")
+    parser.add_argument("--first-word", default="", metavar="WORD",
+                        help="Also report the policy's mean probability of this word's first token at the start of "
+                             "a held-out answer (built in for inshort: \"In\").")
     parser.add_argument("--model", default="default")
     parser.add_argument("--rounds", type=int, default=6, help="Sample-judge-train rounds per variant.")
     parser.add_argument("--batch", type=int, default=4, help="Answers (samples) per round; one step each.")
@@ -336,7 +348,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     variants = [parse_variant(v) for v in (args.variant or ["select-only:support_coef=0",
                                                              "with-support:support_coef=1"])]
-    persona = get_persona(args.persona)
+    persona = resolve_persona(args.persona, args.persona_file)
+    if args.first_word:
+        FIRST_TOKENS[persona.name] = args.first_word
     model_dir = model_files.resolve_model(args.model)
     tokenizer = model_files.load_tokenizer(model_dir)
     config = demo_config({"model": args.model, "num_threads": args.threads, "device": "cpu"})
@@ -377,6 +391,8 @@ def main() -> int:
         for i, k in enumerate(KNOWLEDGE):
             if b["facts"][i] and not a["facts"][i]:
                 print(f"  {r['name']} forgot: {k.question} → {a['fact_answers'][i]!r}")
+        for line in a["unsound"]:
+            print(f"  {r['name']} fails the guard: {line}")
     return 0
 
 

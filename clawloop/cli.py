@@ -4,13 +4,14 @@
     clawloop records export RUN_DIR [--out DIR]
     clawloop demo [--persona brief] [--interactions 72] [--seed 0] [--run-dir DIR] [--judge-url URL] ...
     clawloop eval [--methods rl,opd,hybrid] [--personas brief,inshort] [--seeds 0,1,2] [--out DIR] ...
+    clawloop eval-users [--personas brief,inshort] [--persona-file FILE] [--out DIR] ...
     clawloop train ...
     clawloop judge check [--backend rules|engine | --judge-url URL --judge-model M --judge-api-key-env VAR]
     clawloop openclaw [--openclaw-dir DIR] [--plugin DIR] ...   (every Config setting is a flag, as for serve)
     clawloop openclaw-end SESSION [--run-dir DIR] [--openclaw-dir DIR]
     clawloop openclaw-config [--url http://127.0.0.1:30000] [--out ~/.openclaw/openclaw.json]
     clawloop rollback RUN_DIR --to N [--url http://127.0.0.1:30000] [--admin-key KEY]
-    clawloop forget RUN_DIR --user OWNER
+    clawloop forget RUN_DIR (--user OWNER | --key-file FILE)
     clawloop dashboard RUN_DIR [--host 127.0.0.1] [--port 30100] [--admin-key KEY]
 """
 

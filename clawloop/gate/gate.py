@@ -39,11 +39,10 @@ A check:
    (``certain_rejection``);
 5. measures KL(candidate || reference) at every position of the candidate's greedy answers (full vocabulary, nats
    per token, mean over all their tokens; sampled knowledge answers are left out); the candidate fails when it is
-   above ``max_kl``. The reference is the
-   starting weights (LoRA: the adapter switched off; full fine-tuning: the frozen copy kept for ``kl_coef > 0``);
-   a full fine-tuning run without that copy measures against the last accepted weights instead. Against the
-   starting weights the forward reads only the answers, after the prompts' kept states (``prompt_states``,
-   ``clawloop.gate.scoring``), as does the reading of step 6;
+   above ``max_kl``. The reference is the starting weights (LoRA: the adapter switched off; full fine-tuning: the
+   frozen copy kept for ``kl_coef > 0`` or the retain term); a full fine-tuning run without that copy measures
+   against the last accepted weights instead. Against the starting weights the forward reads only the answers,
+   after the prompts' kept states (``prompt_states``, ``clawloop.gate.scoring``), as does the reading of step 6;
 6. with a hint to read (``preference_hint``: the trainer's most frequent hint), an accepted version since the
    gate started and the starting weights as the reference (``kl_to="reference"``), reads the hint's implicit
    reward of the candidate's greedy guard answers and of the last accepted version's answers to the same probes
@@ -344,7 +343,10 @@ PromptSource = Callable[[], Sequence[tuple[int, list[int], list[dict[str, Any]]]
 
 
 class PublicationGate:
-    """Checks candidates of one run (see the module docstring). Not thread-safe: the training thread owns it."""
+    """Checks candidates of one run (see the module docstring). Not thread-safe: the training thread owns it.
+
+    The trainer passes every setting from its ``Config`` (``gate_min_guard_pass``, ``gate_probe_tokens``, ...); the
+    keyword defaults below are small values for a gate built directly, as the tests do, not the served defaults."""
 
     def __init__(self, tokenizer: Any, *, min_guard_pass: float = 0.9, max_kl: float = 4.0, probe_tokens: int = 32,
                  recent_prompts: PromptSource | None = None, probes: Sequence[str] = PROBES,

@@ -1,8 +1,9 @@
 """Scoring given answers under a model: the log-probabilities the gate's KL and preference reading need.
 
 ``answer_logprobs`` returns the model's log-softmax ``[T, V]`` at the positions that predict each answer token,
-``answer_logprob_sums`` each answer's summed log-probability (the preference check's implicit reward), one
-right-padded forward per ``length_buckets`` group.
+``answer_logprob_sums`` each answer's summed log-probability (the preference check's implicit reward). Without
+kept prompt states each runs one right-padded forward per ``length_buckets`` group of whole (prompt + answer)
+lengths; with them, rows are grouped by answer length and the forward runs over the answers alone.
 
 The gate scores with one model again and again: the starting weights, which never change, reading new answers
 to the same prompts (its 20 shipped probes every check; a run's recent prompts for as long as they stay recent).

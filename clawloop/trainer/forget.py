@@ -1,4 +1,5 @@
-"""``clawloop forget RUN_DIR --user OWNER``: delete one user's data from a stopped run, weights included.
+"""``clawloop forget RUN_DIR --user OWNER`` (or ``--key-file FILE``): delete one user's data from a stopped run,
+weights included.
 
 ``OWNER`` is the name the store keeps for a per-user key (``k_…``, ``clawloop.api.auth.owner_of``; the
 dashboard and the records export show it). With the run's server stopped:
@@ -14,7 +15,7 @@ dashboard and the records export show it). With the run's server stopped:
    Under per-user policies (``policy_scope = "per_user"``) the user's samples trained only the user's own
    adapter: every version of it is retired and the user's folder ``RUN_DIR/users/<owner>`` (the adapter's
    versions, checkpoints and metrics) is deleted; no other user's version or checkpoint is touched.
-3. **The receipt**, ``RUN_DIR/receipts/forget-<time>.json``: counts and ids (never text), the retired versions,
+3. **The receipt**, ``RUN_DIR/receipts/forget-<time>-<owner>.json``: counts and ids (never text), the retired versions,
    the removed checkpoints, and where training goes on from. Then the journal is cleared.
 
 The next ``clawloop serve --run-dir RUN_DIR --resume`` starts from the newest checkpoint left (or the starting
