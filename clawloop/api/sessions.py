@@ -13,7 +13,8 @@ an agent whose system prompt changes between turns, e.g. with the date in it, st
 the exact key wins at equal length. A request that matches no such prefix but starts with a pending turn's exact
 request messages followed by a *trimmed echo* of its answer (``is_trimmed_echo``: the same tool calls, and text
 whose words are the stored answer's with some left out, as when OpenClaw removes a ``<think>`` block or a reply
-tag clawloop has no rule for) continues that session too, unless the echo fits the pending turns of several
+tag clawloop has no rule for, or pieces of it in order around OpenClaw's "…", where its compaction cut the middle
+out of a long answer, possibly inside a word) continues that session too, unless the echo fits the pending turns of several
 sessions that opened alike: then it continues none. An answer the client left out, or one with words the model
 never wrote, matches nothing by its request: pairing it would judge an answer by a reply to another, and two
 conversations with the same opening (same system prompt, same first message) would take each other's turns.
@@ -164,10 +165,16 @@ def request_key(messages: list[dict[str, Any]]) -> str:
     return "request:" + prefix_hashes(messages)[-1]
 
 
+TRUNCATION_MARK = "\u2026"
+"""What OpenClaw puts where it cut the middle out of a long message when it compacts a transcript ("…"); the cut
+can fall inside a word ("Asianu…esYouth")."""
+
+
 def is_trimmed_echo(echo: dict[str, Any], answer: dict[str, Any]) -> bool:
     """True when ``echo``, an assistant message a client sent back, is ``answer`` with parts left out: the same
     tool calls, and text (envelopes removed) whose words are some of the answer's, in order: at least one, or at
-    least one tool call."""
+    least one tool call. Text cut with a truncation mark also counts when the pieces around the marks are found in
+    the answer's text, verbatim and in order, since such a cut may split a word."""
     if echo.get("role") != "assistant":
         return False
     shown, written = canonical_message(echo), canonical_message(answer)
@@ -175,7 +182,22 @@ def is_trimmed_echo(echo: dict[str, Any], answer: dict[str, Any]) -> bool:
         return False
     kept = re.findall(r"\w+", shown["c"])
     remaining = iter(re.findall(r"\w+", written["c"]))
-    return bool(kept or shown.get("t")) and all(word in remaining for word in kept)
+    if bool(kept or shown.get("t")) and all(word in remaining for word in kept):
+        return True
+    return TRUNCATION_MARK in shown["c"] and pieces_in_order(shown["c"].split(TRUNCATION_MARK), written["c"])
+
+
+def pieces_in_order(pieces: list[str], text: str) -> bool:
+    """Each non-blank piece (trimmed) occurs in ``text`` after the previous one; at least one piece has a word."""
+    found, start = False, 0
+    for piece in (p.strip() for p in pieces):
+        if not piece:
+            continue
+        at = text.find(piece, start)
+        if at < 0:
+            return False
+        start, found = at + len(piece), found or re.search(r"\w", piece) is not None
+    return found
 
 
 def answer_key(answer: dict[str, Any]) -> str:

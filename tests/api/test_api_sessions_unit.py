@@ -52,6 +52,31 @@ RETRY = {"role": "user", "content": "The previous attempt did not produce a user
                                     "current state and produce the visible answer now. Do not restart from scratch."}
 
 
+def test_an_answer_the_client_cut_in_the_middle_keeps_its_session(tmp_path):
+    """OpenClaw's compaction cuts the middle out of a long answer it sends back and marks the cut with "…", which
+    can fall inside a word: the conversation stays one session and the turn is paired. Pieces the model never
+    wrote, or only a mark, continue nothing."""
+    written = "Paris is the capital of France and its largest city, on the Seine, with about two million people."
+    cut = {"role": "assistant", "content": "Paris is the capital of Fra\u2026 two million people."}
+    assert is_trimmed_echo(cut, {"role": "assistant", "content": written})
+    for other in ("Paris is the capital of Fra\u2026 three million people.", "two million people\u2026Paris is",
+                  "\u2026"):
+        assert not is_trimmed_echo({"role": "assistant", "content": other}, {"role": "assistant", "content": written})
+    store = Store(tmp_path / "store.sqlite")
+
+    async def scenario():
+        m = SessionManager(store)
+        ctx = await m.begin_main(None, [SYS, U1])
+        t1 = await ctx.commit(_turn([SYS, U1], written))
+        ctx.release()
+        ctx2 = await m.begin_main(None, [SYS, U1, cut, U2])
+        assert (ctx2.session_id, ctx2.how, ctx2.paired_turn_id) == (ctx.session_id, "request", t1)
+        ctx2.release()
+
+    asyncio.run(scenario())
+    store.close()
+
+
 def test_an_answer_the_client_sends_back_trimmed_keeps_its_session_and_nothing_else_does(tmp_path):
     """OpenClaw removes a <think> block or a reply tag from an answer before sending it back, which no envelope rule
     covers: the conversation stays one session and the turn is paired. An answer with words the model never wrote,
