@@ -66,12 +66,10 @@ def test_an_answer_the_client_cut_in_the_middle_keeps_its_session(tmp_path):
 
     async def scenario():
         m = SessionManager(store)
-        ctx = await m.begin_main(None, [SYS, U1])
-        t1 = await ctx.commit(_turn([SYS, U1], written))
+        sid, t1 = await _answered(m, written)
+        ctx = await m.begin_main(None, [SYS, U1, cut, U2])
+        assert (ctx.session_id, ctx.how, ctx.paired_turn_id) == (sid, "request", t1)
         ctx.release()
-        ctx2 = await m.begin_main(None, [SYS, U1, cut, U2])
-        assert (ctx2.session_id, ctx2.how, ctx2.paired_turn_id) == (ctx.session_id, "request", t1)
-        ctx2.release()
 
     asyncio.run(scenario())
     store.close()
@@ -91,10 +89,7 @@ def test_an_answer_the_client_sends_back_trimmed_keeps_its_session_and_nothing_e
 
     async def scenario():
         m = SessionManager(store)
-        ctx = await m.begin_main(None, [SYS, U1])
-        t1 = await ctx.commit(_turn([SYS, U1], written))
-        ctx.release()
-        sid = ctx.session_id
+        sid, t1 = await _answered(m, written)
         ctx = await m.begin_main(None, [SYS, U1, trimmed, U2])
         assert (ctx.session_id, ctx.how, ctx.paired_turn_id) == (sid, "request", t1)
         t2 = await ctx.commit(_turn([SYS, U1, trimmed, U2], "Paris."))
@@ -184,6 +179,14 @@ def test_openclaw_asking_again_for_a_visible_answer_stays_in_the_session(tmp_pat
     t1, t2 = asyncio.run(scenario())
     assert (store.get_turn(t1).state, store.get_turn(t1).reason) == (TurnState.DROPPED, "regenerated")
     assert store.get_turn(t2).next_state == [U2]
+
+
+async def _answered(m, written):
+    """A new session whose first turn answered ``U1`` with ``written``: (its id, the turn's id)."""
+    ctx = await m.begin_main(None, [SYS, U1])
+    turn_id = await ctx.commit(_turn([SYS, U1], written))
+    ctx.release()
+    return ctx.session_id, turn_id
 
 
 def _turn(messages, answer_text):
