@@ -245,15 +245,15 @@ def openings_table(model: Any, render: Any, tokenizer: Any, openings: list[str],
     print(f"Candidate openings as 'Begin every answer with \"...\".': P(first token) un-hinted, the hinted teacher's "
           f"greedy answers that open with it soundly ({len(qs)} everyday held-out questions, {max_tokens} tokens), "
           f"knowledge probes it keeps (of {len(known)} the un-hinted model knows)", flush=True)
+    with torch.no_grad():  # the un-hinted first-position distributions, the same for every opening
+        first_probs = [torch.softmax(model(torch.tensor([render([{"role": "user", "content": q}], None)]))
+                                     .logits[0, -1].float(), -1) for q in qs]
     for opening in openings:
         hint = f'Begin every answer with "{opening}".'
         first_id = tokenizer.encode(opening, add_special_tokens=False)[0]
         checker = OpeningChecker(word=opening.strip(" ,.!:;"))
-        p_first, follows = [], 0
+        p_first, follows = [float(probs[first_id]) for probs in first_probs], 0
         for q in qs:
-            with torch.no_grad():
-                logits = model(torch.tensor([render([{"role": "user", "content": q}], None)])).logits[0, -1]
-            p_first.append(float(torch.softmax(logits.float(), -1)[first_id]))
             answer = greedy(model, render, tokenizer, q, hint, max_tokens)
             follows += checker(answer) and guard_check(answer, question=q).ok
         kept = sum(knows(greedy(model, render, tokenizer, probe.question, hint, KNOWLEDGE_TOKENS), probe.answers)

@@ -81,6 +81,11 @@ def message_text(message: dict[str, Any]) -> str:
 
 
 # ---- envelopes ---------------------------------------------------------------------------------------------
+TRUNCATION_MARK = "\u2026"
+"""What OpenClaw puts where it cut the middle out of a long message when it compacts a transcript ("…"); the cut
+can fall inside a word ("Asianu…esYouth")."""
+
+
 def strip_text(text: str) -> str:
     """``text`` without OpenClaw's envelopes (internal context, runtime line, leading timestamps); surrounding
     blank space trimmed."""

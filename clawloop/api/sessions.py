@@ -12,11 +12,11 @@ every prefix. Each session is indexed under two keys: the exact one, and one tha
 an agent whose system prompt changes between turns, e.g. with the date in it, still continues its session);
 the exact key wins at equal length. A request that matches no such prefix but starts with a pending turn's exact
 request messages followed by a *trimmed echo* of its answer (``is_trimmed_echo``: the same tool calls, and text
-whose words are the stored answer's with some left out, as when OpenClaw removes a ``<think>`` block or a reply
-tag clawloop has no rule for, or pieces of it in order around OpenClaw's "…", where its compaction cut the middle
-out of a long answer, possibly inside a word) continues that session too, unless the echo fits the pending turns of several
-sessions that opened alike: then it continues none. An answer the client left out, or one with words the model
-never wrote, matches nothing by its request: pairing it would judge an answer by a reply to another, and two
+whose words are the stored answer's with some left out, as when OpenClaw removes a ``<think>`` block or a reply tag
+clawloop has no rule for, or pieces of it in order around OpenClaw's "…", where its compaction cut the middle out
+of a long answer, possibly inside a word) continues that session too, unless the echo fits the pending turns of
+several sessions that opened alike: then it continues none. An answer the client left out, or one with words the
+model never wrote, matches nothing by its request: pairing it would judge an answer by a reply to another, and two
 conversations with the same opening (same system prompt, same first message) would take each other's turns.
 The index holds three keys per live session and one request key per pending turn (none for a request of
 ephemeral messages only), so it is bounded by ``max_sessions``.
@@ -106,7 +106,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from clawloop.openclaw_format import asks_again, conversation_messages, is_compacted_history, strip_text
+from clawloop.openclaw_format import (TRUNCATION_MARK, asks_again, conversation_messages, is_compacted_history,
+                                      strip_text)
 from clawloop.store import Store, TurnRecord, TurnState
 
 log = logging.getLogger("clawloop.sessions")
@@ -163,11 +164,6 @@ def prefix_keys(messages: list[dict[str, Any]]) -> tuple[str, str]:
 def request_key(messages: list[dict[str, Any]]) -> str:
     """Index key of a turn's exact request messages alone (its answer came back trimmed, or asked for again)."""
     return "request:" + prefix_hashes(messages)[-1]
-
-
-TRUNCATION_MARK = "\u2026"
-"""What OpenClaw puts where it cut the middle out of a long message when it compacts a transcript ("…"); the cut
-can fall inside a word ("Asianu…esYouth")."""
 
 
 def is_trimmed_echo(echo: dict[str, Any], answer: dict[str, Any]) -> bool:
