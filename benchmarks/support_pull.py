@@ -34,6 +34,12 @@ only said later, after a preference's opening.
 also reports the mean probability of ``W``'s first token at the start of a held-out answer, as is done for
 ``inshort``'s "In": whether a preference is learnable can be tried before an online run.
 
+``--dice 6`` applies the publication gate's sampled fact rules (its knowledge probes, drawn and judged as the gate
+does) to the policy after every round under 6 sets of dice, set 0 being the check's own: per set the reference's
+and the policy's answers stating their facts, and under how many sets the gate would reject, held to the
+reference's count under each set alone or, as the gate holds it, to the lower of that and its mean over the sets.
+How much of a verdict is the model and how much the draw.
+
 ``--scales 0.3 0.5`` also scores each variant with its LoRA update multiplied by those factors (weight-space
 interpolation toward the starting weights): how much of a preference and of the facts a smaller move keeps.
 
@@ -64,6 +70,7 @@ import torch  # noqa: E402
 
 from clawloop.assemble import offline_teacher  # noqa: E402
 from clawloop.engines import model_files  # noqa: E402
+from clawloop.gate.gate import PublicationGate, forgot_sampled, tolerated_regressions  # noqa: E402
 from clawloop.gate.knowledge import KNOWLEDGE, KNOWLEDGE_TOKENS, knows  # noqa: E402
 from clawloop.judge.rules import decide_user  # noqa: E402
 from clawloop.pipeline import context_params, context_sample  # noqa: E402
@@ -172,6 +179,55 @@ def knowledge(models: TrainModels, tokenizer: Any, max_new_tokens: int) -> dict[
             "sampled_facts": [sampled_knows(models, tokenizer, k, max_new_tokens) for k in KNOWLEDGE]}
 
 
+def fact_gate(config: Any, tokenizer: Any) -> PublicationGate:
+    """A gate asking only the knowledge probes, sampled as the trainer's gate samples them."""
+    return PublicationGate(tokenizer, knowledge=KNOWLEDGE, knowledge_samples=config.gate_knowledge_samples,
+                           knowledge_temperature=config.default_temperature, probe_tokens=config.gate_probe_tokens,
+                           max_fact_drop=config.gate_max_fact_drop, min_guard_pass=config.gate_min_guard_pass)
+
+
+def dice_verdicts(gate: PublicationGate, models: TrainModels, sets: int,
+                  reference: dict[int, list[tuple[str, int, int]]]) -> list[dict[str, Any]]:
+    """The gate's sampled fact rules under ``sets`` sets of dice (set 0 is the check's own): per set, the answers
+    stating their fact (the reference's over the facts it stated at least once, the policy's over the same), the
+    facts forgotten, and whether the share rule would reject, held to the reference's count under that set alone
+    (``one_draw``) or, as the gate does, to the lower of that count and the reference's mean over the ``sets``
+    sets (``fewer``), and whether the forgotten rule would. ``reference`` caches the starting weights' counts per
+    set (the LoRA update scaled by 0)."""
+    for d in range(sets):
+        if d not in reference:
+            with adapter_scaled(models.policy, 0.0) as start:
+                reference[d] = gate.fact_counts(start, d)
+    mean = [sum(reference[d][f][1] for d in range(sets)) / sets for f in range(len(KNOWLEDGE))]
+    rows = []
+    for d in range(sets):
+        mine = gate.fact_counts(models.policy, d)
+        asked = [(f, r, c) for f, ((_, r, _), (_, c, _)) in enumerate(zip(reference[d], mine)) if r > 0]
+        counted = [(r, c) for (_, r, n), (_, c, _) in zip(reference[d], mine) if 2 * r >= n]
+        ref_right, right = sum(r for _, r, _ in asked), sum(c for _, _, c in asked)
+        bar = min(float(ref_right), sum(mean[f] for f, _, _ in asked))
+        forgotten = sum(forgot_sampled(c, r) for r, c in counted)
+        keep = 1.0 - gate.max_fact_drop
+        rows.append({"reference": ref_right, "bar": bar, "policy": right, "forgotten": forgotten,
+                     "one_draw": right < keep * ref_right - 1e-9, "fewer": right < keep * bar - 1e-9,
+                     "too_many_forgotten": forgotten > tolerated_regressions(len(counted), gate.min_guard_pass)})
+    return rows
+
+
+def dice_line(rows: list[dict[str, Any]]) -> str:
+    drops = [1.0 - r["policy"] / r["bar"] for r in rows]
+    rejected = sum(r["fewer"] or r["too_many_forgotten"] for r in rows)
+    one_draw = sum(r["one_draw"] or r["too_many_forgotten"] for r in rows)
+    mean = sum(drops) / len(drops)
+    sd = (sum((x - mean) ** 2 for x in drops) / max(1, len(drops) - 1)) ** 0.5
+    return (f"gate's fact rules under {len(rows)} dice sets: reference " + " ".join(str(r["reference"]) for r in rows)
+            + f" (bar {' '.join(format(r['bar'], '.1f') for r in rows)}); policy "
+            + " ".join(str(r["policy"]) for r in rows)
+            + f"; drop below the bar {mean:+.1%} ± {sd:.1%} (set 0 {drops[0]:+.1%}), forgotten "
+            + " ".join(str(r["forgotten"]) for r in rows)
+            + f"; rejected under {rejected} of {len(rows)} (held to one draw: {one_draw})")
+
+
 def context_answers(config: Any, teacher: Any, turn: TurnRecord, hints: list[str]) -> list[Any]:
     """The turn's context answers (``context_samples`` of them, under ``opd_target``), as the judging pipeline
     writes them."""
@@ -250,9 +306,12 @@ def replay_store(run_dir: Path, steps: list[int], path: Path) -> list[int]:
 
 
 def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, persona: Any, tokenizer: Any,
-                teacher: Any, out: Any, before: dict[str, Any]) -> dict[str, Any]:
+                teacher: Any, out: Any, before: dict[str, Any],
+                reference_counts: dict[int, list[tuple[str, int, int]]] | None = None) -> dict[str, Any]:
     """One variant's rounds from the starting weights; ``before`` is their held-out scores (the same for every
-    variant: same weights, same seed), filled by the first variant."""
+    variant: same weights, same seed), filled by the first variant, and ``reference_counts`` the starting weights'
+    fact counts per dice set (``--dice``), filled likewise."""
+    reference_counts = {} if reference_counts is None else reference_counts
     with tempfile.TemporaryDirectory(prefix="clawloop-support-") as tmp:
         config = demo_config({"model": args.model, "num_threads": args.threads, "device": "cpu", "gate": False,
                               "seed": args.seed, "run_dir": tmp, "rollout_batch_size": args.batch,
@@ -276,6 +335,14 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
                     zero_momentum(trainer.optimizer)
             if not before:
                 before.update(heldout(models, tokenizer, persona, first_id, args.fact_caps))
+        gate = fact_gate(config, tokenizer) if args.dice else None
+        dice: list[list[dict[str, Any]]] = []
+
+        def measure_dice(label: str) -> None:
+            if gate is not None:
+                dice.append(dice_verdicts(gate, models, args.dice, reference_counts))
+                out(f"  {name} {label}: {dice_line(dice[-1])}")
+
         leaser = BatchLeaser(store, args.batch * (1 + int(config.context_samples)), partial=True)
         rng = random.Random(args.seed)
         pool = list(persona.train_questions)
@@ -288,6 +355,7 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
             terms = {k: round(v, 4) for k, v in metrics.items()
                      if k.endswith("_loss") and isinstance(v, float) and v != 0.0}
             out(f"  {name} replayed step {args.replay_steps[r]}: turns {sorted(x.turn_id for x in leased)}; {terms}")
+            measure_dice(f"after step {args.replay_steps[r]}")
         for r in range(0 if args.replay else args.rounds):
             questions = [pool[(r * args.batch + i) % len(pool)] for i in range(args.batch)]
             good, hinted = store_round(store, tokenizer, models, persona, questions, rng, r, config, teacher)
@@ -298,6 +366,7 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
                      if k.endswith("_loss") and isinstance(v, float) and v != 0.0}
             out(f"  {name} round {r + 1}/{args.rounds}: {good}/{len(questions)} sampled answers followed, "
                 f"{hinted} hinted; {terms}")
+            measure_dice(f"after round {r + 1}")
         step_s = (time.perf_counter() - started) / max(1, len(counts) if args.replay else args.rounds)
         after = heldout(models, tokenizer, persona, first_id, args.fact_caps)
         scaled = {}
@@ -307,7 +376,7 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
         trainer.close()
         store.close()
     return {"name": name, "settings": settings, "before": dict(before), "after": after, "sampled_followed": good_total,
-            "seconds_per_round": step_s, "scaled": scaled}
+            "seconds_per_round": step_s, "scaled": scaled, "dice": dice}
 
 
 def main() -> int:
@@ -339,6 +408,10 @@ def main() -> int:
                         help="Also count the knowledge probes' facts (greedy and sampled) in answers of these many "
                              "tokens, beside the gate's own limit: a fact said after a preference's opening may fall "
                              "past it.")
+    parser.add_argument("--dice", type=int, default=0, metavar="N",
+                        help="After every round, the gate's sampled fact rules (its knowledge probes, answers and "
+                             "rules) applied to the policy under N sets of dice, set 0 being the check's own: how "
+                             "much of a verdict is the model and how much the draw.")
     parser.add_argument("--scales", type=float, nargs="*", default=[],
                         help="Also score each variant with its LoRA update scaled by these factors (weight-space "
                              "interpolation toward the starting weights).")
@@ -356,11 +429,12 @@ def main() -> int:
     config = demo_config({"model": args.model, "num_threads": args.threads, "device": "cpu"})
     results = []
     before: dict[str, Any] = {}
+    reference_counts: dict[int, list[tuple[str, int, int]]] = {}
     with offline_teacher(config) as teacher:
         for name, settings in variants:
             print(f"variant {name}: {settings or 'the demo preset'}", flush=True)
             results.append(run_variant(name, settings, args, persona, tokenizer, teacher,
-                                       lambda line: print(line, flush=True), before))
+                                       lambda line: print(line, flush=True), before, reference_counts))
     trained = (f"{args.replay}'s steps {','.join(map(str, args.replay_steps))}" if args.replay
                else f"{args.rounds} rounds of {args.batch}")
     print(f"\npersona {persona.name}, {trained}, seed {args.seed}; held-out "

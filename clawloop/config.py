@@ -396,6 +396,12 @@ class GateSettings:
                                      "one greedy answer per probe, as for the guard probes (a small model's greedy "
                                      "answer to a fact it states in half its answers flips at the slightest change; "
                                      "docs/publication-gate.md). Greedy too when default_temperature is 0.")
+    gate_reference_dice: int = _f(8, "Sets of dice (each gate_knowledge_samples answers per knowledge probe) the "
+                                  "starting weights' sampled knowledge answers are drawn with, once per run: the "
+                                  "candidate's count is held to the lower of the reference's count under the check's "
+                                  "own dice and its mean over these sets, since one set's luck moved the reference's "
+                                  "count by up to 13 of 136 answers (docs/publication-gate.md); 1 = the check's own "
+                                  "dice only.")
     gate_max_fact_drop: float = _f(0.1, "Largest share by which the candidate's sampled knowledge answers may state "
                                    "their facts less often than the reference's, over all facts asked.")
     gate_preference: bool = _f(True, "Check that a candidate keeps the preference users taught: the hint most often "
@@ -544,6 +550,8 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
         positive("gate_restore_after", 1.0, strict=False)
         positive("gate_fixed_prompts", 0.0, strict=False)
         positive("gate_knowledge_samples", 0.0, strict=False)
+        if self.gate_reference_dice < 1:
+            raise ConfigError(f"gate_reference_dice={self.gate_reference_dice!r} must be at least 1")
         if not 0.0 <= self.gate_max_fact_drop <= 1.0:
             raise ConfigError(f"gate_max_fact_drop={self.gate_max_fact_drop!r} must be in [0, 1]")
         positive("gate_max_preference_drop", 0.0, strict=False)

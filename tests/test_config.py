@@ -74,6 +74,7 @@ def test_json_file(tmp_path):
     ({"judge_context": "everything"}, ["judge_context", "none, last_user, full"]),
     ({"gate_knowledge_samples": -1}, ["gate_knowledge_samples", ">= 0"]),
     ({"gate_max_fact_drop": 1.5}, ["gate_max_fact_drop", "[0, 1]"]),
+    ({"gate_reference_dice": 0}, ["gate_reference_dice", "at least 1"]),
     ({"gate_max_preference_drop": -0.5}, ["gate_max_preference_drop", ">= 0"]),
     ({"gate_prompt_state_tokens": -1}, ["gate_prompt_state_tokens", ">= 0"]),
 ])

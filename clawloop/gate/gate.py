@@ -28,7 +28,8 @@ A check:
    probe's answer must also contain one of its right answers; sampled, the fact is forgotten when the candidate
    states it in at most a quarter as many answers as the reference (``forgot_sampled``), it counts where the
    reference stated it in at least half, and over all facts the candidate's answers may state them at most
-   ``max_fact_drop`` less often than the reference's. A probe counts against the candidate when the
+   ``max_fact_drop`` less often than the reference's (the lower of its count under the same dice and its mean
+   over ``reference_dice`` sets of dice, ``fact_share_bar``: one draw's luck is not a bar). A probe counts against the candidate when the
    reference or the last accepted version answered it soundly (the last accepted version's verdicts are recorded
    by the check that accepted it; before any, the reference's stand for them). ``guard_pass`` = candidate-sound
    / counted; the candidate fails when more of the counted probes regress than ``tolerated_regressions`` allows
@@ -113,6 +114,9 @@ class ProbeOutcome:
     not, if any)."""
     reference_right: int | None = None
     """Sampled knowledge probe: how many of the reference's answers, drawn with the same uniforms, state it."""
+    reference_mean: float | None = None
+    """Sampled knowledge probe: the mean of that count over the reference's dice sets (``reference_dice``; the
+    check's own set among them); None where the reference drew with the check's dice only."""
     preference: float | None = None
     """The preference check's R of the candidate's answer (``clawloop.gate.preference``); None where not measured."""
     accepted_preference: float | None = None
@@ -156,6 +160,9 @@ class GateResult:
     """Sampled knowledge probes: the candidate's answers that state their fact, over every probe asked."""
     facts_reference_right: int = 0
     """The same count for the reference's answers."""
+    facts_reference_bar: float = 0.0
+    """What ``facts_right`` was held to, before ``max_fact_drop``: the lower of ``facts_reference_right`` and the
+    reference's mean count over its dice sets (``fact_share_bar``)."""
     broken_fixes: int = 0
     """Corrected prompts the last accepted version answered soundly and the candidate does not."""
     unanswered: int = 0
@@ -175,8 +182,10 @@ class GateResult:
 
     def summary(self) -> str:
         verdict = "accepted" if self.accepted else "rejected (" + "; ".join(self.reasons) + ")"
-        delivered = (f" (stated in {self.facts_right} sampled answers, the reference's {self.facts_reference_right})"
-                     if self.facts_reference_right else "")
+        mean = (f", {self.facts_reference_bar:.1f} on average"
+                if self.facts_reference_bar < self.facts_reference_right else "")
+        delivered = (f" (stated in {self.facts_right} sampled answers, the reference's {self.facts_reference_right}"
+                     f"{mean})" if self.facts_reference_right else "")
         facts = f"{self.forgotten} of {self.knowledge_counted} facts forgotten{delivered}"
         if not self.kl_measured:
             return f"{verdict}: {facts}; stopped before the guard's probes and the KL, {self.seconds:.1f}s"
@@ -191,7 +200,7 @@ class GateResult:
                 "counted": self.counted, "regressions": self.regressions,
                 "knowledge_counted": self.knowledge_counted, "forgotten": self.forgotten,
                 "facts_right": self.facts_right, "facts_reference_right": self.facts_reference_right,
-                "broken_fixes": self.broken_fixes, "unanswered": self.unanswered, "kl_measured": self.kl_measured,
+                "facts_reference_bar": self.facts_reference_bar, "broken_fixes": self.broken_fixes, "unanswered": self.unanswered, "kl_measured": self.kl_measured,
                 "kl": self.kl, "kl_to": self.kl_to, "seconds": round(self.seconds, 3),
                 "seconds_by_part": {k: round(v, 3) for k, v in self.seconds_by_part.items()},
                 "preference": None if self.preference is None else self.preference.as_dict(),
@@ -214,6 +223,7 @@ class Decision:
     broken_fixes: int = 0
     facts_right: int = 0
     facts_reference_right: int = 0
+    facts_reference_bar: float = 0.0
 
 
 MAX_FACT_DROP = 0.1
@@ -226,6 +236,27 @@ def forgot_sampled(right: int, reference_right: int) -> bool:
     large is rare by chance where the reference states the fact in at least half of its answers (the probe counts
     only then), while a candidate steered off the fact states it in none."""
     return right <= reference_right // 4
+
+
+def fact_share_bar(sampled: Sequence[ProbeOutcome]) -> tuple[int, int, float]:
+    """``(candidate's right answers, reference's right answers, the bar)`` over sampled knowledge probes: the bar
+    the candidate's count is held to (before ``max_fact_drop``) is the lower of the reference's count under the
+    check's own dice and its mean count over its dice sets (``reference_mean``). Under the check's dice a candidate
+    that barely moved draws the reference's very answers, so it must not fall below that count; a candidate that
+    moved enough to draw other answers is held to what the reference states on average, not to the luck of one
+    draw (on SmolLM2-135M the check's own dice gave the reference 99 right answers of 136 where five other sets
+    gave 86-94, which made a 10 % allowance a 1 % one for every candidate that had moved)."""
+    right = sum(int(o.right or 0) for o in sampled)
+    reference = sum(int(o.reference_right or 0) for o in sampled)
+    mean = sum(o.reference_right if o.reference_mean is None else o.reference_mean for o in sampled)
+    return right, reference, min(float(reference), float(mean))
+
+
+def too_few_facts(sampled: Sequence[ProbeOutcome], max_fact_drop: float) -> bool:
+    """The share rule: the candidate's sampled answers state their facts more than ``max_fact_drop`` less often
+    than ``fact_share_bar``."""
+    right, _, bar = fact_share_bar(sampled)
+    return right < (1.0 - max_fact_drop) * bar - 1e-9
 
 
 NEAR_IDENTICAL_KL = 1e-3
@@ -278,8 +309,7 @@ def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float
     tolerated_facts = tolerated_regressions(len(facts), min_guard_pass, near_identical=near_identical)
     broken = [o for o in guard if o.source.startswith("fixed:") and o.accepted_ok and not o.ok]
     sampled = [o for o in outcomes if o.source == "knowledge" and o.samples and o.reference_right]
-    facts_right = sum(int(o.right or 0) for o in sampled)
-    facts_reference_right = sum(int(o.reference_right or 0) for o in sampled)
+    facts_right, facts_reference_right, facts_bar = fact_share_bar(sampled)
     reasons = []
     if len(regressed) > tolerated:
         failed = sorted({r for o in regressed for r in o.reasons})
@@ -288,9 +318,10 @@ def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float
     if len(forgotten) > tolerated_facts:
         reasons.append(f"{len(forgotten)} of {len(facts)} known facts forgotten, {tolerated_facts} tolerated ("
                        + "; ".join(o.prompt for o in forgotten) + ")")
-    if facts_right < (1.0 - max_fact_drop) * facts_reference_right - 1e-9:
+    if too_few_facts(sampled, max_fact_drop):
+        mean = f" ({facts_bar:.1f} on average)" if facts_bar < facts_reference_right else ""
         reasons.append(f"facts stated in {facts_right} of the sampled answers, the reference's in "
-                       f"{facts_reference_right}: more than {max_fact_drop:.0%} fewer")
+                       f"{facts_reference_right}{mean}: more than {max_fact_drop:.0%} fewer")
     if broken and not near_identical:
         reasons.append(f"{len(broken)} earlier fix(es) broken (" + "; ".join(o.prompt for o in broken) + ")")
     if not kl <= max_kl:  # also rejects a NaN
@@ -302,7 +333,8 @@ def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float
     return Decision(accepted=not reasons, reasons=reasons, guard_pass=guard_pass, counted=len(guard),
                     regressions=len(regressed), tolerated=tolerated, knowledge_counted=len(facts),
                     forgotten=len(forgotten), tolerated_forgotten=tolerated_facts, broken_fixes=len(broken),
-                    facts_right=facts_right, facts_reference_right=facts_reference_right)
+                    facts_right=facts_right, facts_reference_right=facts_reference_right,
+                    facts_reference_bar=facts_bar)
 
 
 def certain_rejection(outcomes: Sequence[ProbeOutcome], pending_guard: int, pending_facts: int, *,
@@ -317,8 +349,7 @@ def certain_rejection(outcomes: Sequence[ProbeOutcome], pending_guard: int, pend
     most_tolerated = tolerated_regressions(len(guard) + pending_guard, min_guard_pass, near_identical=True)
     most_forgotten = tolerated_regressions(len(facts) + pending_facts, min_guard_pass, near_identical=True)
     sampled = [o for o in outcomes if o.source == "knowledge" and o.samples and o.reference_right]
-    fewer_facts = (pending_facts == 0 and sum(int(o.right or 0) for o in sampled)
-                   < (1.0 - max_fact_drop) * sum(int(o.reference_right or 0) for o in sampled) - 1e-9)
+    fewer_facts = pending_facts == 0 and too_few_facts(sampled, max_fact_drop)
     return (sum(not o.ok for o in guard) > most_tolerated
             or sum(not o.ok for o in facts) > most_forgotten or fewer_facts)
 
@@ -354,7 +385,8 @@ class PublicationGate:
                  fixed_prompts: PromptSource | None = None, knowledge_samples: int = 0,
                  knowledge_temperature: float = 0.6, max_fact_drop: float = MAX_FACT_DROP,
                  preference_hint: Callable[[], str | None] | None = None, max_preference_drop: float = 1.0,
-                 hint_system: str | None = None, prompt_states: PromptStates | None = None):
+                 hint_system: str | None = None, prompt_states: PromptStates | None = None,
+                 reference_dice: int = 1):
         self.tokenizer = tokenizer
         self.min_guard_pass = float(min_guard_pass)
         self.max_kl = float(max_kl)
@@ -367,6 +399,12 @@ class PublicationGate:
         """Answers sampled per knowledge probe (at ``knowledge_temperature``, the serving default: what users get);
         0 asks one greedy answer, counted like a guard probe."""
         self.knowledge_temperature = float(knowledge_temperature)
+        if reference_dice < 1:
+            raise ValueError(f"reference_dice must be >= 1 (got {reference_dice})")
+        self.reference_dice = int(reference_dice)
+        """Sets of dice the fixed reference's sampled knowledge answers are drawn with (the check's own first), once
+        per run: the share rule's bar is the lower of its count under the check's dice and its mean over these
+        (``fact_share_bar``). 1 = the check's own only."""
         self.max_fact_drop = float(max_fact_drop)
         if not max_preference_drop >= 0:
             raise ValueError(f"max_preference_drop must be >= 0 (got {max_preference_drop})")
@@ -392,6 +430,9 @@ class PublicationGate:
         costs the reference no second answer."""
         self._reference_right: dict[str | bytes, int] = {}
         """Sampled knowledge probes: how many of the reference's answers state the fact."""
+        self._reference_mean: dict[str | bytes, float] = {}
+        """Sampled knowledge probes: the mean of that count over ``reference_dice`` sets (the fixed reference's
+        only)."""
         self._accepted: dict[str | bytes, tuple[bool, str, list[int]]] = {}
         """The last accepted version's verdict and answer per probe key, recorded by the check that accepted it;
         empty at start and after ``forget_accepted`` (the reference's verdicts then stand for it)."""
@@ -518,10 +559,11 @@ class PublicationGate:
             return self._reference_right[_key(p)] > 0
         return self._reference_ok[_key(p)] or bool(self._accepted_ok(p))
 
-    def _ask(self, model: torch.nn.Module, probes: list[_Probe],
-             eos: list[int]) -> list[tuple[list[list[int]], torch.Tensor | None]]:
+    def _ask(self, model: torch.nn.Module, probes: list[_Probe], eos: list[int],
+             dice_set: int = 0) -> list[tuple[list[list[int]], torch.Tensor | None]]:
         """Each probe's answers: one greedy answer with its log-softmax rows, or for a sampled knowledge probe
-        ``knowledge_samples`` answers drawn with the probe's own uniforms (``sampling_uniforms``), and None."""
+        ``knowledge_samples`` answers drawn with the probe's own uniforms (``sampling_uniforms``), and None. The
+        check always draws with dice set 0; ``fact_counts`` may ask with others."""
         prompts: list[list[int]] = []
         caps: list[int] = []
         dice: list[torch.Tensor | None] = []
@@ -531,7 +573,8 @@ class PublicationGate:
             for i in range(self.knowledge_samples if sampled else 1):
                 prompts.append(p.ids)
                 caps.append(self._cap(p))
-                dice.append(sampling_uniforms(p.prompt, i, self._cap(p)) if sampled else None)
+                draw = dice_set * self.knowledge_samples + i
+                dice.append(sampling_uniforms(p.prompt, draw, self._cap(p)) if sampled else None)
                 done.append(self._names_fact(p.answers) if sampled else None)
         answers, logprobs = probe_answers(model, prompts, caps, eos, uniforms=dice,
                                            temperature=self.knowledge_temperature, done=done)
@@ -541,6 +584,19 @@ class PublicationGate:
             out.append((answers[row:row + n], None if self._sampled(p) else logprobs[row]))
             row += n
         return out
+
+    @torch.no_grad()
+    def fact_counts(self, model: torch.nn.Module, dice_set: int = 0) -> list[tuple[str, int, int]]:
+        """``(question, answers stating the fact, answers)`` for each knowledge probe, its ``knowledge_samples``
+        answers sampled by ``model`` as the check samples them, but with the ``dice_set``-th set of uniforms (the
+        check's own is set 0). What the check's sampled fact count would have been under other dice: how much of a
+        verdict is the model and how much the draw (``benchmarks/support_pull.py --dice``)."""
+        if not self.knowledge_samples:
+            raise ValueError("fact_counts needs knowledge_samples > 0")
+        counts = []
+        for p, (answers, _) in zip(self.knowledge, self._ask(model, self.knowledge, self._eos_ids(), dice_set)):
+            counts.append((p.prompt, sum(self._verdict(p, ans)[0] for ans in answers), len(answers)))
+        return counts
 
     @torch.no_grad()
     def check(self, candidate: torch.nn.Module | Callable[[], ContextManager[torch.nn.Module]],
@@ -565,6 +621,7 @@ class PublicationGate:
         if kl_to != "reference":
             self._reference_ok.clear()
             self._reference_right.clear()
+            self._reference_mean.clear()
         states = self.prompt_states if kl_to == "reference" else None  # kept states are the fixed weights' only
         probe_set = self.probe_set()
         eos = self._eos_ids()
@@ -576,6 +633,8 @@ class PublicationGate:
         answered: list[tuple[_Probe, list[int], torch.Tensor | None]] = []
         outcomes: list[ProbeOutcome] = []
         unasked, stopped, kl_measured = 0, False, True
+        # The share of facts is decided once the knowledge part is over, when the reference may need more dice.
+        more_dice = kl_to == "reference" and self.reference_dice > 1
         parts_s: dict[str, float] = {}
         for k, part in enumerate(parts):
             missing = [p for p in part if _key(p) not in self._reference_ok]
@@ -602,10 +661,18 @@ class PublicationGate:
                     if pending and certain_rejection(outcomes, sum(p.source != "knowledge" for p in pending),
                                                      sum(p.source == "knowledge" for p in pending),
                                                      min_guard_pass=self.min_guard_pass,
-                                                     max_fact_drop=self.max_fact_drop):
+                                                     max_fact_drop=1.0 if more_dice else self.max_fact_drop):
                         unasked += len(pending)
                         stopped = True
                         break
+            if k == 0 and more_dice and not stopped:
+                with _timed(parts_s, "reference_answers"):
+                    self._fill_reference_means(answered, outcomes, reference, eos)
+                pending = [p for later in parts[1:] for p in later]
+                if pending and certain_rejection(outcomes, len(pending), 0, min_guard_pass=self.min_guard_pass,
+                                                 max_fact_drop=self.max_fact_drop):
+                    unasked += len(pending)
+                    stopped = True
             if stopped:
                 kl_measured = k > 0  # stopped after the knowledge probes: no guard pass and no KL measured
                 break
@@ -666,6 +733,7 @@ class PublicationGate:
                           counted=decision.counted, regressions=decision.regressions,
                           knowledge_counted=decision.knowledge_counted, forgotten=decision.forgotten,
                           facts_right=decision.facts_right, facts_reference_right=decision.facts_reference_right,
+                          facts_reference_bar=decision.facts_reference_bar,
                           broken_fixes=decision.broken_fixes, unanswered=unasked, kl_measured=kl_measured,
                           preference=preference, seconds_by_part=parts_s)
 
@@ -769,7 +837,28 @@ class PublicationGate:
         return ProbeOutcome(source=p.source, prompt=p.prompt, answer=self._text(answers[shown]), ok=ok,
                             reasons=[] if ok else sorted(set(verdicts[shown][1]) | {"forgot"}),
                             reference_ok=self._reference_ok[_key(p)], kl=0.0, tokens=len(answers[shown]),
-                            samples=len(answers), right=right, reference_right=reference_right), answers[shown]
+                            samples=len(answers), right=right, reference_right=reference_right,
+                            reference_mean=self._reference_mean.get(_key(p))), answers[shown]
+
+    def _fill_reference_means(self, answered: list[tuple[_Probe, list[int], torch.Tensor | None]],
+                              outcomes: list[ProbeOutcome], reference: Callable[[], ContextManager[torch.nn.Module]],
+                              eos: list[int]) -> None:
+        """Gives the sampled knowledge outcomes the reference's mean count over ``reference_dice`` sets of dice
+        (``fact_share_bar``). The fixed reference draws the other sets once per run, and only once a candidate's
+        share of facts falls below what the check's own dice gave it: the mean can only lower the bar, so until
+        then it could change no verdict."""
+        sampled = [(p, o) for (p, _, _), o in zip(answered, outcomes) if o.samples and o.reference_right]
+        lacking = [p for p, _ in sampled if _key(p) not in self._reference_mean]
+        if lacking and too_few_facts([o for _, o in sampled], self.max_fact_drop):
+            counts = [[self._reference_right[_key(p)]] for p in lacking]
+            with reference() as ref:
+                for d in range(1, self.reference_dice):
+                    for drawn, p, (answers, _) in zip(counts, lacking, self._ask(ref, lacking, eos, dice_set=d)):
+                        drawn.append(sum(self._verdict(p, ans)[0] for ans in answers))
+            for drawn, p in zip(counts, lacking):
+                self._reference_mean[_key(p)] = sum(drawn) / len(drawn)
+        for p, o in sampled:
+            o.reference_mean = self._reference_mean.get(_key(p))
 
     def _cap(self, p: _Probe) -> int:
         """Most tokens of a probe's answer: ``knowledge_tokens`` for a knowledge probe, else ``probe_tokens``."""

@@ -196,7 +196,7 @@ class Trainer:
                                fixed_prompts=lambda: store.recent_prompts(c.gate_fixed_prompts, corrected=True),
                                knowledge_samples=c.gate_knowledge_samples if c.default_temperature > 0 else 0,
                                knowledge_temperature=c.default_temperature or 1.0,
-                               max_fact_drop=c.gate_max_fact_drop,
+                               max_fact_drop=c.gate_max_fact_drop, reference_dice=c.gate_reference_dice,
                                preference_hint=self._preference_hint if c.gate_preference else None,
                                max_preference_drop=c.gate_max_preference_drop,
                                hint_system=hint_system(c, tokenizer), prompt_states=states)
@@ -489,6 +489,7 @@ class Trainer:
             if result.facts_reference_right:
                 metrics["gate_facts_right"] = float(result.facts_right)
                 metrics["gate_facts_reference_right"] = float(result.facts_reference_right)
+                metrics["gate_facts_reference_bar"] = float(result.facts_reference_bar)
             evidence = result.evidence()
             if result.accepted:
                 self.rejections_in_row = 0

@@ -88,6 +88,35 @@ def test_a_check_stops_on_the_share_of_facts_only_once_every_fact_is_answered():
     assert not decide(forgot, 0.0, min_guard_pass=0.95, max_kl=4.0, kl_measured=False).accepted
 
 
+def test_the_share_of_facts_is_held_to_the_reference_s_mean_count_unless_its_own_draw_was_lower():
+    """The reference's count under the check's dice is one draw: where its mean over more dice sets is lower, a
+    candidate is held to the mean (a lucky draw is not a bar); where the draw is lower, to the draw, so a candidate
+    that drew the reference's very answers always passes."""
+    from clawloop.gate.gate import certain_rejection
+
+    def fact(right, reference_right, reference_mean):
+        return ProbeOutcome(source="knowledge", prompt=f"fact {right} {reference_mean}", answer="a", ok=True,
+                            reasons=[], reference_ok=True, kl=0.0, tokens=1, samples=8, right=right,
+                            reference_right=reference_right, reference_mean=reference_mean)
+
+    lucky = [fact(6, 8, 6.0), fact(6, 8, 6.0)]  # 12 of a lucky 16, 12 on average: kept
+    decision = decide(lucky, 0.1, min_guard_pass=0.95, max_kl=4.0)
+    assert decision.accepted and (decision.facts_reference_right, decision.facts_reference_bar) == (16, 12.0)
+    assert not certain_rejection(lucky, 0, 0, min_guard_pass=0.95)
+    # Without the mean (one set of dice) the same answers are 25 % fewer.
+    one_set = [fact(6, 8, None), fact(6, 8, None)]
+    assert decide(one_set, 0.1, min_guard_pass=0.95, max_kl=4.0).reasons == [
+        "facts stated in 12 of the sampled answers, the reference's in 16: more than 10% fewer"]
+    lost = [fact(5, 8, 6.0), fact(5, 8, 6.0)]  # 10 < 0.9 x 12
+    assert decide(lost, 0.1, min_guard_pass=0.95, max_kl=4.0).reasons == [
+        "facts stated in 10 of the sampled answers, the reference's in 16 (12.0 on average): more than 10% fewer"]
+    assert certain_rejection(lost, 0, 0, min_guard_pass=0.95)
+    # An unlucky draw (4 where the mean is 6): the draw is the bar; the reference's own answers pass.
+    unlucky = [fact(4, 4, 6.0), fact(4, 4, 6.0)]
+    assert decide(unlucky, 0.1, min_guard_pass=0.95, max_kl=4.0).accepted
+    assert not decide([fact(3, 4, 6.0), fact(4, 4, 6.0)], 0.1, min_guard_pass=0.95, max_kl=4.0).accepted
+
+
 def test_corrected_prompts_are_reasked_and_a_kept_fix_may_not_break(monkeypatch, tiny_tokenizer, base_model,
                                                                     perturb, scripted):
     frog = [{"role": "user", "content": "What is a frog?"}]
@@ -206,10 +235,14 @@ def test_sampled_knowledge_counts_how_often_a_fact_is_stated(monkeypatch, tiny_t
     assert lost_unknown.accepted and (lost_unknown.forgotten, lost_unknown.facts_right) == (0, 13)
 
 
-def test_sampled_knowledge_draws_the_reference_and_the_candidate_with_the_same_dice(tiny_tokenizer, base_model,
-                                                                                   perturb):
-    """The real decoding on the tiny model: the same model as candidate draws exactly the reference's answers
-    (so a fact's count moves only where the models differ), and the draws of one probe are not all alike."""
+def _half_stated_fact(tiny_tokenizer, base_model, **gate_settings):
+    """A gate with one sampled knowledge probe whose "fact" the tiny model states in some but not all of its 8
+    draws, and the outcome of checking the model against itself.
+
+    The tiny model knows no facts: let a word of its draws be "the fact", one that the gate asks (by its own
+    verdict, text rules included, some of the reference's draws state it) and some draws lack, so that a gate
+    drawing its 8 answers with one set of dice would count 0 or 8 of them. Which words a random model draws, and
+    which of its answers pass the text rules, depends on the machine's arithmetic, so several words are tried."""
     import collections
     import re
 
@@ -223,11 +256,6 @@ def test_sampled_knowledge_draws_the_reference_and_the_candidate_with_the_same_d
                                   uniforms=[sampling_uniforms(question, i, 24) for i in range(8)], temperature=0.6)
         return [tiny_tokenizer.decode(d, skip_special_tokens=True) for d in draws]
 
-    # The tiny model knows no facts: let a word of its draws be "the fact", one that the gate asks (by its own
-    # verdict, text rules included, some of the reference's draws state it) and some draws lack, so that a gate
-    # drawing its 8 answers with one set of dice would count 0 or 8 of them. Which words a random model draws, and
-    # which of its answers pass the text rules, depends on the machine's arithmetic, so several words are tried.
-    found = None
     for question in ("What is the capital of France?", "What is 7 + 5?", "Which planet is red?", "Who wrote Hamlet?",
                      "What is the largest ocean?", "How many legs has a spider?"):
         texts = drawn(question)
@@ -235,18 +263,46 @@ def test_sampled_knowledge_draws_the_reference_and_the_candidate_with_the_same_d
         words = collections.Counter(w for t in texts for w in set(re.findall(r"[A-Za-z]{3,}", t)))
         for word in [w for w, n in words.most_common() if n < 8][:12]:
             gate = PublicationGate(tiny_tokenizer, min_guard_pass=0.95, probes=[],
-                                   knowledge=[KnowledgeProbe(question, (word,))], knowledge_samples=8)
+                                   knowledge=[KnowledgeProbe(question, (word,))], knowledge_samples=8,
+                                   **gate_settings)
             same = _check(gate, base_model, base_model).probes
             if len(same) == 1 and 0 < same[0].reference_right < 8:
-                found = gate, same[0]
-                break
-        if found:
-            break
-    assert found is not None, "no question's draws have a word the gate asks about and some draws lack"
-    gate, same = found
-    assert same.right == same.reference_right
+                return gate, same[0]
+    raise AssertionError("no question's draws have a word the gate asks about and some draws lack")
+
+
+def test_sampled_knowledge_draws_the_reference_and_the_candidate_with_the_same_dice(tiny_tokenizer, base_model,
+                                                                                   perturb):
+    """The real decoding on the tiny model: the same model as candidate draws exactly the reference's answers
+    (so a fact's count moves only where the models differ), and the draws of one probe are not all alike."""
+    gate, same = _half_stated_fact(tiny_tokenizer, base_model)
+    assert same.right == same.reference_right and same.reference_mean is None
     moved = _check(gate, perturb(base_model, 0.5, 7), base_model).probes
     assert moved[0].reference_right == same.reference_right  # the reference's count is kept, not redrawn
+
+
+def test_the_reference_s_mean_count_is_drawn_once_with_more_dice_when_a_candidate_needs_it(
+        monkeypatch, tiny_tokenizer, base_model, perturb):
+    """With ``reference_dice`` the reference also draws the sampled knowledge probes with more sets of dice, but
+    only once a candidate's share of facts falls below what the check's own dice gave the reference (the mean can
+    only lower the bar), and only once: its mean count is that of ``fact_counts`` over the sets, set 0 being the
+    check's own."""
+    from clawloop.gate import gate as gate_module
+
+    gate, same = _half_stated_fact(tiny_tokenizer, base_model, reference_dice=3)
+    assert same.right == same.reference_right and same.reference_mean is None
+    candidates = (perturb(base_model, 0.5, seed) for seed in range(7, 27))
+    moved = next(o for c in candidates for o in _check(gate, c, base_model).probes if o.right < 0.9 * o.reference_right)
+    counts = [gate.fact_counts(base_model, d)[0][1:] for d in range(3)]
+    assert counts[0] == (same.reference_right, 8)
+    assert moved.reference_right == same.reference_right and moved.reference_mean == sum(c for c, _ in counts) / 3
+
+    calls = []
+    real = gate_module.probe_answers
+    monkeypatch.setattr(gate_module, "probe_answers", lambda model, *a, **k: calls.append(id(model)) or real(
+        model, *a, **k))
+    again = _check(gate, perturb(base_model, 0.5, 99), base_model).probes
+    assert again[0].reference_mean == moved.reference_mean and id(base_model) not in calls
 
 
 def test_a_prompt_asked_several_times_is_prefilled_once(tiny_tokenizer, base_model):
