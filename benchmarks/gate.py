@@ -141,8 +141,9 @@ def main() -> None:
         store.close()
 
 
-PARTS = (("reference_answers", "the reference's first answers"), ("knowledge", "knowledge probes"),
-         ("guard", "guard probes"), ("kl", "KL forward"), ("preference", "preference reading"))
+PARTS = (("reference_answers", "the reference's first answers"), ("reference_dice", "the reference's other dice"),
+         ("knowledge", "knowledge probes"), ("guard", "guard probes"), ("kl", "KL forward"),
+         ("preference", "preference reading"))
 
 
 def plain_gate(tokenizer, config, store):

@@ -36,9 +36,10 @@ also reports the mean probability of ``W``'s first token at the start of a held-
 
 ``--dice 6`` applies the publication gate's sampled fact rules (its knowledge probes, drawn and judged as the gate
 does) to the policy after every round under 6 sets of dice, set 0 being the check's own: per set the reference's
-and the policy's answers stating their facts, and under how many sets the gate would reject, held to the
-reference's count under each set alone or, as the gate holds it, to the lower of that and its mean over the sets.
-How much of a verdict is the model and how much the draw.
+and the policy's answers stating their facts, the policy's shortfall against the reference's mean over the gate's
+``gate_reference_dice`` sets, and under how many sets the gate would reject, held to the reference's count under
+each set alone or, as the gate holds it, to the lower of that and the mean. How much of a verdict is the model and
+how much the draw.
 
 ``--scales 0.3 0.5`` also scores each variant with its LoRA update multiplied by those factors (weight-space
 interpolation toward the starting weights): how much of a preference and of the facts a smaller move keeps.
@@ -181,24 +182,30 @@ def knowledge(models: TrainModels, tokenizer: Any, max_new_tokens: int) -> dict[
 
 def fact_gate(config: Any, tokenizer: Any) -> PublicationGate:
     """A gate asking only the knowledge probes, sampled as the trainer's gate samples them."""
+    if not (config.gate_knowledge_samples > 0 and config.default_temperature > 0):
+        raise SystemExit("--dice needs sampled knowledge answers (gate_knowledge_samples > 0, default_temperature > 0)")
     return PublicationGate(tokenizer, knowledge=KNOWLEDGE, knowledge_samples=config.gate_knowledge_samples,
                            knowledge_temperature=config.default_temperature, probe_tokens=config.gate_probe_tokens,
-                           max_fact_drop=config.gate_max_fact_drop, min_guard_pass=config.gate_min_guard_pass)
+                           max_fact_drop=config.gate_max_fact_drop, min_guard_pass=config.gate_min_guard_pass,
+                           reference_dice=config.gate_reference_dice)
 
 
 def dice_verdicts(gate: PublicationGate, models: TrainModels, sets: int,
                   reference: dict[int, list[tuple[str, int, int]]]) -> list[dict[str, Any]]:
-    """The gate's sampled fact rules under ``sets`` sets of dice (set 0 is the check's own): per set, the answers
-    stating their fact (the reference's over the facts it stated at least once, the policy's over the same), the
-    facts forgotten, and whether the share rule would reject, held to the reference's count under that set alone
-    (``one_draw``) or, as the gate does, to the lower of that count and the reference's mean over the ``sets``
-    sets (``fewer``), and whether the forgotten rule would. ``reference`` caches the starting weights' counts per
-    set (the LoRA update scaled by 0)."""
-    for d in range(sets):
+    """The gate's sampled fact rules under ``sets`` sets of dice, each set taken as if it were the check's own (set
+    0 is): per set, the answers stating their fact (the reference's over the facts it stated at least once under
+    that set, the policy's over the same), the facts forgotten, and whether the share rule would reject, held to
+    the reference's count under that set alone (``one_draw``, the rule before ``gate_reference_dice``) or, as the
+    gate holds it, to the lower of that count and the reference's mean over the gate's ``reference_dice`` sets
+    (``fewer``), and whether the forgotten rule would (at the tolerance of a candidate that is not near-identical).
+    ``mean_drop`` is the policy's shortfall on all facts against that mean. ``reference`` caches the starting
+    weights' counts per set (the LoRA update scaled by 0)."""
+    for d in range(max(sets, gate.reference_dice)):
         if d not in reference:
             with adapter_scaled(models.policy, 0.0) as start:
                 reference[d] = gate.fact_counts(start, d)
-    mean = [sum(reference[d][f][1] for d in range(sets)) / sets for f in range(len(KNOWLEDGE))]
+    mean = [sum(reference[d][f][1] for d in range(gate.reference_dice)) / gate.reference_dice
+            for f in range(len(KNOWLEDGE))]
     rows = []
     for d in range(sets):
         mine = gate.fact_counts(models.policy, d)
@@ -209,23 +216,23 @@ def dice_verdicts(gate: PublicationGate, models: TrainModels, sets: int,
         forgotten = sum(forgot_sampled(c, r) for r, c in counted)
         keep = 1.0 - gate.max_fact_drop
         rows.append({"reference": ref_right, "bar": bar, "policy": right, "forgotten": forgotten,
+                     "mean_drop": 1.0 - sum(c for _, c, _ in mine) / sum(mean),
                      "one_draw": right < keep * ref_right - 1e-9, "fewer": right < keep * bar - 1e-9,
                      "too_many_forgotten": forgotten > tolerated_regressions(len(counted), gate.min_guard_pass)})
     return rows
 
 
-def dice_line(rows: list[dict[str, Any]]) -> str:
-    drops = [1.0 - r["policy"] / r["bar"] for r in rows]
+def dice_line(rows: list[dict[str, Any]], reference_dice: int) -> str:
+    drops = [r["mean_drop"] for r in rows]
     rejected = sum(r["fewer"] or r["too_many_forgotten"] for r in rows)
     one_draw = sum(r["one_draw"] or r["too_many_forgotten"] for r in rows)
     mean = sum(drops) / len(drops)
     sd = (sum((x - mean) ** 2 for x in drops) / max(1, len(drops) - 1)) ** 0.5
     return (f"gate's fact rules under {len(rows)} dice sets: reference " + " ".join(str(r["reference"]) for r in rows)
-            + f" (bar {' '.join(format(r['bar'], '.1f') for r in rows)}); policy "
-            + " ".join(str(r["policy"]) for r in rows)
-            + f"; drop below the bar {mean:+.1%} ± {sd:.1%} (set 0 {drops[0]:+.1%}), forgotten "
+            + "; policy " + " ".join(str(r["policy"]) for r in rows)
+            + f"; drop against the reference's mean over {reference_dice} sets {mean:+.1%} ± {sd:.1%}, forgotten "
             + " ".join(str(r["forgotten"]) for r in rows)
-            + f"; rejected under {rejected} of {len(rows)} (held to one draw: {one_draw})")
+            + f"; rejected under {rejected} of {len(rows)} (held to each set's one draw: {one_draw})")
 
 
 def context_answers(config: Any, teacher: Any, turn: TurnRecord, hints: list[str]) -> list[Any]:
@@ -341,7 +348,7 @@ def run_variant(name: str, settings: dict[str, Any], args: argparse.Namespace, p
         def measure_dice(label: str) -> None:
             if gate is not None:
                 dice.append(dice_verdicts(gate, models, args.dice, reference_counts))
-                out(f"  {name} {label}: {dice_line(dice[-1])}")
+                out(f"  {name} {label}: {dice_line(dice[-1], gate.reference_dice)}")
 
         leaser = BatchLeaser(store, args.batch * (1 + int(config.context_samples)), partial=True)
         rng = random.Random(args.seed)

@@ -399,9 +399,10 @@ class GateSettings:
     gate_reference_dice: int = _f(8, "Sets of dice (each gate_knowledge_samples answers per knowledge probe) the "
                                   "starting weights' sampled knowledge answers are drawn with, once per run: the "
                                   "candidate's count is held to the lower of the reference's count under the check's "
-                                  "own dice and its mean over these sets, since one set's luck moved the reference's "
-                                  "count by up to 13 of 136 answers (docs/publication-gate.md); 1 = the check's own "
-                                  "dice only.")
+                                  "own dice and its mean over these sets (drawn when a candidate first falls below "
+                                  "the one draw's bar): the check's own dice gave the reference 99 answers stating "
+                                  "their facts of 136 where nine other sets gave 83-94 (docs/publication-gate.md); "
+                                  "1 = the check's own dice only.")
     gate_max_fact_drop: float = _f(0.1, "Largest share by which the candidate's sampled knowledge answers may state "
                                    "their facts less often than the reference's, over all facts asked.")
     gate_preference: bool = _f(True, "Check that a candidate keeps the preference users taught: the hint most often "

@@ -20,24 +20,24 @@ A check:
    many answers sampled at the serving temperature, drawn with the same uniforms as the reference's
    (``sampling_uniforms``), since users are served sampled answers and a small model's greedy answer to a fact
    it states in half its answers flips at the slightest change;
-4. runs the degeneracy guard on every answer: the text rules everywhere (empty, symbol soup, loops, low
-   diversity) and, where the question is known (the shipped probes, and a recent prompt whose last user message
-   ends in a wh-question, ``question_of``),
-   the question rules too (the answer must mention the question's topic and must not merely echo it: "A tree
-   is a tree is a tree." and "The answer is:" are early signs of collapse that the text rules miss). A knowledge
-   probe's answer must also contain one of its right answers; sampled, the fact is forgotten when the candidate
-   states it in at most a quarter as many answers as the reference (``forgot_sampled``), it counts where the
-   reference stated it in at least half, and over all facts the candidate's answers may state them at most
-   ``max_fact_drop`` less often than the reference's (the lower of its count under the same dice and its mean
-   over ``reference_dice`` sets of dice, ``fact_share_bar``: one draw's luck is not a bar). A probe counts against the candidate when the
-   reference or the last accepted version answered it soundly (the last accepted version's verdicts are recorded
-   by the check that accepted it; before any, the reference's stand for them). ``guard_pass`` = candidate-sound
-   / counted; the candidate fails when more of the counted probes regress than ``tolerated_regressions`` allows
-   (the share ``1 - min_guard_pass`` of them, rounded down, and at least one unless ``min_guard_pass`` is 1; one
-   more for a candidate whose KL, step 5, is below ``NEAR_IDENTICAL_KL``), when more known facts are forgotten
-   than the same rule allows for their own count, or when it breaks a corrected prompt the last accepted version
-   answered soundly (``decide``). The check stops as soon as the candidate can no longer pass
-   (``certain_rejection``);
+4. runs the degeneracy guard on every answer: the text rules everywhere (empty, symbol soup, loops, low diversity)
+   and, where the question is known (the shipped probes, and a recent prompt whose last user message ends in a
+   wh-question, ``question_of``), the question rules too (the answer must mention the question's topic and must not
+   merely echo it: "A tree is a tree is a tree." and "The answer is:" are early signs of collapse that the text
+   rules miss). A knowledge probe's answer must also contain one of its right answers; sampled, the fact is
+   forgotten when the candidate states it in at most a quarter as many answers as the reference
+   (``forgot_sampled``), it counts where the reference stated it in at least half, and over all facts the
+   candidate's answers may state them at most ``max_fact_drop`` less often than the reference's (against the fixed
+   starting weights: the lower of their count under the same dice and their mean over ``reference_dice`` sets of
+   dice, drawn once per run when a candidate first needs it, ``fact_share_bar``: one draw's luck is not a bar). A
+   probe counts against the candidate when the reference or the last accepted version answered it soundly (the last
+   accepted version's verdicts are recorded by the check that accepted it; before any, the reference's stand for
+   them). ``guard_pass`` = candidate-sound / counted; the candidate fails when more of the counted probes regress
+   than ``tolerated_regressions`` allows (the share ``1 - min_guard_pass`` of them, rounded down, and at least one
+   unless ``min_guard_pass`` is 1; one more for a candidate whose KL, step 5, is below ``NEAR_IDENTICAL_KL``), when
+   more known facts are forgotten than the same rule allows for their own count, or when it breaks a corrected
+   prompt the last accepted version answered soundly (``decide``). The check stops as soon as the candidate can no
+   longer pass (``certain_rejection``);
 5. measures KL(candidate || reference) at every position of the candidate's greedy answers (full vocabulary, nats
    per token, mean over all their tokens; sampled knowledge answers are left out); the candidate fails when it is
    above ``max_kl``. The reference is the starting weights (LoRA: the adapter switched off; full fine-tuning: the
@@ -176,9 +176,10 @@ class GateResult:
     the check stopped early)."""
     seconds_by_part: dict[str, float] = field(default_factory=dict)
     """Where ``seconds`` went, for the parts the check ran: ``reference_answers`` (the starting weights answering
-    probes they had not answered before), ``knowledge`` and ``guard`` (the candidate's answers to the knowledge
-    probes and to the others, a LoRA adapter's merge included), ``kl`` (the reference's forward over the
-    candidate's greedy answers) and ``preference`` (the preference check's reading)."""
+    probes they had not answered before), ``reference_dice`` (their sampled knowledge answers under more sets of
+    dice, once per run, ``PublicationGate.reference_dice``), ``knowledge`` and ``guard`` (the candidate's answers
+    to the knowledge probes and to the others, a LoRA adapter's merge included), ``kl`` (the reference's forward
+    over the candidate's greedy answers) and ``preference`` (the preference check's reading)."""
 
     def summary(self) -> str:
         verdict = "accepted" if self.accepted else "rejected (" + "; ".join(self.reasons) + ")"
@@ -200,7 +201,8 @@ class GateResult:
                 "counted": self.counted, "regressions": self.regressions,
                 "knowledge_counted": self.knowledge_counted, "forgotten": self.forgotten,
                 "facts_right": self.facts_right, "facts_reference_right": self.facts_reference_right,
-                "facts_reference_bar": self.facts_reference_bar, "broken_fixes": self.broken_fixes, "unanswered": self.unanswered, "kl_measured": self.kl_measured,
+                "facts_reference_bar": self.facts_reference_bar, "broken_fixes": self.broken_fixes,
+                "unanswered": self.unanswered, "kl_measured": self.kl_measured,
                 "kl": self.kl, "kl_to": self.kl_to, "seconds": round(self.seconds, 3),
                 "seconds_by_part": {k: round(v, 3) for k, v in self.seconds_by_part.items()},
                 "preference": None if self.preference is None else self.preference.as_dict(),
@@ -244,8 +246,8 @@ def fact_share_bar(sampled: Sequence[ProbeOutcome]) -> tuple[int, int, float]:
     check's own dice and its mean count over its dice sets (``reference_mean``). Under the check's dice a candidate
     that barely moved draws the reference's very answers, so it must not fall below that count; a candidate that
     moved enough to draw other answers is held to what the reference states on average, not to the luck of one
-    draw (on SmolLM2-135M the check's own dice gave the reference 99 right answers of 136 where five other sets
-    gave 86-94, which made a 10 % allowance a 1 % one for every candidate that had moved)."""
+    draw (on SmolLM2-135M the check's own dice gave the reference 99 right answers of 136 where nine other sets
+    gave 83-94, which made a 10 % allowance a 1 % one for every candidate that had moved)."""
     right = sum(int(o.right or 0) for o in sampled)
     reference = sum(int(o.reference_right or 0) for o in sampled)
     mean = sum(o.reference_right if o.reference_mean is None else o.reference_mean for o in sampled)
@@ -289,7 +291,8 @@ def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float
     * more counted knowledge probes are forgotten than the same rule allows for their own number (a separate count,
       so adding facts does not loosen the guard's allowance);
     * over the sampled knowledge probes asked, the candidate's answers state their facts more than ``max_fact_drop``
-      less often than the reference's (each fact a little less known is as much a loss as one fact gone);
+      less often than the reference's (``fact_share_bar``; each fact a little less known is as much a loss as one
+      fact gone);
     * a corrected prompt that the last accepted version answered soundly is not answered soundly any more (an
       earlier fix broken; none tolerated, except by a near-identical candidate, whose failures are near-ties);
     * the KL is above ``max_kl`` (or not a number);
@@ -661,16 +664,18 @@ class PublicationGate:
                     if pending and certain_rejection(outcomes, sum(p.source != "knowledge" for p in pending),
                                                      sum(p.source == "knowledge" for p in pending),
                                                      min_guard_pass=self.min_guard_pass,
-                                                     max_fact_drop=1.0 if more_dice else self.max_fact_drop):
+                                                     # with more dice to come the share waits for the bar
+                                                     max_fact_drop=1.0 if more_dice and k == 0
+                                                     else self.max_fact_drop):
                         unasked += len(pending)
                         stopped = True
                         break
-            if k == 0 and more_dice and not stopped:
-                with _timed(parts_s, "reference_answers"):
-                    self._fill_reference_means(answered, outcomes, reference, eos)
+            if k == 0 and more_dice:  # also after a stop for forgotten facts, so the evidence's bar is the real one
+                self._fill_reference_means(answered, outcomes, reference, eos, parts_s)
                 pending = [p for later in parts[1:] for p in later]
-                if pending and certain_rejection(outcomes, len(pending), 0, min_guard_pass=self.min_guard_pass,
-                                                 max_fact_drop=self.max_fact_drop):
+                if not stopped and pending and certain_rejection(outcomes, len(pending), 0,
+                                                                 min_guard_pass=self.min_guard_pass,
+                                                                 max_fact_drop=self.max_fact_drop):
                     unasked += len(pending)
                     stopped = True
             if stopped:
@@ -842,16 +847,17 @@ class PublicationGate:
 
     def _fill_reference_means(self, answered: list[tuple[_Probe, list[int], torch.Tensor | None]],
                               outcomes: list[ProbeOutcome], reference: Callable[[], ContextManager[torch.nn.Module]],
-                              eos: list[int]) -> None:
+                              eos: list[int], seconds: dict[str, float]) -> None:
         """Gives the sampled knowledge outcomes the reference's mean count over ``reference_dice`` sets of dice
-        (``fact_share_bar``). The fixed reference draws the other sets once per run, and only once a candidate's
-        share of facts falls below what the check's own dice gave it: the mean can only lower the bar, so until
-        then it could change no verdict."""
+        (``fact_share_bar``). The fixed reference draws the other sets once per run (``reference_dice`` in
+        ``seconds``; 7 sets of 136 answers took about 50 s on 2 CPU threads), and only once a candidate's share of
+        facts falls more than ``max_fact_drop`` below what the check's own dice gave the reference: the mean can
+        only lower the bar, so until then it could change no verdict."""
         sampled = [(p, o) for (p, _, _), o in zip(answered, outcomes) if o.samples and o.reference_right]
         lacking = [p for p, _ in sampled if _key(p) not in self._reference_mean]
         if lacking and too_few_facts([o for _, o in sampled], self.max_fact_drop):
             counts = [[self._reference_right[_key(p)]] for p in lacking]
-            with reference() as ref:
+            with _timed(seconds, "reference_dice"), reference() as ref:
                 for d in range(1, self.reference_dice):
                     for drawn, p, (answers, _) in zip(counts, lacking, self._ask(ref, lacking, eos, dice_set=d)):
                         drawn.append(sum(self._verdict(p, ans)[0] for ans in answers))

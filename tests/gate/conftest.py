@@ -33,18 +33,19 @@ def base_model(tiny_model_path):
 def scripted(tiny_tokenizer):
     def install(monkeypatch, answers_by_model):
         calls = []
+        drawn: dict[tuple[int, str], int] = {}  # a model's draws of a prompt so far, over all calls
 
         def replay(model, prompts, max_tokens, eos_ids, *, uniforms=None, temperature=1.0, done=None):
             script = answers_by_model[id(model)]
             texts = []
-            drawn: dict[str, int] = {}
             for row, ids in enumerate(prompts):
                 shown = tiny_tokenizer.decode(ids)
                 key, answer = next((prompt, answer) for prompt, answer in script.items() if prompt in shown)
-                if isinstance(answer, list):  # sampled answers, in the order they are drawn
+                if isinstance(answer, list):  # sampled answers, in the order they are drawn, cycling
                     assert uniforms is not None and uniforms[row] is not None
-                    answer = answer[drawn.get(key, 0) % len(answer)]
-                    drawn[key] = drawn.get(key, 0) + 1
+                    n = drawn.get((id(model), key), 0)
+                    answer = answer[n % len(answer)]
+                    drawn[(id(model), key)] = n + 1
                 texts.append(answer)
             calls.append((id(model), len(prompts)))
             caps = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)

@@ -235,6 +235,54 @@ def test_sampled_knowledge_counts_how_often_a_fact_is_stated(monkeypatch, tiny_t
     assert lost_unknown.accepted and (lost_unknown.forgotten, lost_unknown.facts_right) == (0, 13)
 
 
+def test_a_candidate_below_the_lucky_draw_but_not_below_the_mean_goes_on_to_the_guard(monkeypatch, tiny_tokenizer,
+                                                                                      base_model, perturb, scripted):
+    """The check's own dice gave the reference 16 right answers of 16; its other two sets 8 and 8 (mean 10.7). A
+    candidate at 10 is more than 10 % under the draw but not under the mean: the reference draws its other sets
+    (once), the check goes on to the guard probe and accepts. One at 9 is rejected on the knowledge probes alone,
+    by the mean. Against a reference that changes (the last accepted version) the one draw stays the bar."""
+    paris, lyon = "The capital of France is Paris.", "The capital of France is Lyon."
+    tokyo, osaka = "The capital of Japan is Tokyo.", "The capital of Japan is Osaka."
+    facts = [KnowledgeProbe("What is the capital of France?", ("Paris",)),
+             KnowledgeProbe("What is the capital of Japan?", ("Tokyo",))]
+
+    def draws(right, wrong, n_right):
+        return [right] * n_right + [wrong] * (8 - n_right)
+
+    # Sets 0, 1 and 2, in the order the reference draws them.
+    reference = {"France": draws(paris, lyon, 8) + draws(paris, lyon, 4) * 2,
+                 "Japan": draws(tokyo, osaka, 8) + draws(tokyo, osaka, 4) * 2, TURTLE: SOUND}
+    candidate = perturb(base_model, 0.05, 3)
+
+    def check(gate, france, japan, kl_to="reference"):
+        calls = scripted(monkeypatch, {id(base_model): reference, id(candidate): {
+            "France": draws(paris, lyon, france), "Japan": draws(tokyo, osaka, japan), TURTLE: SOUND}})
+        result = gate.check(candidate, lambda: contextlib.nullcontext(base_model), kl_to=kl_to)
+        return result, calls
+
+    gate = PublicationGate(tiny_tokenizer, min_guard_pass=0.95, probes=[TURTLE], knowledge=facts,
+                           knowledge_samples=8, reference_dice=3)
+    kept, calls = check(gate, 5, 5)
+    assert kept.accepted, kept.reasons
+    assert kept.kl_measured and [p.prompt for p in kept.probes][0] == TURTLE and kept.unanswered == 0
+    assert (kept.facts_right, kept.facts_reference_right) == (10, 16)
+    assert abs(kept.facts_reference_bar - 32 / 3) < 1e-9 and "reference_dice" in kept.seconds_by_part
+    assert [p.reference_mean for p in kept.probes[1:]] == [16 / 3, 16 / 3]
+
+    lost, calls = check(gate, 4, 5)
+    assert not lost.accepted and not lost.kl_measured and lost.unanswered == 1
+    assert lost.reasons == ["facts stated in 9 of the sampled answers, the reference's in 16 (10.7 on average): "
+                            "more than 10% fewer"]
+    assert id(base_model) not in [model for model, _ in calls]  # the reference's sets were drawn once
+
+    changing = PublicationGate(tiny_tokenizer, min_guard_pass=0.95, probes=[TURTLE], knowledge=facts,
+                               knowledge_samples=8, reference_dice=3)
+    one_draw, _ = check(changing, 5, 5, kl_to="the last accepted version")
+    assert one_draw.reasons == ["facts stated in 10 of the sampled answers, the reference's in 16: "
+                                "more than 10% fewer"]
+    assert all(p.reference_mean is None for p in one_draw.probes) and "reference_dice" not in one_draw.seconds_by_part
+
+
 def _half_stated_fact(tiny_tokenizer, base_model, **gate_settings):
     """A gate with one sampled knowledge probe whose "fact" the tiny model states in some but not all of its 8
     draws, and the outcome of checking the model against itself.
@@ -292,7 +340,10 @@ def test_the_reference_s_mean_count_is_drawn_once_with_more_dice_when_a_candidat
     gate, same = _half_stated_fact(tiny_tokenizer, base_model, reference_dice=3)
     assert same.right == same.reference_right and same.reference_mean is None
     candidates = (perturb(base_model, 0.5, seed) for seed in range(7, 27))
-    moved = next(o for c in candidates for o in _check(gate, c, base_model).probes if o.right < 0.9 * o.reference_right)
+    found = next(((c, o) for c in candidates for o in _check(gate, c, base_model).probes
+                  if o.right < 0.9 * o.reference_right), None)
+    assert found is not None, "no perturbed model drew the fact less often than the reference"
+    candidate, moved = found
     counts = [gate.fact_counts(base_model, d)[0][1:] for d in range(3)]
     assert counts[0] == (same.reference_right, 8)
     assert moved.reference_right == same.reference_right and moved.reference_mean == sum(c for c, _ in counts) / 3
@@ -301,8 +352,9 @@ def test_the_reference_s_mean_count_is_drawn_once_with_more_dice_when_a_candidat
     real = gate_module.probe_answers
     monkeypatch.setattr(gate_module, "probe_answers", lambda model, *a, **k: calls.append(id(model)) or real(
         model, *a, **k))
-    again = _check(gate, perturb(base_model, 0.5, 99), base_model).probes
-    assert again[0].reference_mean == moved.reference_mean and id(base_model) not in calls
+    again = _check(gate, candidate, base_model).probes  # it needs the mean again: kept, not redrawn
+    assert again[0].right == moved.right and again[0].reference_mean == moved.reference_mean
+    assert id(base_model) not in calls
 
 
 def test_a_prompt_asked_several_times_is_prefilled_once(tiny_tokenizer, base_model):
