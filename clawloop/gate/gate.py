@@ -545,6 +545,10 @@ class PublicationGate:
             reasons.append("forgot")
         return not reasons, reasons
 
+    def _sound_count(self, p: _Probe, answers: list[list[int]]) -> int:
+        """How many of a probe's answers pass its verdict (a sampled knowledge probe: state the fact)."""
+        return sum(self._verdict(p, ans)[0] for ans in answers)
+
     def _accepted_ok(self, p: _Probe) -> bool | None:
         known = self._accepted.get(_key(p))
         return None if known is None else known[0]
@@ -598,7 +602,7 @@ class PublicationGate:
             raise ValueError("fact_counts needs knowledge_samples > 0")
         counts = []
         for p, (answers, _) in zip(self.knowledge, self._ask(model, self.knowledge, self._eos_ids(), dice_set)):
-            counts.append((p.prompt, sum(self._verdict(p, ans)[0] for ans in answers), len(answers)))
+            counts.append((p.prompt, self._sound_count(p, answers), len(answers)))
         return counts
 
     @torch.no_grad()
@@ -644,7 +648,7 @@ class PublicationGate:
             if missing:  # the reference answers each probe once, the first time a check reaches it
                 with _timed(parts_s, "reference_answers"), reference() as ref:
                     for p, (answers, _) in zip(missing, self._ask(ref, missing, eos)):
-                        right = sum(self._verdict(p, ans)[0] for ans in answers)
+                        right = self._sound_count(p, answers)
                         self._reference_right[_key(p)] = right
                         self._reference_ok[_key(p)] = 2 * right >= len(answers)
             asked = [p for p in part if self._worth_asking(p)]
@@ -860,7 +864,7 @@ class PublicationGate:
             with _timed(seconds, "reference_dice"), reference() as ref:
                 for d in range(1, self.reference_dice):
                     for drawn, p, (answers, _) in zip(counts, lacking, self._ask(ref, lacking, eos, dice_set=d)):
-                        drawn.append(sum(self._verdict(p, ans)[0] for ans in answers))
+                        drawn.append(self._sound_count(p, answers))
             for drawn, p in zip(counts, lacking):
                 self._reference_mean[_key(p)] = sum(drawn) / len(drawn)
         for p, o in sampled:
