@@ -21,6 +21,7 @@ the candidate answers and with most answers cut short.
     .venv/bin/python benchmarks/gate.py                    # 3 steps of 4 samples x 64 tokens, 1 thread
     .venv/bin/python benchmarks/gate.py --threads 2 --probe-tokens 16
     .venv/bin/python benchmarks/gate.py --threads 2 --steps 6 --demo-preset --without-kept-states
+    .venv/bin/python benchmarks/gate.py --threads 2 --steps 3 --demo-preset --no-plain --work-ahead
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def main() -> None:
     parser.add_argument("--demo-preset", action="store_true", help="Train with the demo's preset (hybrid, the retain "
                         "term; gate_every 1 here) instead of plain GRPO, so the check is set against the step the "
                         "demo runs.")
+    parser.add_argument("--work-ahead", action="store_true", help="Before the first step, let the trainer do its "
+                        "work ahead (Trainer.prepare, as the online loop does while nothing is ready: the retain "
+                        "term's targets, the reference's answers and its other dice) and time each piece; the first "
+                        "check then answers nothing with the reference but the run's own prompts.")
     args = parser.parse_args()
 
     import torch
@@ -105,6 +110,14 @@ def main() -> None:
               f"{args.tokens} tokens, {len(trainer.gate.shipped)} shipped probes + {config.gate_recent_prompts} "
               f"recent prompts x {args.probe_tokens} tokens, {len(trainer.gate.knowledge)} knowledge probes x "
               f"{trainer.gate.knowledge_tokens} tokens")
+        if args.work_ahead:
+            pieces, more = [], True
+            while more:
+                t0 = time.perf_counter()
+                more = trainer.prepare()
+                pieces.append(time.perf_counter() - t0)
+            print(f"worked ahead: {len(pieces)} pieces in {sum(pieces):.2f}s ("
+                  + ", ".join(f"{s:.2f}s" for s in pieces) + "; the retain term's targets first where there is one)")
         for _ in range(args.steps):
             lease, leased = store.lease_samples(args.samples)
             t0 = time.perf_counter()

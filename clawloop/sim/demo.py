@@ -590,7 +590,8 @@ def print_result(summary: dict[str, Any], out: Callable[[str], None] = print) ->
         f"policy v{a['policy_version']} after {summary['steps']} steps and {summary['interactions']} interactions")
     out(f"  judge: {summary['judge']['backend']}; time {t.get('total_s', 0):.0f}s "
         f"(model {t.get('model_ready_s', 0):.0f}s, start {t.get('start_s', 0):.0f}s, "
-        f"simulation {t.get('simulation_s', 0):.0f}s, evaluations "
+        f"simulation {t.get('simulation_s', 0):.0f}s, the user waiting for the trainer {t.get('pace_s', 0):.0f}s, "
+        f"evaluations "
         f"{t.get('eval_before_s', 0) + t.get('eval_during_s', 0) + t.get('eval_after_s', 0):.0f}s, "
         f"catch-up {t.get('catch_up_s', 0):.0f}s)")
     served = summary.get("served_guard") or {}

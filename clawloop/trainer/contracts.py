@@ -156,3 +156,8 @@ class GateView(Protocol):
 
     def check(self, gate: PublicationGate, candidate: dict[str, torch.Tensor] | None,
               accepted: dict[str, torch.Tensor] | None) -> GateResult: ...
+
+    def prepare(self, gate: PublicationGate) -> bool:
+        """One piece of the gate's work on the fixed reference, ahead of the checks (``PublicationGate.prepare``);
+        whether any is left (none without a fixed reference)."""
+        ...

@@ -77,7 +77,7 @@ from clawloop.config import Config, ConfigError
 from clawloop.store import LeaseLost, SampleRecord, Store, TurnRecord
 from clawloop.trainer import checkpoint as ckpt
 from clawloop.trainer.contracts import SampleSource, WeightSink
-from clawloop.trainer.core import Trainer
+from clawloop.trainer.core import Trainer, prepare_ahead
 from clawloop.trainer.fsdp import checkpoint_weights_by_name, init_distributed, load_checkpoint_state, shard_model
 from clawloop.trainer.fsdp_parallel import FSDPParallel
 from clawloop.trainer.leasing import BatchLeaser
@@ -258,6 +258,7 @@ def run(config: Config, store: SampleSource | None, *, max_steps: int = 0, lease
     leaser = BatchLeaser(store, config.rollout_batch_size, lease_s=lease_s, count_first=False) \
         if rank == 0 and store is not None else None
     trained = 0
+    preparing = True
     idle_since = time.monotonic()
     try:
         while max_steps <= 0 or trained < max_steps:
@@ -280,7 +281,12 @@ def run(config: Config, store: SampleSource | None, *, max_steps: int = 0, lease
             if batch.op == "stop":
                 break
             if batch.op == "wait":
-                time.sleep(poll_s)
+                # Rank 0, which holds the gate, works ahead while there is nothing to train; the others wait
+                # for its next broadcast either way.
+                if rank == 0 and preparing:
+                    preparing = prepare_ahead(trainer)
+                else:
+                    time.sleep(poll_s)
                 continue
             assert batch.samples is not None and batch.turns is not None
             beat = _Heartbeat(leaser.store, batch.lease_id, lease_s) if leaser is not None \

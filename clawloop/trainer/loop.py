@@ -13,6 +13,9 @@
   ``batch_wait_s``, or no new turn has been stored for ``idle_train_s`` and none waits to be judged (the user
   has gone idle), the loop leases what is ready (up to a batch) and trains it. One person a few turns a minute
   fills a batch of 16 in five minutes or more, and two or three conversations never did (docs/trainer.md);
+* while nothing is ready, the shared policy's trainer works ahead, one piece at a time (``Trainer.prepare``): the
+  retain term's targets and the gate's answers of the starting weights, which the first step and checks would
+  otherwise compute on the way to the first new version;
 * a step that fails before its update releases its lease (its samples become ready again) and the loop backs off (doubling
   from ``error_backoff_s`` up to ``max_backoff_s``) before trying again; the error is logged and counted. The
   failed batch's samples are then retried one per step, so samples that train fine go through and one that
@@ -52,7 +55,7 @@ from clawloop.memory import trim_heap
 from clawloop.priority import lower_thread_priority
 from clawloop.store import Store, TurnState
 from clawloop.trainer.contracts import PublishingEngine
-from clawloop.trainer.core import CommitNotRecorded, Trainer
+from clawloop.trainer.core import CommitNotRecorded, Trainer, prepare_ahead
 from clawloop.trainer.teacher_client import in_process
 from clawloop.trainer.leasing import BatchLeaser
 from clawloop.trainer.per_user import OwnerSamples, UserPolicies
@@ -110,6 +113,8 @@ class OnlineTrainer:
         """The shared policy's leaser (key None) or each user's (``_leaser``)."""
         self._next_publish_try = 0.0
         """When ``_retry_publications`` may try again (monotonic seconds)."""
+        self._preparing = True
+        """Whether the shared policy's trainer may still have work to do ahead (``Trainer.prepare``)."""
 
     # ---- status (read by the API's status/metrics endpoints) ------------------------------------------
     @property
@@ -159,7 +164,8 @@ class OnlineTrainer:
             return {}
         return {"on": core.gate is not None, "checks": core.gate_checks, "rejections": core.gate_rejections,
                 "seconds_per_check": round(core.gate_seconds / core.gate_checks, 2) if core.gate_checks else None,
-                "accepted_version": core.accepted.version if core.accepted is not None else None}
+                "accepted_version": core.accepted.version if core.accepted is not None else None,
+                "working_ahead": self._preparing}
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -309,7 +315,8 @@ class OnlineTrainer:
                 continue
             if not samples:
                 await self._retry_publications()
-                await self._sleep(self.poll_interval_s)
+                if not await self._prepare():  # after a piece of work ahead, look for samples again at once
+                    await self._sleep(self.poll_interval_s)
                 continue
             self._busy = True
             try:
@@ -333,6 +340,16 @@ class OnlineTrainer:
                 await self._sleep(min(self.max_backoff_s, self.error_backoff_s * 2 ** (consecutive - 1)))
             finally:
                 self._busy = False
+
+    async def _prepare(self) -> bool:
+        """One piece of the shared policy's work ahead (``Trainer.prepare``) while nothing waits to be trained;
+        whether one was done."""
+        if self.core is None or not self._preparing or self._stopping:
+            return False
+        assert self._model_lock is not None
+        async with self._model_lock:
+            self._preparing = await self._on_train_thread(prepare_ahead, self.core)
+        return True
 
     async def _retry_publications(self) -> None:
         """Per-user policies: an accepted adapter whose publication failed is published again while the loop is

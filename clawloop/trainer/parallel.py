@@ -60,3 +60,9 @@ class LocalGateView:
         models = self.models
         kl_to = "reference" if models.lora or models.reference is not None else "last_accepted"
         return gate.check(lambda: gate_candidate(models), lambda: gate_reference(models, accepted), kl_to=kl_to)
+
+    def prepare(self, gate: PublicationGate) -> bool:
+        models = self.models
+        if not (models.lora or models.reference is not None):
+            return False
+        return gate.prepare(lambda: gate_reference(models, None))

@@ -33,3 +33,8 @@ class Rank0GateView:
         load_trainable_state_dict(self.copy, candidate)
         return gate.check(lambda: gate_candidate(self.copy), lambda: gate_reference(self.copy, accepted),
                           kl_to=self.kl_to)
+
+    def prepare(self, gate: PublicationGate) -> bool:
+        if self.kl_to != "reference":
+            return False
+        return gate.prepare(lambda: gate_reference(self.copy, None))

@@ -357,6 +357,46 @@ def test_the_reference_s_mean_count_is_drawn_once_with_more_dice_when_a_candidat
     assert id(base_model) not in calls
 
 
+def test_a_gate_that_worked_ahead_asks_the_reference_nothing_more_and_decides_as_one_that_did_not(
+        monkeypatch, tiny_tokenizer, base_model, perturb):
+    """``prepare`` does the fixed reference's work before any check, one piece a call: its answers to the
+    knowledge probes, then to the shipped probes, then its other dice sets, one set a call. Its checks then ask
+    the reference for no answer (no ``reference_answers`` or ``reference_dice`` part, no decoding by it) and
+    reach the verdicts of a gate that did that work within its checks, on the real decoding of the tiny model."""
+    from clawloop.gate import gate as gate_module
+
+    found, _ = _half_stated_fact(tiny_tokenizer, base_model, reference_dice=3)
+    knowledge = [KnowledgeProbe(p.question, p.answers) for p in found.knowledge]
+
+    def gate():
+        return PublicationGate(tiny_tokenizer, min_guard_pass=0.95, probes=["Name a colour.", "What is rain?"],
+                               knowledge=knowledge, knowledge_samples=8, reference_dice=3)
+
+    ahead, within = gate(), gate()
+    reference = lambda: contextlib.nullcontext(base_model)  # noqa: E731
+    calls = []
+    real = gate_module.probe_answers
+    monkeypatch.setattr(gate_module, "probe_answers", lambda model, *a, **k: calls.append(id(model)) or real(
+        model, *a, **k))
+    more = [ahead.prepare(reference) for _ in range(5)]
+    # knowledge answers, shipped answers, dice set 1, dice set 2 (the last), then nothing left to do
+    assert more == [True, True, True, False, False] and len(calls) == 4
+
+    candidates = [base_model] + [perturb(base_model, 0.5, seed) for seed in range(7, 27)]
+    drew = False
+    for candidate in candidates:
+        calls.clear()
+        mine = _check(ahead, candidate, base_model)
+        assert id(base_model) not in calls or candidate is base_model
+        assert not {"reference_answers", "reference_dice"} & set(mine.seconds_by_part)
+        theirs = _check(within, candidate, base_model)
+        assert (mine.accepted, mine.reasons, mine.facts_right, mine.facts_reference_right) == \
+            (theirs.accepted, theirs.reasons, theirs.facts_right, theirs.facts_reference_right)
+        assert [(o.ok, o.right, o.answer) for o in mine.probes] == [(o.ok, o.right, o.answer) for o in theirs.probes]
+        drew = drew or "reference_dice" in theirs.seconds_by_part
+    assert drew, "no candidate fell below the reference's own draw, where the mean is drawn and can decide"
+
+
 def test_a_prompt_asked_several_times_is_prefilled_once(tiny_tokenizer, base_model):
     """A knowledge probe's sampled answers share one prefill of its prompt: the first forward sees each distinct
     prompt once, and rows of the same prompt drawn with the same dice draw the same answer."""

@@ -235,3 +235,6 @@ def test_a_paced_user_never_runs_a_lag_ahead_of_the_trainer(tmp_path, tiny_model
     # Every later session started with fewer than 3 answers waiting to be judged or trained on.
     assert all(s["waiting_before"] is not None and s["waiting_before"] < 3 for s in sessions[1:])
     assert summary["timings_s"]["pace_s"] >= 0.0 and summary["steps"] >= 4
+    # The printed time says how long the user waited, which on a CPU can be most of a demo.
+    wait = f"the user waiting for the trainer {summary['timings_s']['pace_s']:.0f}s"
+    assert wait in capsys.readouterr().out

@@ -64,6 +64,37 @@ def test_trains_once_a_batch_is_ready_without_blocking_the_event_loop(make_confi
         assert key in line, key
 
 
+def test_an_idle_trainer_works_ahead_so_that_its_first_step_and_check_do_less(make_config, base_model,
+                                                                             tiny_tokenizer, tiny_model_path,
+                                                                             tmp_path):
+    """With nothing to train, the loop builds the retain term's targets and has the gate's fixed reference answer
+    its probes; once samples come, the first step builds no targets and its check asks the reference nothing."""
+    config = make_config(method="hybrid", rollout_batch_size=2, lora=True, retain_coef=1.0, retain_tokens=8,
+                         retain_batch=2, gate=True, gate_every=1, gate_recent_prompts=0, gate_fixed_prompts=0)
+    store = Store(tmp_path / "store.sqlite")
+    engine = HFEngine(tiny_model_path, device="cpu", num_threads=2, max_batch_size=4)
+
+    async def main():
+        trainer = OnlineTrainer(config, store, engine, poll_interval_s=0.05, console=None)
+        await trainer.start()
+        assert trainer.status()["gate"]["working_ahead"]
+        await wait_for(lambda: not trainer.status()["gate"]["working_ahead"], what="the work ahead")
+        assert trainer.core.retain is not None and trainer.step == 0
+        for i, reward in enumerate((1.0, -1.0)):
+            add_sample(store, base_model, tiny_tokenizer, i, reward=reward, hints=HINTS)
+        trainer.wake()
+        await wait_for(lambda: trainer.step == 1, what="step 1")
+        await trainer.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.close_sync()
+    (line,) = read_metrics(config.run_dir)
+    assert "gate_s" in line and "time_retain_s" in line
+    assert not {k for k in line if k.startswith("gate_reference_")}  # neither its answers nor its dice
+
+
 def test_samples_short_of_a_batch_train_once_the_oldest_has_waited(make_config, base_model, tiny_tokenizer,
                                                                    tiny_model_path, tmp_path):
     # Two conversations' worth of samples and a batch of 16: without a bound on the wait they would never train.
