@@ -54,15 +54,15 @@ class LocalGateView:
 
     def __init__(self, models: TrainModels):
         self.models = models
+        self.kl_to = "reference" if models.lora or models.reference is not None else "last_accepted"
 
     def check(self, gate: PublicationGate, candidate: dict[str, torch.Tensor] | None,
               accepted: dict[str, torch.Tensor] | None) -> GateResult:
         models = self.models
-        kl_to = "reference" if models.lora or models.reference is not None else "last_accepted"
-        return gate.check(lambda: gate_candidate(models), lambda: gate_reference(models, accepted), kl_to=kl_to)
+        return gate.check(lambda: gate_candidate(models), lambda: gate_reference(models, accepted),
+                          kl_to=self.kl_to)
 
     def prepare(self, gate: PublicationGate) -> bool:
-        models = self.models
-        if not (models.lora or models.reference is not None):
+        if self.kl_to != "reference":
             return False
-        return gate.prepare(lambda: gate_reference(models, None))
+        return gate.prepare(lambda: gate_reference(self.models, None))
