@@ -262,6 +262,19 @@ class OnlineTrainer:
         async with self._model_lock:
             yield
 
+    def call_paused(self, fn: Callable[[], T], timeout_s: float = 600.0) -> T:
+        """``fn()`` on a worker thread inside ``paused()``, for a thread other than the event loop's: what reads the
+        trainer's model from outside must hold it still, since between steps an idle trainer works ahead on the
+        reference (``prepare``), which takes the adapter off the model for a while."""
+        if self._loop is None:
+            raise RuntimeError("the trainer has not started")
+
+        async def paused_call() -> T:
+            async with self.paused():
+                return await asyncio.to_thread(fn)
+
+        return asyncio.run_coroutine_threadsafe(paused_call(), self._loop).result(timeout_s)
+
     async def let_go_of_user(self, owner: str) -> None:
         """Per-user policies: drop ``owner``'s trainer, optimizer state, gate and adapter weights, so a forget can
         delete their folder. Call it inside ``paused()``, and keep the pause until their records are deleted."""

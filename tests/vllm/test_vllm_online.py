@@ -9,6 +9,7 @@ from the vLLM judge and flow into a trained, published policy.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import httpx
@@ -95,9 +96,10 @@ def test_one_online_step_with_policy_judge_and_teacher_on_vllm(vllm_fleet, tmp_p
             version = after["clawloop"]["policy_version"]
             assert version == engine.policy_version
             turn = runtime.server.store.get_turn(after["clawloop"]["turn_id"])
-            # vLLM served the trained adapter: its log-probs are the trainer's (LoRA on the same base).
+            # vLLM served the trained adapter: its log-probs are the trainer's (LoRA on the same base). Read with the
+            # trainer paused: between steps it works ahead on the reference, with the adapter off.
             model = trainer.core.models.policy
-            assert served_gap(model, turn) < 5e-3
+            assert trainer.call_paused(lambda: served_gap(model, turn)) < 5e-3
 
             # Rollback over the admin route: vLLM serves the kept version at once (v0: the base model), then the
             # latest again (its adapter was unloaded meanwhile and is loaded again).
@@ -109,11 +111,12 @@ def test_one_online_step_with_policy_judge_and_teacher_on_vllm(vllm_fleet, tmp_p
                 again = chat(http, f"rollback-{target}", [{"role": "user", "content": "Name a colour."}])
                 assert again["clawloop"]["policy_version"] == target == engine.policy_version
                 turn = runtime.server.store.get_turn(again["clawloop"]["turn_id"])
-                if target == 0:
-                    with model.disable_adapter():
-                        assert served_gap(model, turn) < 5e-3
-                else:
-                    assert served_gap(model, turn) < 5e-3  # the trainer holds the rolled-back weights too
+
+                def gap(turn=turn, target=target) -> float:  # the trainer holds the rolled-back weights too
+                    with model.disable_adapter() if target == 0 else contextlib.nullcontext():
+                        return served_gap(model, turn)
+
+                assert trainer.call_paused(gap) < 5e-3
 
     store = Store(tmp_path / "run" / "store.sqlite")
     try:
@@ -170,9 +173,13 @@ def test_two_users_on_vllm_each_served_their_own_policy(vllm_fleet, tmp_path):
             assert engine.adapter_version(b) is None
             model = runtime.trainer.policies.models.policy  # holds user A's adapter: the last one trained
             store = runtime.server.store
-            assert served_gap(model, latest_turn(store, a)) < 5e-3
-            with model.disable_adapter():
-                assert served_gap(model, latest_turn(store, b)) < 5e-3
+
+            def gaps() -> tuple[float, float]:
+                mine = served_gap(model, latest_turn(store, a))
+                with model.disable_adapter():
+                    return mine, served_gap(model, latest_turn(store, b))
+
+            assert max(runtime.trainer.call_paused(gaps)) < 5e-3
 
 
 def latest_turn(store: Store, owner: str):
