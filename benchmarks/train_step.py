@@ -28,7 +28,9 @@ entry:
 * ``today``  — the step as it was before the memory work: sdpa attention, every activation kept for the
   backward (no checkpointing), no token budget;
 * ``eager``  — the same with eager attention (an ``[heads, L, L]`` matrix kept per layer);
-* ``new``    — the defaults: sdpa, activation checkpointing on long micro-batches, token budgets.
+* ``new``    — the defaults: sdpa, activation checkpointing on long micro-batches, token budgets;
+* ``separate`` — the defaults, with the teacher's top-k ids taken by a no-gradient forward before the loss's own
+  (what a step of one micro-batch did before it took them from the loss's forward).
 
 Each case runs alone in a fresh subprocess that a watchdog kills once its resident memory passes ``--cap-gb``
 (an unbounded case would otherwise take the whole machine down); such a case prints as "> cap (stopped)".
@@ -117,6 +119,9 @@ APPROACHES = {
     "eager": {"attn_implementation": "eager", "gradient_checkpointing": "off", "max_train_tokens": 1 << 20,
               "micro_batch_tokens": 1 << 20},
     "new": {},
+    # The defaults, but the teacher's top-k ids from a no-gradient forward before the loss's own (as before a step
+    # of one micro-batch took them from the loss's forward).
+    "separate": {},
 }
 LONG_RESPONSE_TOKENS = 128
 
@@ -149,7 +154,8 @@ def child_long(variant: str, approach: str, sample_tokens: int, threads: int) ->
         response = list(filler[:T - 1]) + [2]
         add_sample(store, prompt, response, messages, 0, hinted=True, reward=1.0)
         trainer = Trainer(config, store, LocalVersion(), console=None,
-                          teacher=RandomTeacher(len(tokenizer), config.topk))
+                          teacher=RandomTeacher(len(tokenizer), config.topk),
+                          ask_in_loss_forward=False if approach == "separate" else None)
         rss_loaded_kib = _status_kib("VmRSS")
         lease, leased = store.lease_samples(1)
         t0, c0 = time.perf_counter(), time.process_time()
@@ -217,15 +223,17 @@ def report_long(results: list[dict], args: argparse.Namespace, approaches: list[
             return f"failed ({r['failed']})", "-"
         return f"{r['peak_rss_mib'] / 1024:.2f} GB", f"{r['step_time_s']:.0f} s ({r['cpu_s']:.0f})"
 
-    approaches = [a for a in APPROACHES if a in approaches]  # today, eager, new: the new one last
+    approaches = [a for a in APPROACHES if a in approaches]  # in APPROACHES' order
     by = {(r["variant"], r["approach"], r["sample_tokens"]): r for r in results}
     lengths = sorted({r["sample_tokens"] for r in results})
     header = f"{'variant':<6} {'L':>6} " + " ".join(f"{a + ' peak':>22} {a + ' s (cpu s)':>16}" for a in approaches)
     if "new" in approaches and "today" in approaches:
         header += f" {'peak new/today':>15} {'time new/today':>15}"
+    if "new" in approaches and "separate" in approaches:
+        header += f" {'time new/separate':>18}"
     print(header)
     print("-" * len(header))
-    for variant in ("full", "lora"):
+    for variant in [v for v in ("full", "lora") if any(r["variant"] == v for r in results)]:
         for L in lengths:
             row = f"{variant:<6} {L:>6} "
             cells = [cell(by.get((variant, a, L))) for a in approaches]
@@ -237,6 +245,10 @@ def report_long(results: list[dict], args: argparse.Namespace, approaches: list[
                            f"{new['step_time_s'] / old['step_time_s']:>15.2f}"
                 else:
                     row += f" {'-':>15} {'-':>15}"
+            if "new" in approaches and "separate" in approaches:
+                new, old = by.get((variant, "new", L)), by.get((variant, "separate", L))
+                ok = new and old and "step_time_s" in new and "step_time_s" in old
+                row += f" {new['step_time_s'] / old['step_time_s']:>18.2f}" if ok else f" {'-':>18}"
             print(row)
 
 
@@ -289,7 +301,8 @@ def main() -> None:
     parser.add_argument("--lengths", default="",
                         help="Comma-separated prompt lengths in tokens (e.g. 1024,4096,8192): run the long-prompt "
                              "memory comparison instead of the throughput table.")
-    parser.add_argument("--approaches", default="new,today,eager", help="For --lengths: new, today, eager.")
+    parser.add_argument("--approaches", default="new,today,eager",
+                        help="For --lengths: new, today, eager, separate.")
     parser.add_argument("--cap-gb", type=float, default=10.0,
                         help="For --lengths: kill a case whose resident memory passes this many GB.")
     parser.add_argument("--results", default="",

@@ -101,7 +101,8 @@ class Trainer:
     def __init__(self, config: Config, store: SampleSource | None, engine: PublishingEngine | None = None, *,
                  run_dir: str | Path | None = None, teacher: TeacherClient | None = None,
                  models: TrainModels | None = None, console: TextIO | None = sys.stderr, keep_checkpoints: int = 2,
-                 fuse_old: bool | None = None, on_gate: Callable[[dict[str, Any]], None] | None = None,
+                 fuse_old: bool | None = None, ask_in_loss_forward: bool | None = None,
+                 on_gate: Callable[[dict[str, Any]], None] | None = None,
                  sink: WeightSink | None = None, parallel: Parallel | None = None,
                  gate_view: GateView | None = None, store_backoff: Backoff = STORE_BACKOFF):
         """``store`` is read and written on the main process only (None elsewhere under ``torchrun``). ``sink``
@@ -137,6 +138,9 @@ class Trainer:
         self.keep_checkpoints = keep_checkpoints
         self.fuse_old = fuse_old
         """None = read ℓ_old from the loss's own forward when one update per batch (see ``step``)."""
+        self.ask_in_loss_forward = ask_in_loss_forward
+        """None = take the top-k ids the teacher is asked at from the loss's own forward when the step can
+        (``train_step``); False = always from a no-gradient forward first (to compare the two)."""
         self.metrics = MetricsWriter(self.run_dir, config.metrics_backends, console=console) \
             if self.parallel.main else None
         self.last_metrics: dict[str, Any] = {}
@@ -577,7 +581,8 @@ class Trainer:
             self.parallel.share(lambda: self._source().release_lease(lease_id))
             return None
         metrics = train_step(self.models, self.optimizer, items, self.config, teacher=self.teacher,
-                             fuse_old=self.fuse_old, runner=self.parallel.runner, retain=self._retain())
+                             fuse_old=self.fuse_old, ask_in_loss_forward=self.ask_in_loss_forward,
+                             runner=self.parallel.runner, retain=self._retain())
         # From here the update is in the weights: every store write is retried, never given up for the batch.
         excluded = excluded_samples(items)
         if excluded:

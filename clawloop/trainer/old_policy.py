@@ -15,8 +15,10 @@ Per sample, all at the train-side temperature of its turn, from one log-softmax 
 The teacher is asked here, once per sample, for exactly what the objective needs (``TeacherClient.submit``,
 one call per micro-batch covering every candidate of its samples). The call of micro-batch g runs while
 micro-batch g + 1's forward runs; g's answer is collected after that forward, so the pass waits only for the
-last call. With one update per batch (the fused step, ``trainer.step``) ℓ_old comes from the loss's own forward,
-so ``topk_pass`` runs a no-gradient forward first, for the top-k ids alone, when a teacher is to be asked.
+last call. With one update per batch (the fused step, ``trainer.step``) ℓ_old comes from the loss's own forward.
+With one micro-batch the top-k ids do too, and the teacher is asked between that forward and the loss
+(``ask_from_forward``: no later forward could overlap the call); with several, ``topk_pass`` runs a no-gradient
+forward first, for the top-k ids alone, when a teacher is to be asked.
 The next batch cannot be asked for in advance: its ids depend on the weights after this step.
 
 Scores recorded with a sample at the very same ids (a step that was trained but not kept, an older store) are
@@ -330,6 +332,19 @@ def topk_pass(models: TrainModels, groups: list[list[TrainItem]], config: Config
     if pending is not None:
         waited += pending.collect()
     return waited
+
+
+@torch.no_grad()
+def ask_from_forward(forward: ResponseLogits, group: list[TrainItem], config: Config,
+                     teacher: TeacherClient) -> float:
+    """For the fused step of one micro-batch: its samples' top-k ids from the loss's own forward (each sample's
+    output layer runs once more, without a gradient), then the teacher's call for them, waited for. Returns the
+    seconds waited."""
+    if not any(wants_opd(config, it) and it.scores is None for it in group):
+        return 0.0
+    for item, logits_T_V in forward.samples():
+        student_topk(item, logits_T_V, config)
+    return ask(teacher, group, config).collect()
 
 
 @torch.no_grad()

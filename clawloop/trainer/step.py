@@ -18,8 +18,11 @@ Choices:
   ``clawloop.trainer.recompute``), so memory grows linearly with the tokens (docs/training-memory.md).
 * Old-policy side: with one update per batch (``steps_per_batch = 1``, the default) the old policy *is* the
   current policy before the update, so ℓ_old and the student top-k are read (detached) from the very logits
-  the loss uses — one forward instead of two, and ρ = 1 exactly; when a teacher is to be asked, a no-gradient
-  forward first takes the top-k ids alone, so the teacher calls run while it goes on (``old_policy.topk_pass``).
+  the loss uses — one forward instead of two, and ρ = 1 exactly. When a teacher is to be asked, the top-k ids
+  of a step of one micro-batch (the usual CPU step) come from that forward too, and the teacher is asked before
+  its loss (``old_policy.ask_from_forward``); with several micro-batches a no-gradient forward first takes the
+  top-k ids alone, so each micro-batch's teacher call runs while the next one's forward goes on
+  (``old_policy.topk_pass``).
   With several PPO epochs a separate no-grad forward (``old_policy.old_policy_pass``) runs first, asking the
   teacher on the way, and every epoch reuses it. Advantages are computed once the teacher's answers are in.
 * AdamW with the configured lr, betas and weight decay; the global gradient norm is clipped at ``grad_clip``.
@@ -52,8 +55,9 @@ from clawloop.losses import MetricsAccumulator, ObjectiveSample, ObjectiveSettin
     sample_objective, shape_advantages
 from clawloop.trainer.batch import TrainItem, micro_batches
 from clawloop.trainer.model import TrainModels
-from clawloop.trainer.old_policy import TEACHER_ERROR, TEACHER_MISSING, fill_reference, mark_unscored, \
-    old_policy_pass, old_side_from_logits, opd_expected, reset_teacher_state, teacher_metrics, topk_pass
+from clawloop.trainer.old_policy import TEACHER_ERROR, TEACHER_MISSING, ask_from_forward, fill_reference, \
+    mark_unscored, old_policy_pass, old_side_from_logits, opd_expected, reset_teacher_state, teacher_metrics, \
+    topk_pass
 from clawloop.trainer.retain import RetainTerm
 from clawloop.trainer.runner import LocalRunner, Runner, scalar
 from clawloop.trainer.teacher_client import TeacherClient
@@ -211,12 +215,15 @@ def _sync(device: torch.device) -> None:
 
 def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: list[TrainItem], config: Config,
                *, teacher: TeacherClient | None = None, fuse_old: bool | None = None,
-               runner: Runner | None = None, retain: RetainTerm | None = None) -> dict[str, Any]:
+               ask_in_loss_forward: bool | None = None, runner: Runner | None = None,
+               retain: RetainTerm | None = None) -> dict[str, Any]:
     """Train on ``items`` (``steps_per_batch`` updates) and return the step's metrics (floats). Under an
     ``FSDPRunner`` every rank calls this with the whole batch; each trains its share and all return the
     whole batch's metrics. ``teacher`` scores the samples' OPD branches at the old policy's top-k ids
     (``trainer.old_policy``); without one only scores recorded at those very ids are used. ``retain`` adds the
-    retain term to every update (one process only)."""
+    retain term to every update (one process only). ``ask_in_loss_forward`` (None: whenever it can) takes the
+    top-k ids from the loss's own forward instead of a no-gradient forward before it; it can with one update,
+    one process and one micro-batch."""
     if not items:
         raise ValueError("train_step needs at least one sample")
     t_start = time.perf_counter()
@@ -229,6 +236,7 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
     device = runner.device
     n = len(items)
     mine = runner.shard(n)
+    index_of = {id(it): i for i, it in enumerate(items)}
     groups = micro_batches([items[i] for i in mine], config.micro_batch_size, config.micro_batch_tokens)
     rounds = runner.rounds(len(groups))
     timings: dict[str, float] = defaultdict(float)
@@ -238,7 +246,13 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
     for it in items:
         if it.info.get(EXCLUDED) == TEACHER_ERROR:
             del it.info[EXCLUDED]
-    if not fuse or teacher is not None:
+    # With one micro-batch the no-gradient forward before the loss's own would only read the top-k ids the loss's
+    # forward reads too: its teacher call has no later forward to overlap. That forward is skipped; the teacher is
+    # asked between the loss's forward and its loss (on a CPU step of OpenClaw-sized prompts, one decoder forward
+    # of about five).
+    can_ask_late = fuse and teacher is not None and runner.world == 1 and len(groups) == 1
+    ask_late = can_ask_late if ask_in_loss_forward is None else (ask_in_loss_forward and can_ask_late)
+    if (not fuse or teacher is not None) and not ask_late:
         t0 = time.perf_counter()
         if fuse:
             assert teacher is not None
@@ -250,8 +264,7 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
         timings["time_old_forward_s"] += time.perf_counter() - t0
         share_teacher_outcomes(items, [items[i] for i in mine], runner)
     # Over the whole batch on every rank (group norms see every sample), once the teacher's answers are in.
-    rewards = rewards_for(items, config)
-    reward_of = {id(items[i]): rewards[i] for i in mine}
+    rewards = None if ask_late else rewards_for(items, config)
 
     epoch_parts: list[tuple[dict[str, float], dict[str, int], int]] = []
     excluded: set[int] = set()  # id() of the samples left out: loss or gradient not finite, or teacher_error
@@ -279,6 +292,13 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
             checkpointed += int(forward.recomputed)
             _sync(device)
             timings["time_forward_s"] += time.perf_counter() - t0
+            if rewards is None:  # ask_late: the teacher's answers come in now
+                assert teacher is not None
+                t0 = time.perf_counter()
+                timings["time_teacher_wait_s"] += ask_from_forward(forward, group, config, teacher)
+                timings["time_old_forward_s"] += time.perf_counter() - t0
+                rewards = rewards_for(items, config)
+            assert rewards is not None
             t0 = time.perf_counter()
             for item, logits_T_V in forward.samples():
                 if id(item) in excluded:
@@ -289,7 +309,7 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
                     if nothing_left(item, config):
                         excluded.add(id(item))
                         continue
-                result = sample_objective(objective_sample(item, logits_T_V, reward_of[id(item)]),
+                result = sample_objective(objective_sample(item, logits_T_V, rewards[index_of[id(item)]]),
                                           settings_for(item, settings))
                 # The whole batch's n: the sum over ranks is the batch mean.
                 share, reason = finite_share(result.loss / n, logits_T_V)

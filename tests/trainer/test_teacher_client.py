@@ -214,3 +214,41 @@ def test_step_numbers_are_bit_for_bit_those_of_scores_recorded_at_the_same_ids(m
         a, b = results[("recorded", fuse)], results[("asked", fuse)]
         assert a[0] == b[0] and a[1] == b[1], (fuse, a[:2], b[:2])
         assert all(torch.equal(a[2][k], b[2][k]) for k in a[2])
+
+
+def test_a_step_of_one_micro_batch_asks_the_teacher_from_the_loss_forward_with_the_same_update(
+        make_config, base_model, tiny_tokenizer, tmp_path, monkeypatch):
+    """One micro-batch: the top-k ids come from the loss's own forward and the teacher is asked before the loss,
+    with no no-gradient forward first (on long prompts a whole decoder forward of the step); the teacher is asked
+    the same ids once per sample and the update is bit for bit that of the separate top-k forward. With several
+    micro-batches the separate forward stays, so each teacher call overlaps the next forward."""
+    import clawloop.trainer.step as step_module
+
+    separate_forwards = []
+    real_topk_pass = step_module.topk_pass
+    monkeypatch.setattr(step_module, "topk_pass",
+                        lambda *a, **k: (separate_forwards.append(1), real_topk_pass(*a, **k))[1])
+    results = {}
+    for case, micro_batch_size, late in (("late", 4, None), ("separate", 4, False), ("several", 2, None)):
+        config = make_config(method="hybrid", micro_batch_size=micro_batch_size)
+        store = Store(tmp_path / f"{case}.sqlite")
+        for i in range(3):
+            add_sample(store, base_model, tiny_tokenizer, i, reward=(1.0, 0.0, -1.0)[i], hints=HINTS[: 1 + i % 2],
+                       edit_targets=unrecorded)
+        torch.manual_seed(0)
+        models = load_train_models(config)
+        optimizer = make_optimizer(models, config)
+        items = _items(store, config)
+        teacher = TableTeacher(base_model, tiny_tokenizer)
+        separate_forwards.clear()
+        metrics = train_step(models, optimizer, items, config, teacher=teacher, ask_in_loss_forward=late)
+        asked = sorted((r.turn.id, r.student_ids_T_K.tolist()) for call in teacher.asked for r in call)
+        assert len(asked) == 3  # once per sample
+        assert all(it.targets is not None and EXCLUDED not in it.info for it in items)
+        weights = {k: v.detach().clone() for k, v in models.causal_lm.named_parameters() if v.requires_grad}
+        results[case] = (len(separate_forwards), asked, metrics["loss"], metrics["grad_norm"], weights)
+    assert [results[c][0] for c in ("late", "separate", "several")] == [0, 1, 1]
+    late, separate = results["late"], results["separate"]
+    assert late[1] == separate[1] == results["several"][1]  # the same ids asked
+    assert late[2] == separate[2] and late[3] == separate[3], (late[2:4], separate[2:4])
+    assert all(torch.equal(late[4][k], separate[4][k]) for k in late[4])
