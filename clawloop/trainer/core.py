@@ -652,11 +652,11 @@ class Trainer:
 
     def prepare(self) -> bool:
         """One piece of the work the first steps and checks would otherwise do on the way to a new version, done
-        while nothing waits to be trained; returns whether any is left. First the retain term's targets (59.5 s
-        on one CPU thread for SmolLM2-135M, which held up the first step of a simulated run), then the gate's
-        answers and dice of the fixed reference (``PublicationGate.prepare``), one piece a call so that a batch
-        that arrives meanwhile waits for one piece at most. Neither changes what training or the gate decide: both compute the same things
-        from the same starting weights, only sooner."""
+        while nothing waits to be trained; returns whether any is left. First the retain term's targets (59.5 s on
+        one CPU thread for SmolLM2-135M, which held up the first step of a simulated run), then the gate's answers
+        and dice of the fixed reference (``PublicationGate.prepare``), one piece a call so that a batch that
+        arrives meanwhile waits for one piece at most. Neither changes what training or the gate decide: both
+        compute the same things from the same starting weights, only sooner."""
         if self.config.retain_coef > 0 and self.retain is None:
             self._retain()
             return True
