@@ -13,7 +13,8 @@ checked by a plain gate (on unless ``--no-plain``: shipped and recent probes onl
 the run's corrected prompts), so the two times are measured side by side on the same weights; the line also says
 whether both decided alike and how many of their common answers are equal. With ``--without-kept-states`` the other
 gate is the trainer's own without the reference's kept prompt states (``clawloop.gate.scoring``), and the line
-below it compares the parts' times. The last lines time the greedy answers to probes of mixed lengths in one padded
+below it compares the parts' times; with ``--step-allocator`` it is a copy of the trainer's own run under a
+training step's mmap threshold (``clawloop.memory``), as every check ran before that was raised outside the steps. The last lines time the greedy answers to probes of mixed lengths in one padded
 batch and in the gate's length groups, side by side, then the reference's forward over those answers with and
 without kept prompt states, then (LoRA) with the adapter as it trains against merged for the check, then the gate's decoding (rows leave the batch as they end) against one ``generate`` call per group, as
 the candidate answers and with most answers cut short.
@@ -22,6 +23,7 @@ the candidate answers and with most answers cut short.
     .venv/bin/python benchmarks/gate.py --threads 2 --probe-tokens 16
     .venv/bin/python benchmarks/gate.py --threads 2 --steps 6 --demo-preset --without-kept-states
     .venv/bin/python benchmarks/gate.py --threads 2 --steps 3 --demo-preset --no-plain --work-ahead
+    .venv/bin/python benchmarks/gate.py --threads 2 --steps 3 --demo-preset --step-allocator
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ def main() -> None:
     parser.add_argument("--demo-preset", action="store_true", help="Train with the demo's preset (hybrid, the retain "
                         "term; gate_every 1 here) instead of plain GRPO, so the check is set against the step the "
                         "demo runs.")
+    parser.add_argument("--step-allocator", action="store_true", help="Check each candidate first with a copy of "
+                        "the trainer's gate run under a training step's mmap threshold (clawloop.memory: how every "
+                        "check ran before the threshold was raised outside the steps), to time the check both "
+                        "ways on the same candidates.")
     parser.add_argument("--work-ahead", action="store_true", help="Before the first step, let the trainer do its "
                         "work ahead (Trainer.prepare, as the online loop does while nothing is ready: the retain "
                         "term's targets, the reference's answers and its other dice) and time each piece; the first "
@@ -101,6 +107,7 @@ def main() -> None:
         if args.hint:  # the samples carry no hint; the preference check reads this one as if they had
             trainer.hint_counts[args.hint] += 1
         side = (SideBySide(trainer.gate, without_states(trainer.gate)) if args.without_kept_states
+                else SideBySide(trainer.gate, UnderStepAllocator(same_gate(trainer.gate))) if args.step_allocator
                 else SideBySide(trainer.gate, plain_gate(tokenizer, config, store)) if args.plain else None)
         if side is not None:
             trainer.gate = side  # type: ignore[assignment]
@@ -135,6 +142,7 @@ def main() -> None:
             if side is not None and side.last:
                 other, same, total, agree = side.last
                 what = ("without kept prompt states" if args.without_kept_states
+                        else "under a training step's mmap threshold" if args.step_allocator
                         else "plain gate (no knowledge probes or corrected prompts)")
                 print(f"  {what}, the same candidate: {other.seconds:.2f}s (ratio to train "
                       f"{other.seconds / train_s:.2f}, to the gate's check {other.seconds / max(gate_s, 1e-9):.2f}x) "
@@ -174,6 +182,30 @@ def without_states(gate):
 
     shared = (gate.tokenizer, gate.preference_hint, gate.recent_prompts, gate.fixed_prompts)  # the run's, not copied
     return copy.deepcopy(gate, memo={id(gate.prompt_states): None, **{id(x): x for x in shared}})
+
+
+def same_gate(gate):
+    """A copy of ``gate`` with its own kept verdicts and prompt states (the same tokenizer and prompt sources)."""
+    import copy
+
+    shared = (gate.tokenizer, gate.preference_hint, gate.recent_prompts, gate.fixed_prompts)
+    return copy.deepcopy(gate, memo={id(x): x for x in shared})
+
+
+class UnderStepAllocator:
+    """A gate whose checks run under ``training_allocations`` (large tensors mapped afresh, as in a step)."""
+
+    def __init__(self, gate):
+        self.gate = gate
+
+    def __getattr__(self, name):
+        return getattr(self.gate, name)
+
+    def check(self, candidate, reference, kl_to="reference"):
+        from clawloop.memory import training_allocations
+
+        with training_allocations():
+            return self.gate.check(candidate, reference, kl_to=kl_to)
 
 
 class SideBySide:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import logging
 import sys
 import time
@@ -50,6 +51,7 @@ from typing import Any, TextIO, TypeVar
 import torch
 
 from clawloop.config import Config
+from clawloop.memory import decoding_allocations
 from clawloop.gate.gate import GateResult, PublicationGate
 from clawloop.gate.knowledge import KNOWLEDGE
 from clawloop.gate.scoring import PromptStates
@@ -66,7 +68,7 @@ from clawloop.trainer.model import TrainModels, gate_reference, load_train_model
 from clawloop.trainer.parallel import LocalGateView, LocalParallel
 from clawloop.trainer.publish import EngineSink, LocalVersion, unshared_tensors
 from clawloop.trainer.resume import plan_resume
-from clawloop.trainer.retain import RetainTerm, build_examples
+from clawloop.trainer.retain import RetainExample, RetainTargets, RetainTerm, build_examples
 from clawloop.trainer.retain_prompts import RETAIN_PROMPTS
 from clawloop.trainer.teacher_client import TeacherClient
 from clawloop.trainer.step import EXCLUDED, UPDATE_SKIPPED, VoidedUpdates, excluded_samples, make_optimizer, \
@@ -212,24 +214,17 @@ class Trainer:
         return top[0][0] if top else None
 
     def _retain(self) -> RetainTerm | None:
-        """The retain term (``retain_coef > 0``), its targets computed from the starting weights at first use."""
+        """The retain term (``retain_coef > 0``); its targets come from the starting weights, a chunk at a time as
+        its updates take them (``RetainTargets``) or while the trainer works ahead."""
         c = self.config
         if c.retain_coef <= 0:
             return None
         if self.retain is None:
-            if self.models.retain_examples is None:
-                from clawloop.engines.model_files import end_token_ids, load_tokenizer
-
-                tokenizer = load_tokenizer(self.models.model_dir)
-                t0 = time.monotonic()
-                with gate_reference(self.models, None) as starting:
-                    self.models.retain_examples = build_examples(
-                        starting, tokenizer, RETAIN_PROMPTS, k=c.retain_k, max_tokens=c.retain_tokens,
-                        end_ids=end_token_ids(tokenizer), opening=c.retain_opening)
-                log.info("retain term: %d of %d prompts kept, targets in %.1fs", len(self.models.retain_examples),
-                         len(RETAIN_PROMPTS), time.monotonic() - t0)
+            if self.models.retain_targets is None:
+                self.models.retain_targets = RetainTargets(
+                    RETAIN_PROMPTS, functools.partial(starting_retain_examples, self.models, c))
             # A resumed trainer goes on where the round-robin was, not back at its first prompts.
-            self.retain = RetainTerm(self.models.retain_examples, coef=c.retain_coef, batch=c.retain_batch,
+            self.retain = RetainTerm(self.models.retain_targets, coef=c.retain_coef, batch=c.retain_batch,
                                      seed=c.seed, start=self.step * c.retain_batch * c.steps_per_batch)
         return self.retain
 
@@ -652,13 +647,14 @@ class Trainer:
 
     def prepare(self) -> bool:
         """One piece of the work the first steps and checks would otherwise do on the way to a new version, done
-        while nothing waits to be trained; returns whether any is left. First the retain term's targets (59.5 s on
-        one CPU thread for SmolLM2-135M, which held up the first step of a simulated run), then the gate's answers
+        while nothing waits to be trained; returns whether any is left. First the retain term's targets, a chunk of
+        prompts a call (all 50 took 59.5 s on one CPU thread for SmolLM2-135M), then the gate's answers
         and dice of the fixed reference (``PublicationGate.prepare``), one piece a call so that a batch that
         arrives meanwhile waits for one piece at most. Neither changes what training or the gate decide: both
         compute the same things from the same starting weights, only sooner."""
-        if self.config.retain_coef > 0 and self.retain is None:
-            self._retain()
+        retain = self._retain()
+        if retain is not None and not retain.targets.complete:
+            retain.build_ahead()
             return True
         if self.gate is None:
             return False
@@ -674,11 +670,30 @@ class Trainer:
         self.accepted = None  # type: ignore[assignment]
 
 
+def starting_retain_examples(models: TrainModels, config: Config, prompts: list[str]) -> list[RetainExample | None]:
+    """The retain targets of ``prompts``, answered by the starting weights of ``models`` (``RetainTargets.build``;
+    not bound to one trainer, since every user's trainer shares them)."""
+    from clawloop.engines.model_files import end_token_ids, load_tokenizer
+
+    tokenizer = load_tokenizer(models.model_dir)
+    t0 = time.monotonic()
+    # Inside a step's low mmap threshold when the step itself needs them (clawloop.memory): this is decoding.
+    with decoding_allocations(), gate_reference(models, None) as starting:
+        examples = build_examples(starting, tokenizer, prompts, k=config.retain_k, max_tokens=config.retain_tokens,
+                                  end_ids=end_token_ids(tokenizer), opening=config.retain_opening)
+    log.info("retain term: targets of %d prompts in %.1fs (%d without a position to train)", len(prompts),
+             time.monotonic() - t0, sum(e is None for e in examples))
+    return examples
+
+
 def prepare_ahead(trainer: Trainer) -> bool:
     """``trainer.prepare()`` for a loop with nothing to train: whether to call it again. A failure is logged and
     ends the work ahead; the steps and checks then do that work themselves, as they would have."""
+    t0 = time.perf_counter()
     try:
-        return trainer.prepare()
+        more = trainer.prepare()
+        log.info("trainer: a piece of work ahead took %.1f s%s", time.perf_counter() - t0, "" if more else "; none left")
+        return more
     except Exception:  # noqa: BLE001 - working ahead is an optimisation; training must not stop for it
         log.exception("trainer: working ahead of the first steps failed; the steps and checks do it instead")
         return False

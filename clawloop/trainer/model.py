@@ -34,7 +34,6 @@ import torch
 
 from clawloop.config import Config
 from clawloop.engines.model_files import load_model, resolve_device, resolve_model
-from clawloop.memory import release_large_frees
 
 if TYPE_CHECKING:
     from clawloop.gate.scoring import PromptStates
@@ -51,9 +50,9 @@ class TrainModels:
     reference: torch.nn.Module | None = None
     """Frozen copy of the starting weights (full fine-tuning with ``kl_coef > 0`` or ``retain_coef > 0``)."""
     use_reference: bool = False
-    retain_examples: list[Any] | None = None
-    """The retain term's targets (``clawloop.trainer.retain``), built once from the starting weights and shared by
-    every trainer of these models (one per user under per-user policies)."""
+    retain_targets: Any = None
+    """The retain term's targets (``clawloop.trainer.retain.RetainTargets``), built from the starting weights as
+    they are needed and shared by every trainer of these models (one per user under per-user policies)."""
     gate_prompt_states: PromptStates | None = None
     """The gate reference's kept prompt states (``clawloop.gate.scoring``), made by the trainer's first gate and
     shared, as the retain targets are, by every trainer of these models: every user's gate reads the same shipped
@@ -82,7 +81,6 @@ def load_train_models(config: Config, model_dir: str | Path | None = None) -> Tr
     """Load the policy for training as ``config`` says (``model``, ``lora*``, ``device``, ``kl_coef``)."""
     path = Path(model_dir) if model_dir is not None else resolve_model(config.model)
     device = resolve_device(config.device)
-    release_large_frees()  # long steps would otherwise keep freed activations resident (docs/training-memory.md)
     causal_lm = load_model(path, dtype="float32", device=device, attn_implementation=config.attn_implementation)
     causal_lm.eval()
     causal_lm.config.use_cache = False

@@ -11,11 +11,14 @@ Choices:
 
 * Prompts: ``clawloop.trainer.retain_prompts`` (general requests that are neither gate probes nor simulated users'
   questions, so the gate and the held-out scores still measure prompts the term never trained on).
-* Targets, computed at a trainer's first update from the starting weights (LoRA: the adapter off; full
-  fine-tuning: the frozen copy), so they never drift with the policy: each prompt, rendered as the server renders
-  a user's message, gets its greedy answer (``retain_tokens`` at most, read with the gate's decoder), and at each
-  answer position the starting weights' top-K log-probs (K = ``retain_k``, τ = 1) are kept, taken from the very
-  logits that decoded the answer.
+* Targets, computed from the starting weights (LoRA: the adapter off; full fine-tuning: the frozen copy), so they
+  never drift with the policy: each prompt, rendered as the server renders a user's message, gets its greedy
+  answer (``retain_tokens`` at most, read with the gate's decoder), and at each answer position the starting
+  weights' top-K log-probs (K = ``retain_k``, τ = 1) are kept, taken from the very logits that decoded the answer.
+  They are built ``BUILD_CHUNK`` prompts at a time, in the order the term takes them (``RetainTargets``): when an
+  update needs prompts not built yet, or while the trainer has nothing to train. Built all at once before the
+  first update, they held that update back by the time of 50 answers (95 s on the 2-core CPU beside a simulated
+  user, who then waited for it); now the first update waits for one chunk at most.
 * Trained positions R: every answer position but those that open a sentence after the first (where the model
   decides whether to go on at all), and, with ``retain_opening`` off, the first (how an answer opens). How long an
   answer goes on and how it opens are where users' style preferences live ("one short sentence", "In short, …"),
@@ -37,7 +40,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -49,7 +52,7 @@ SENTENCE_ENDS = (".", "!", "?")
 CLOSERS = "\"')]\u201d\u2019"
 """Characters that may close a sentence after its end mark ('He said "Hi."', "(See above.)")."""
 BUILD_CHUNK = 8
-"""Prompts answered together when the targets are built."""
+"""Prompts answered together when the targets are built (two updates' worth at the default ``retain_batch``)."""
 
 
 @dataclass
@@ -104,12 +107,12 @@ def retain_positions(tokenizer: Any, answer_ids: Sequence[int], *, opening: bool
 
 @torch.no_grad()
 def build_examples(reference: torch.nn.Module, tokenizer: Any, prompts: Sequence[str], *, k: int, max_tokens: int,
-                   end_ids: list[int], opening: bool = True) -> list[RetainExample]:
-    """The targets of ``prompts`` from ``reference`` (the starting weights), per the module docstring. A prompt
-    whose answer has no position to train (an empty answer) is left out."""
+                   end_ids: list[int], opening: bool = True) -> list[RetainExample | None]:
+    """The targets of ``prompts`` from ``reference`` (the starting weights), per the module docstring, one per
+    prompt in their order: None for a prompt whose answer has no position to train (an empty answer)."""
     renderer = ChatRenderer(tokenizer)  # as the server renders a user's message
     rendered = [list(renderer.render([{"role": "user", "content": prompt}]).ids) for prompt in prompts]
-    examples = []
+    examples: list[RetainExample | None] = []
     # A few prompts at a time: the decoder keeps a [T, V] log-softmax row per answer token until it returns.
     for start in range(0, len(rendered), BUILD_CHUNK):
         chunk = rendered[start: start + BUILD_CHUNK]
@@ -117,6 +120,7 @@ def build_examples(reference: torch.nn.Module, tokenizer: Any, prompts: Sequence
         for prompt, prompt_ids, answer, logprobs_T_V in zip(prompts[start:], chunk, answers, rows):
             positions_T = retain_positions(tokenizer, answer, opening=opening)
             if not bool(positions_T.any()):
+                examples.append(None)
                 continue
             top = logprobs_T_V[:len(answer)].float().topk(k, dim=-1)
             examples.append(RetainExample(
@@ -124,6 +128,34 @@ def build_examples(reference: torch.nn.Module, tokenizer: Any, prompts: Sequence
                 prompt_len=len(prompt_ids), ref_ids_T_K=top.indices.cpu(), ref_logprobs_T_K=top.values.cpu(),
                 positions_T=positions_T))
     return examples
+
+
+class RetainTargets:
+    """The targets of a fixed list of prompts, built on demand ``BUILD_CHUNK`` at a time by ``build`` (which
+    answers a list of prompts with the starting weights: ``build_examples`` inside whatever context gives them).
+    Shared by every trainer of one model (every user's under per-user policies): the starting weights are theirs
+    in common."""
+
+    def __init__(self, prompts: Sequence[str], build: Callable[[list[str]], list[RetainExample | None]]):
+        if not prompts:
+            raise ValueError("the retain term has no prompts")
+        self.prompts = list(prompts)
+        self.build = build
+        self.examples: dict[int, RetainExample | None] = {}
+        """Built so far, by prompt index (None: that prompt's answer had no position to train)."""
+
+    def built(self, index: int) -> bool:
+        return index in self.examples
+
+    @property
+    def complete(self) -> bool:
+        return len(self.examples) == len(self.prompts)
+
+    def build_next(self, order: Sequence[int]) -> None:
+        """Builds the first ``BUILD_CHUNK`` prompts of ``order`` (prompt indices) not built yet, in one batch."""
+        todo = [i for i in order if i not in self.examples][:BUILD_CHUNK]
+        if todo:
+            self.examples.update(zip(todo, self.build([self.prompts[i] for i in todo])))
 
 
 def retain_kl(model: torch.nn.Module, example: RetainExample, device: torch.device) -> torch.Tensor:
@@ -140,27 +172,55 @@ def retain_kl(model: torch.nn.Module, example: RetainExample, device: torch.devi
 
 
 class RetainTerm:
-    """The examples and the round-robin over them; ``backward`` adds one update's share of the term."""
+    """The round-robin over the prompts and their targets (built as taken, ``RetainTargets``); ``backward`` adds one
+    update's share of the term."""
 
-    def __init__(self, examples: list[RetainExample], *, coef: float, batch: int, seed: int, start: int = 0):
-        if not examples:
-            raise ValueError("the retain term has no examples (no prompt's answer had a position to train)")
+    def __init__(self, targets: RetainTargets | list[RetainExample], *, coef: float, batch: int, seed: int,
+                 start: int = 0):
+        if isinstance(targets, list):  # examples built already
+            if not targets:
+                raise ValueError("the retain term has no examples (no prompt's answer had a position to train)")
+            built = RetainTargets([e.prompt for e in targets], _never_built)
+            built.examples = dict(enumerate(targets))
+            targets = built
         if coef <= 0 or batch < 1:
             raise ValueError(f"retain needs coef > 0 and batch >= 1 (got {coef}, {batch})")
-        self.examples = examples
+        self.targets = targets
         self.coef = float(coef)
-        self.batch = min(int(batch), len(examples))
-        self.order = list(range(len(examples)))
+        self.batch = min(int(batch), len(targets.prompts))
+        self.order = list(range(len(targets.prompts)))
         random.Random(seed).shuffle(self.order)
         self.next = start % len(self.order)
         """Where in the shuffled order the next batch starts (a resumed trainer passes how many it took before)."""
         self.skipped = 0
         """Examples left out of an update because their KL was not finite (the rest of the update trains)."""
 
+    def _ahead(self) -> list[int]:
+        """The prompt indices in the order the term will take them, from the next one on."""
+        return self.order[self.next:] + self.order[:self.next]
+
+    def build_ahead(self) -> bool:
+        """Builds the next chunk of targets the term will take (for a trainer with nothing to train); whether any
+        are left to build."""
+        self.targets.build_next(self._ahead())
+        return not self.targets.complete
+
     def take(self) -> list[RetainExample]:
-        """The next ``batch`` examples of the shuffled order (wrapping round)."""
-        picked = [self.examples[self.order[(self.next + i) % len(self.order)]] for i in range(self.batch)]
-        self.next = (self.next + self.batch) % len(self.order)
+        """The next ``batch`` examples of the shuffled order (wrapping round; a prompt without one is passed over),
+        building their targets first where needed."""
+        picked: list[RetainExample] = []
+        for _ in range(len(self.order)):
+            index = self.order[self.next]
+            if not self.targets.built(index):
+                self.targets.build_next(self._ahead())
+            self.next = (self.next + 1) % len(self.order)
+            example = self.targets.examples[index]
+            if example is not None:
+                picked.append(example)
+                if len(picked) == self.batch:
+                    return picked
+        if not picked:
+            raise ValueError("the retain term has no examples (no prompt's answer had a position to train)")
         return picked
 
     def backward(self, model: torch.nn.Module, device: torch.device) -> float:
@@ -177,3 +237,7 @@ class RetainTerm:
             (kl * (self.coef / len(picked))).backward()
             values.append(float(kl.detach()))
         return sum(values) / len(values) if values else float("nan")
+
+
+def _never_built(prompts: list[str]) -> list[RetainExample | None]:
+    raise AssertionError("targets given as examples are all built")

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from clawloop.config import Config
+from clawloop.memory import training_allocations
 from clawloop.losses import MetricsAccumulator, ObjectiveSample, ObjectiveSettings, group_normalized_rewards, \
     sample_objective, shape_advantages
 from clawloop.trainer.batch import TrainItem, micro_batches
@@ -224,6 +225,14 @@ def train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: lis
     retain term to every update (one process only). ``ask_in_loss_forward`` (None: whenever it can) takes the
     top-k ids from the loss's own forward instead of a no-gradient forward before it; it can with one update,
     one process and one micro-batch."""
+    with training_allocations():  # long steps keep no freed activations resident (clawloop.memory)
+        return _train_step(models, optimizer, items, config, teacher=teacher, fuse_old=fuse_old,
+                           ask_in_loss_forward=ask_in_loss_forward, runner=runner, retain=retain)
+
+
+def _train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: list[TrainItem], config: Config,
+                *, teacher: TeacherClient | None, fuse_old: bool | None, ask_in_loss_forward: bool | None,
+                runner: Runner | None, retain: RetainTerm | None) -> dict[str, Any]:
     if not items:
         raise ValueError("train_step needs at least one sample")
     t_start = time.perf_counter()

@@ -79,7 +79,7 @@ def test_an_idle_trainer_works_ahead_so_that_its_first_step_and_check_do_less(ma
         await trainer.start()
         assert trainer.status()["gate"]["working_ahead"]
         await wait_for(lambda: not trainer.status()["gate"]["working_ahead"], what="the work ahead")
-        assert trainer.core.retain is not None and trainer.step == 0
+        assert trainer.core.retain is not None and trainer.core.retain.targets.complete and trainer.step == 0
         for i, reward in enumerate((1.0, -1.0)):
             add_sample(store, base_model, tiny_tokenizer, i, reward=reward, hints=HINTS)
         trainer.wake()

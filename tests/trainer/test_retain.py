@@ -18,7 +18,8 @@ from clawloop.sim.data.questions import POOLS
 from clawloop.store import SampleRecord, Store, TurnRecord
 from clawloop.trainer.core import Trainer
 from clawloop.trainer.model import gate_reference
-from clawloop.trainer.retain import RetainTerm, build_examples, retain_kl, retain_positions, sentence_ends
+from clawloop.trainer.retain import BUILD_CHUNK, RetainTargets, RetainTerm, build_examples, retain_kl, \
+    retain_positions, sentence_ends
 from clawloop.trainer.retain_prompts import RETAIN_PROMPTS
 
 from trainer_helpers import render
@@ -108,6 +109,42 @@ def test_the_term_pulls_a_moved_model_back_and_takes_its_prompts_round_robin(tin
     assert before > 0.01 and mean_kl() < 0.5 * before, (before, mean_kl())
 
 
+def test_targets_are_built_a_chunk_at_a_time_in_the_order_the_term_takes_them(tiny_tokenizer, base_model):
+    """The first update waits for the targets of one chunk of prompts, not of all of them: each chunk is the next
+    prompts the round-robin takes, built in one batch, and the examples are those a build of every prompt at once
+    gives. A trainer with nothing to train builds the next chunk ahead; a prompt without an example is passed
+    over."""
+    prompts = list(RETAIN_PROMPTS[:2 * BUILD_CHUNK + 3])
+    end_ids = end_token_ids(tiny_tokenizer)
+    at_once = dict(zip(prompts, build_examples(base_model, tiny_tokenizer, prompts, k=8, max_tokens=12,
+                                               end_ids=end_ids)))
+    asked: list[list[str]] = []
+
+    def build(chunk):
+        asked.append(list(chunk))
+        return build_examples(base_model, tiny_tokenizer, chunk, k=8, max_tokens=12, end_ids=end_ids)
+
+    term = RetainTerm(RetainTargets(prompts, build), coef=1.0, batch=3, seed=0)
+    order = [prompts[i] for i in term.order]
+    first = term.take()
+    assert asked == [order[:BUILD_CHUNK]]  # one chunk: the next prompts in the term's order
+    assert [e.prompt for e in first] == order[:3]
+    for e in first:
+        assert torch.equal(e.input_ids_L, at_once[e.prompt].input_ids_L)
+        assert torch.equal(e.ref_ids_T_K, at_once[e.prompt].ref_ids_T_K)
+        assert torch.allclose(e.ref_logprobs_T_K, at_once[e.prompt].ref_logprobs_T_K, atol=1e-5)
+    term.take()  # prompts 3..5 of the order: built already
+    assert len(asked) == 1
+    assert term.build_ahead() is True and asked[1] == order[BUILD_CHUNK:2 * BUILD_CHUNK]
+    assert term.build_ahead() is False and asked[2] == order[2 * BUILD_CHUNK:]
+    assert term.targets.complete and len(asked) == 3
+
+    empty = order[7]  # its answer has no position to train: passed over, and the round-robin goes on after it
+    term.targets.examples[prompts.index(empty)] = None
+    term.next = 6
+    assert [e.prompt for e in term.take()] == [order[6], order[8], order[9]]
+
+
 def test_settings_are_checked(make_config):
     with pytest.raises(ConfigError, match="retain_coef"):
         make_config(retain_coef=-0.1)
@@ -143,8 +180,8 @@ def _train(make_config, tiny_tokenizer, tmp_path, retain_coef, steps=6):
         store.put_sample(SampleRecord(turn_id=tid, reward=1.0, kind="rl"))
         metrics = trainer.run_batch(*store.lease_samples(1))
     with gate_reference(trainer.models, None) as starting_weights:
-        starting = build_examples(starting_weights, tiny_tokenizer, list(PROMPTS), k=8, max_tokens=12,
-                                  end_ids=end_token_ids(tiny_tokenizer))
+        starting = [e for e in build_examples(starting_weights, tiny_tokenizer, list(PROMPTS), k=8, max_tokens=12,
+                                              end_ids=end_token_ids(tiny_tokenizer)) if e is not None]
     with torch.no_grad():
         kl = sum(retain_kl(trainer.models.causal_lm, e, torch.device("cpu")).item() for e in starting)
     return metrics, kl / len(starting)
