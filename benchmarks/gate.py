@@ -14,10 +14,11 @@ the run's corrected prompts), so the two times are measured side by side on the 
 whether both decided alike and how many of their common answers are equal. With ``--without-kept-states`` the other
 gate is the trainer's own without the reference's kept prompt states (``clawloop.gate.scoring``), and the line
 below it compares the parts' times; with ``--step-allocator`` it is a copy of the trainer's own run under a
-training step's mmap threshold (``clawloop.memory``), as every check ran before that was raised outside the steps. The last lines time the greedy answers to probes of mixed lengths in one padded
-batch and in the gate's length groups, side by side, then the reference's forward over those answers with and
-without kept prompt states, then (LoRA) with the adapter as it trains against merged for the check, then the gate's decoding (rows leave the batch as they end) against one ``generate`` call per group, as
-the candidate answers and with most answers cut short.
+training step's mmap threshold (``clawloop.memory``), as every check ran before that was raised outside the steps.
+The last lines time the greedy answers to probes of mixed lengths in one padded batch and in the gate's length
+groups, side by side, then the reference's forward over those answers with and without kept prompt states, then
+(LoRA) with the adapter as it trains against merged for the check, then the gate's decoding (rows leave the batch
+as they end) against one ``generate`` call per group, as the candidate answers and with most answers cut short.
 
     .venv/bin/python benchmarks/gate.py                    # 3 steps of 4 samples x 64 tokens, 1 thread
     .venv/bin/python benchmarks/gate.py --threads 2 --probe-tokens 16

@@ -692,7 +692,8 @@ def prepare_ahead(trainer: Trainer) -> bool:
     t0 = time.perf_counter()
     try:
         more = trainer.prepare()
-        log.info("trainer: a piece of work ahead took %.1f s%s", time.perf_counter() - t0, "" if more else "; none left")
+        log.info("trainer: a piece of work ahead took %.1f s%s", time.perf_counter() - t0,
+                 "" if more else "; none left")
         return more
     except Exception:  # noqa: BLE001 - working ahead is an optimisation; training must not stop for it
         log.exception("trainer: working ahead of the first steps failed; the steps and checks do it instead")
