@@ -44,6 +44,8 @@ def _run(body: str) -> str:
     done = subprocess.run([sys.executable, "-c", MAPPED + textwrap.dedent(body)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
+    if done.stdout.strip() == "no mallinfo2":
+        pytest.skip("glibc before 2.33 has no mallinfo2 to count mapped blocks with")
     return done.stdout.strip()
 
 
@@ -66,8 +68,7 @@ def test_a_training_step_maps_large_tensors_and_decoding_takes_them_from_the_hea
         seen.append(mapped())
         print(seen)
     ''')
-    if out != "no mallinfo2":
-        assert out == "[False, True, False, True, False]"
+    assert out == "[False, True, False, True, False]"
 
 
 def test_overlapping_blocks_on_two_threads_the_newest_decides_until_it_ends():
@@ -92,5 +93,4 @@ def test_overlapping_blocks_on_two_threads_the_newest_decides_until_it_ends():
         seen.append(mapped())
         print(seen)
     ''')
-    if out != "no mallinfo2":
-        assert out == "[True, False, True, False]"
+    assert out == "[True, False, True, False]"

@@ -51,10 +51,10 @@ from typing import Any, TextIO, TypeVar
 import torch
 
 from clawloop.config import Config
-from clawloop.memory import decoding_allocations
 from clawloop.gate.gate import GateResult, PublicationGate
 from clawloop.gate.knowledge import KNOWLEDGE
 from clawloop.gate.scoring import PromptStates
+from clawloop.memory import decoding_allocations
 from clawloop.retry import Backoff, retry_sync
 from clawloop.store import LeaseLost, SampleRecord
 from clawloop.teacher import hint_system

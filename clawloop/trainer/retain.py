@@ -175,14 +175,7 @@ class RetainTerm:
     """The round-robin over the prompts and their targets (built as taken, ``RetainTargets``); ``backward`` adds one
     update's share of the term."""
 
-    def __init__(self, targets: RetainTargets | list[RetainExample], *, coef: float, batch: int, seed: int,
-                 start: int = 0):
-        if isinstance(targets, list):  # examples built already
-            if not targets:
-                raise ValueError("the retain term has no examples (no prompt's answer had a position to train)")
-            built = RetainTargets([e.prompt for e in targets], _never_built)
-            built.examples = dict(enumerate(targets))
-            targets = built
+    def __init__(self, targets: RetainTargets, *, coef: float, batch: int, seed: int, start: int = 0):
         if coef <= 0 or batch < 1:
             raise ValueError(f"retain needs coef > 0 and batch >= 1 (got {coef}, {batch})")
         self.targets = targets
@@ -237,7 +230,3 @@ class RetainTerm:
             (kl * (self.coef / len(picked))).backward()
             values.append(float(kl.detach()))
         return sum(values) / len(values) if values else float("nan")
-
-
-def _never_built(prompts: list[str]) -> list[RetainExample | None]:
-    raise AssertionError("targets given as examples are all built")

@@ -73,6 +73,13 @@ def test_targets_are_the_starting_weights_top_k_along_their_own_greedy_answer(ti
         assert retain_kl(base_model, e, torch.device("cpu")).item() == pytest.approx(0.0, abs=1e-4)
 
 
+def _built(examples):
+    """Targets whose examples are given (None: a prompt without one), as if built from the starting weights."""
+    prompts = [f"prompt {i}" if e is None else e.prompt for i, e in enumerate(examples)]
+    by_prompt = dict(zip(prompts, examples))
+    return RetainTargets(prompts, lambda chunk: [by_prompt[p] for p in chunk])
+
+
 def test_the_term_pulls_a_moved_model_back_and_takes_its_prompts_round_robin(tiny_tokenizer, base_model, tmp_path):
     import copy
 
@@ -82,7 +89,7 @@ def test_the_term_pulls_a_moved_model_back_and_takes_its_prompts_round_robin(tin
     with torch.no_grad():
         for p in moved.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.02)
-    term = RetainTerm(examples, coef=1.0, batch=2, seed=0)
+    term = RetainTerm(_built(examples), coef=1.0, batch=2, seed=0)
     seen = [e.prompt for _ in range(2) for e in term.take()]
     assert sorted(seen) == sorted(RETAIN_PROMPTS[:4])  # two batches of two cover the four once
     term.next = 0
@@ -93,9 +100,9 @@ def test_the_term_pulls_a_moved_model_back_and_takes_its_prompts_round_robin(tin
 
     # A resumed trainer starts further along the order; an example whose KL is not finite is left out of the
     # gradient, and the rest still trains.
-    assert [e.prompt for e in RetainTerm(examples, coef=1.0, batch=2, seed=0, start=2).take()] == seen[2:]
+    assert [e.prompt for e in RetainTerm(_built(examples), coef=1.0, batch=2, seed=0, start=2).take()] == seen[2:]
     broken = dataclasses.replace(examples[0], ref_logprobs_T_K=torch.full_like(examples[0].ref_logprobs_T_K, math.nan))
-    partly = RetainTerm([broken, examples[1]], coef=1.0, batch=2, seed=0)
+    partly = RetainTerm(_built([broken, examples[1]]), coef=1.0, batch=2, seed=0)
     moved.zero_grad()
     assert math.isfinite(partly.backward(moved, torch.device("cpu"))) and partly.skipped == 1
     assert all(torch.isfinite(p.grad).all() for p in moved.parameters() if p.grad is not None)
@@ -153,8 +160,8 @@ def test_settings_are_checked(make_config):
     assert make_config(retain_coef=0.5).retain_coef == 0.5
     with pytest.raises(ConfigError, match="retain_tokens"):
         make_config(retain_coef=1.0, retain_opening=False, retain_tokens=1)
-    with pytest.raises(ValueError, match="no examples"):
-        RetainTerm([], coef=1.0, batch=1, seed=0)
+    with pytest.raises(ValueError, match="no examples"):  # no prompt's answer had a position to train
+        RetainTerm(_built([None]), coef=1.0, batch=1, seed=0).take()
 
 
 MESSAGES = [{"role": "user", "content": "What is two plus two?"}]
