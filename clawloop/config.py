@@ -411,11 +411,10 @@ class GateSettings:
                                "accepted version's (clawloop/gate/preference.py). Needs the starting weights as "
                                "the gate's reference (LoRA, or kl_coef > 0 or the retain term); without them the "
                                "check does not run.")
-    gate_max_preference_drop: float = _f(1.0, "Largest drop, in nats, of the mean implicit reward log p_ref(y|x+hint) - "
-                                         "log p_ref(y|x) of the candidate's probe answers below the last accepted "
-                                         "version's (replayed versions that kept their held-out score moved by up "
-                                         "to 0.6; the two that lost most of it fell by 6 and 9, one that lost "
-                                         "a little by 0.15).")
+    gate_max_preference_drop: float = _f(0.1, "Largest drop, in nats per answer token, of the mean implicit reward "
+                                         "log p_ref(y|x+hint) - log p_ref(y|x) of the candidate's probe answers "
+                                         "(each read with its end token where it ended) below the last accepted "
+                                         "version's; docs/publication-gate.md, \"Keeping the preference\".")
     gate_prompt_state_tokens: int = _f(8192, "Prompt tokens whose KV cache under the starting weights the gate keeps "
                                        "between checks, so that its KL and preference forwards read only the "
                                        "answers (clawloop/gate/scoring.py); least recently used prompts go first, "

@@ -1,6 +1,6 @@
 """Replay a comparison's kept versions: does the hint's own judgement of the gate's answers follow the held-out score?
 
-    python scripts/preference_replay.py results/eval-final [--cells hybrid-brief-s2 opd-brief-s2 ...]
+    python scripts/preference_replay.py results/eval-final [--cells hybrid-brief-s2 opd-brief-s2 ...] [--as-gate]
 
 In the comparison before the gate's preference check, some accepted versions unlearnt part of the preference
 (README, "Method comparison"). This asks, offline, whether the signal that check now reads
@@ -14,9 +14,11 @@ more likely the hint makes that answer). For each accepted version v2, v3, … o
 ``versions/`` and store (they stay local; only ``result.json`` is committed), it takes the guard probes on which
 the version's own gate evidence also records the last accepted version's answer (the shipped and corrected
 probes), and prints the mean R of the new version's answers against the last accepted one's, beside the
-held-out scores both were measured at when served. Answers are read from the evidence as text and tokenised
-again, which may differ from the ids the gate decoded by a token here and there; an answer shorter than the
-gate's cap is taken to have ended, so its end token is scored. One thread; a few seconds a version on a 2-core CPU.
+held-out scores both were measured at when served, and the same means per answer token (what the gate's check
+compares; ``clawloop.gate.preference``). Answers are read from the evidence as text and tokenised again, which may
+differ from the ids the gate decoded by a token here and there; an answer shorter than the gate's cap is taken to
+have ended, so its end token is scored, unless ``--as-gate`` (the gate reads the answers as it decoded them,
+without their end token). One thread; a few seconds a version on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="A comparison folder (holding cells/).")
     parser.add_argument("--cells", nargs="*", default=None, help="Cell folder names (default: every cell).")
+    parser.add_argument("--as-gate", action="store_true",
+                        help="Score the answers without their end token, as the gate's check reads them.")
     args = parser.parse_args(argv)
 
     import torch
 
     from clawloop.engines.model_files import default_model_dir, end_token_ids, load_model, load_tokenizer
-    from clawloop.gate.preference import implicit_rewards
+    from clawloop.gate.preference import implicit_rewards, per_token
     from clawloop.renderers.chat import ChatRenderer
     from clawloop.teacher import inject_hint
 
@@ -55,13 +59,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def answer_ids(text: str, cap: int) -> list[int]:
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        return ids + [end_id] if len(ids) < cap else ids
+        return ids + [end_id] if len(ids) < cap and not args.as_gate else ids
 
     cells = sorted(Path(args.out, "cells").iterdir()) if args.cells is None else [
         Path(args.out, "cells", name) for name in args.cells]
     print("| cell | version | held-out score, last accepted → this | probes | mean R, last accepted → this | "
-          "this one's R higher on |")
-    print("|---|---|---|---|---|---|")
+          "this one's R higher on | mean R per token, last accepted → this | drop per token |")
+    print("|---|---|---|---|---|---|---|---|")
     for cell in cells:
         store, versions = cell / "store.sqlite", cell / "versions"
         if not (store.exists() and versions.exists() and (cell / "result.json").exists()):
@@ -98,9 +102,12 @@ def main(argv: list[str] | None = None) -> int:
             r_mine = implicit_rewards(model, plain, hinted, mine)
             r_theirs = implicit_rewards(model, plain, hinted, theirs)
             higher = sum(a > b for a, b in zip(r_mine, r_theirs))
+            t_mine = statistics.mean(per_token(r, len(a)) for r, a in zip(r_mine, mine))
+            t_theirs = statistics.mean(per_token(r, len(a)) for r, a in zip(r_theirs, theirs))
             print(f"| {cell.name} | v{version} | {scores.get(version - 1, float('nan')):.2f} → "
                   f"{scores.get(version, float('nan')):.2f} | {len(probes)} | {statistics.mean(r_theirs):.2f} → "
-                  f"{statistics.mean(r_mine):.2f} | {higher} of {len(probes)} |", flush=True)
+                  f"{statistics.mean(r_mine):.2f} | {higher} of {len(probes)} | {t_theirs:.3f} → {t_mine:.3f} | "
+                  f"{t_theirs - t_mine:.3f} |", flush=True)
     return 0
 
 

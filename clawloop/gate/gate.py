@@ -47,8 +47,8 @@ A check:
 6. with a hint to read (``preference_hint``: the trainer's most frequent hint), an accepted version since the
    gate started and the starting weights as the reference (``kl_to="reference"``), reads the hint's implicit
    reward of the candidate's greedy guard answers and of the last accepted version's answers to the same probes
-   under the reference (``clawloop.gate.preference``); the candidate fails when its mean is more than
-   ``max_preference_drop`` nats lower: it unlearnt what the users taught.
+   under the reference (``clawloop.gate.preference``); the candidate fails when its mean per answer token is
+   more than ``max_preference_drop`` nats/token lower: it unlearnt what the users taught.
 
 The result carries its evidence (every probe's answer, verdict, reasons and KL) for the store and the version
 history. Why these checks and thresholds: docs/publication-gate.md.
@@ -118,7 +118,8 @@ class ProbeOutcome:
     """Sampled knowledge probe: the mean of that count over the reference's dice sets (``reference_dice``; the
     check's own set among them); None where the reference drew with the check's dice only."""
     preference: float | None = None
-    """The preference check's R of the candidate's answer (``clawloop.gate.preference``); None where not measured."""
+    """The preference check's R of the candidate's answer, summed over its tokens (``clawloop.gate.preference``);
+    None where not measured."""
     accepted_preference: float | None = None
     """The same R of the last accepted version's answer."""
 
@@ -192,7 +193,8 @@ class GateResult:
             return f"{verdict}: {facts}; stopped before the guard's probes and the KL, {self.seconds:.1f}s"
         pref = self.preference
         preference = ("" if pref is None else
-                      f", the hint's reward {pref.accepted_mean:.2f} → {pref.candidate_mean:.2f} ({pref.probes} probes)")
+                      f", the hint's reward {pref.accepted_mean:.3f} → {pref.candidate_mean:.3f} nats/token "
+                      f"({pref.probes} probes)")
         return (f"{verdict}: guard {self.guard_pass:.2f} ({self.regressions} of {self.counted} regressed), "
                 f"{facts}, KL {self.kl:.2f} nats/token{preference}, {self.seconds:.1f}s")
 
@@ -296,9 +298,9 @@ def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float
     * a corrected prompt that the last accepted version answered soundly is not answered soundly any more (an
       earlier fix broken; none tolerated, except by a near-identical candidate, whose failures are near-ties);
     * the KL is above ``max_kl`` (or not a number);
-    * the hint's implicit reward of the candidate's answers (``preference``, ``clawloop.gate.preference``) is more
-      than ``max_preference_drop`` nats below that of the last accepted version's answers: it unlearnt the
-      preference.
+    * the hint's implicit reward per token of the candidate's answers (``preference``,
+      ``clawloop.gate.preference``) is more than ``max_preference_drop`` nats/token below that of the last accepted
+      version's answers: it unlearnt the preference.
 
     ``kl_measured`` is False when the check stopped after its knowledge probes, before the guard's: a candidate
     is near-identical only by a KL measured on those."""
@@ -330,9 +332,9 @@ def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float
     if not kl <= max_kl:  # also rejects a NaN
         reasons.append(f"KL {kl:.2f} > {max_kl:.2f} nats/token")
     if preference is not None and not preference.drop <= max_preference_drop:
-        reasons.append(f"the hint's reward of the answers fell {preference.drop:.2f} nats "
-                       f"({preference.accepted_mean:.2f} → {preference.candidate_mean:.2f} over {preference.probes} "
-                       f"probes), more than {max_preference_drop:.2f}")
+        reasons.append(f"the hint's reward of the answers fell {preference.drop:.3f} nats/token "
+                       f"({preference.accepted_mean:.3f} → {preference.candidate_mean:.3f} over {preference.probes} "
+                       f"probes), more than {max_preference_drop:.3f}")
     return Decision(accepted=not reasons, reasons=reasons, guard_pass=guard_pass, counted=len(guard),
                     regressions=len(regressed), tolerated=tolerated, knowledge_counted=len(facts),
                     forgotten=len(forgotten), tolerated_forgotten=tolerated_facts, broken_fixes=len(broken),
@@ -387,7 +389,7 @@ class PublicationGate:
                  knowledge: Sequence[KnowledgeProbe] = (), knowledge_tokens: int = KNOWLEDGE_TOKENS,
                  fixed_prompts: PromptSource | None = None, knowledge_samples: int = 0,
                  knowledge_temperature: float = 0.6, max_fact_drop: float = MAX_FACT_DROP,
-                 preference_hint: Callable[[], str | None] | None = None, max_preference_drop: float = 1.0,
+                 preference_hint: Callable[[], str | None] | None = None, max_preference_drop: float = 0.1,
                  hint_system: str | None = None, prompt_states: PromptStates | None = None,
                  reference_dice: int = 1):
         self.tokenizer = tokenizer
@@ -691,15 +693,17 @@ class PublicationGate:
         greedy = [(p, a) for p, a, lp in answered if lp is not None]
         scored = iter(())
         if greedy:
+            # Read with their end token where they ended: the KL takes the answer's rows, the preference check
+            # (step 6) the end token's row as well.
             with _timed(parts_s, "kl"), reference() as ref:
-                scored = iter(answer_logprobs(ref, [p.ids for p, _ in greedy], [a for _, a in greedy],
-                                              states=states))
+                scored = iter(answer_logprobs(ref, [p.ids for p, _ in greedy],
+                                              [self._with_end(p, a) for p, a in greedy], states=states))
         ref_lp = [next(scored) if lp is not None else None for _, _, lp in answered]
         kl_sum, kl_tokens = 0.0, 0
         for outcome, (_, ans, c_T_V), r_T_V in zip(outcomes, answered, ref_lp):
             if c_T_V is None:  # sampled answers: the KL is measured on the greedy ones
                 continue
-            kl_T = (c_T_V.exp() * (c_T_V - r_T_V)).sum(-1) if len(ans) else torch.zeros(0)
+            kl_T = (c_T_V.exp() * (c_T_V - r_T_V[:len(ans)])).sum(-1) if len(ans) else torch.zeros(0)
             kl_sum += float(kl_T.sum())
             kl_tokens += len(ans)
             outcome.kl = float(kl_T.mean()) if len(ans) else 0.0
@@ -768,25 +772,25 @@ class PublicationGate:
             pair = self._hinted_pair(p.messages, hint)
             if pair is None:
                 continue
-            rows.append((p, ans, o))
+            rows.append((p, self._with_end(p, ans), o))
             plain.append(pair[0])
             hinted.append(pair[1])
             reuse = r_T_V is not None and pair[0] == p.ids
-            plain_sums.append(summed_logprob(r_T_V, ans) if reuse else None)
+            plain_sums.append(summed_logprob(r_T_V, rows[-1][1]) if reuse else None)
         if not rows:
             return None, {}
         compared = [i for i, (p, _, _) in enumerate(rows) if _key(p) in self._accepted]
         stale = [i for i in compared if self._accepted_reward.get(_key(rows[i][0]), ("", 0.0))[0] != hint]
         theirs = {i: self._accepted_reward[_key(rows[i][0])][1] for i in compared if i not in stale}
         # An answer equal to the accepted version's has its R (once that is known).
-        same = [i for i in compared if rows[i][1] == self._accepted[_key(rows[i][0])][2]]
+        same = [i for i in compared if rows[i][1] == self._accepted_scored(rows[i][0])]
         todo = [i for i in range(len(rows)) if i not in same]
         unplain = [i for i in todo if plain_sums[i] is None]
         if stale or todo:
             with reference() as ref:
                 if stale:
                     read = implicit_rewards(ref, [plain[i] for i in stale], [hinted[i] for i in stale],
-                                            [self._accepted[_key(rows[i][0])][2] for i in stale], states=states)
+                                            [self._accepted_scored(rows[i][0]) for i in stale], states=states)
                     theirs.update(zip(stale, read))
                     # The accepted version's rewards under this hint, whatever becomes of the candidate.
                     self._accepted_reward.update({_key(rows[i][0]): (hint, r) for i, r in zip(stale, read)})
@@ -809,7 +813,19 @@ class PublicationGate:
         rewards = {_key(rows[i][0]): (hint, mine[i]) for i in kept}
         if not compared:
             return None, rewards
-        return PreferenceReading.of(hint, [theirs[i] for i in compared], [mine[i] for i in compared]), rewards
+        return PreferenceReading.of(hint, [theirs[i] for i in compared], [mine[i] for i in compared],
+                                    [len(self._accepted_scored(rows[i][0])) for i in compared],
+                                    [len(rows[i][1]) for i in compared]), rewards
+
+    def _with_end(self, p: _Probe, ans: list[int]) -> list[int]:
+        """A greedy answer as the preference check reads it: with the end token (the tokenizer's first) where it
+        ended before its cap. Where an answer ends says as much about a preference for length or for a closing as
+        its words do, and an answer read without it would be scored as if it could go on."""
+        return list(ans) + self._eos_ids()[:1] if len(ans) < self._cap(p) else list(ans)
+
+    def _accepted_scored(self, p: _Probe) -> list[int]:
+        """The last accepted version's answer to ``p`` as the preference check reads it (``_with_end``)."""
+        return self._with_end(p, self._accepted[_key(p)][2])
 
     def _hinted_pair(self, messages: list[dict[str, Any]], hint: str) -> tuple[list[int], list[int]] | None:
         """A probe's messages rendered without and with the hint; None when the renderer refuses them (content it

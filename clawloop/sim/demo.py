@@ -306,8 +306,8 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
         f"{options.interactions} interactions, seed {options.seed}, run dir {run_dir}")
     probes = "the shipped probes" + (", the knowledge probes" if s.gate_knowledge else "") + \
         ", the run's corrected and recent prompts"
-    kept = (f", the hint's reward of the answers at most {s.gate_max_preference_drop:g} nats below the last accepted "
-            "version's" if s.gate_preference else "")
+    kept = (f", the hint's reward of the answers at most {s.gate_max_preference_drop:g} nats/token below the last "
+            "accepted version's" if s.gate_preference else "")
     out("publication gate: " + (f"on, checking every {s.gate_every} step(s) on {probes} (guard >= "
                                 f"{s.gate_min_guard_pass:g} of the reference's sound answers, KL <= "
                                 f"{s.gate_max_kl:g} nats/token{kept})" if s.gate

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from clawloop.engines.model_files import end_token_ids
 from clawloop.gate import gate as gate_module
 from clawloop.gate.gate import PublicationGate, decide
 from clawloop.gate.preference import PreferenceReading, implicit_rewards
@@ -51,11 +52,11 @@ def test_implicit_rewards_equal_a_direct_forward(tiny_tokenizer, base_model):
 
 def test_decide_rejects_a_drop_beyond_the_margin_and_only_that():
     def reading(accepted, candidate):
-        return PreferenceReading.of(HINT, [accepted], [candidate])
+        return PreferenceReading.of(HINT, [accepted], [candidate], [1], [1])
 
     assert reading(3.0, 1.0).drop == pytest.approx(2.0)
     rejected = decide([], 0.1, min_guard_pass=0.95, max_kl=4.0, preference=reading(3.0, 1.0), max_preference_drop=1.0)
-    assert not rejected.accepted and "the hint's reward of the answers fell 2.00 nats" in rejected.reasons[0]
+    assert not rejected.accepted and "the hint's reward of the answers fell 2.000 nats/token" in rejected.reasons[0]
     for kept in (reading(3.0, 2.5), reading(1.0, 3.0)):  # within the margin, or higher than before
         assert decide([], 0.1, min_guard_pass=0.95, max_kl=4.0, preference=kept, max_preference_drop=1.0).accepted
     assert decide([], 0.1, min_guard_pass=0.95, max_kl=4.0, preference=None, max_preference_drop=0.0).accepted
@@ -63,11 +64,28 @@ def test_decide_rejects_a_drop_beyond_the_margin_and_only_that():
     assert not decide([], 0.1, min_guard_pass=0.95, max_kl=4.0, preference=nan, max_preference_drop=1.0).accepted
 
 
+def test_the_reading_compares_rewards_per_answer_token_so_a_longer_answer_is_not_a_drop_by_itself():
+    # A 40-token answer at -0.1 nats a token sums to -4 against a 5-token answer's -1.5 (-0.3 a token): summed, the
+    # longer answer would read as 2.5 nats less favoured; per token it is 0.2 more favoured.
+    reading = PreferenceReading.of(HINT, [-1.5, 2.0], [-4.0, 2.0], [5, 4], [40, 8])
+    assert reading.accepted_mean == pytest.approx((-0.3 + 0.5) / 2)
+    assert reading.candidate_mean == pytest.approx((-0.1 + 0.25) / 2)
+    assert reading.drop == pytest.approx(0.1 - 0.075)
+    assert (reading.accepted_sum_mean, reading.candidate_sum_mean) == (pytest.approx(0.25), pytest.approx(-1.0))
+    assert decide([], 0.1, min_guard_pass=0.95, max_kl=4.0, preference=reading, max_preference_drop=0.05).accepted
+    # An empty answer (R 0) counts as one token rather than dividing by zero.
+    assert PreferenceReading.of(HINT, [0.0], [-2.0], [0], [4]).drop == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="same non-zero number"):
+        PreferenceReading.of(HINT, [1.0], [1.0], [3], [])
+
+
 @pytest.mark.parametrize("margin", [0.0, 1e6])
 def test_a_candidate_the_hint_favours_less_than_the_accepted_version_is_rejected(monkeypatch, tiny_tokenizer,
                                                                                 base_model, perturb, scripted,
                                                                                 margin):
-    ids = [list(tiny_tokenizer(a, add_special_tokens=False)["input_ids"]) for a in ANSWERS]
+    # The gate reads each answer with its end token, since both ended before the cap.
+    ids = [list(tiny_tokenizer(a, add_special_tokens=False)["input_ids"]) + end_token_ids(tiny_tokenizer)[:1]
+           for a in ANSWERS]
     rewards = [_direct_reward(base_model, tiny_tokenizer, i) for i in ids]
     # The random tiny model favours one of the two answers under the hint; that one is the accepted version's.
     favoured, other = (0, 1) if rewards[0] > rewards[1] else (1, 0)
@@ -84,17 +102,24 @@ def test_a_candidate_the_hint_favours_less_than_the_accepted_version_is_rejected
     second = gate.check(candidate, reference)
     reading = second.preference
     assert reading is not None and reading.hint == HINT and reading.probes == 1
-    assert reading.accepted_mean == pytest.approx(rewards[favoured], abs=1e-3)
-    assert reading.candidate_mean == pytest.approx(rewards[other], abs=1e-3)
+    # Compared per answer token (each probe's summed R over its answer's length); the sums are kept beside.
+    per_token = [r / len(i) for r, i in zip(rewards, ids)]
+    assert reading.accepted_mean == pytest.approx(per_token[favoured], abs=1e-4)
+    assert reading.candidate_mean == pytest.approx(per_token[other], abs=1e-4)
+    assert reading.accepted_sum_mean == pytest.approx(rewards[favoured], abs=1e-3)
+    assert reading.candidate_sum_mean == pytest.approx(rewards[other], abs=1e-3)
     assert second.probes[0].preference == pytest.approx(rewards[other], abs=1e-3)
-    assert second.evidence()["preference"]["drop"] == pytest.approx(rewards[favoured] - rewards[other], abs=2e-3)
+    assert second.evidence()["preference"]["drop"] == pytest.approx(per_token[favoured] - per_token[other],
+                                                                    abs=2e-4)
+    # The margin is what decides: the tiny model's per-token readings of the two answers differ.
+    assert abs(per_token[favoured] - per_token[other]) > 1e-3
     assert second.accepted == (margin > 0)
     if margin == 0:
         assert any("the hint's reward" in r for r in second.reasons)
     else:  # the accepted candidate's rewards, kept from its own check, are what the next one is held to
         third = gate.check(accepted, reference)
         assert third.preference.accepted_mean == pytest.approx(reading.candidate_mean, abs=1e-9)
-        assert third.preference.candidate_mean == pytest.approx(rewards[favoured], abs=1e-3)
+        assert third.preference.candidate_mean == pytest.approx(per_token[favoured], abs=1e-4)
         # The same answers again: their rewards are known, so the reading runs no forward and finds no drop.
         forwards = []
         monkeypatch.setattr(gate_module, "answer_logprob_sums", lambda *a, **kw: forwards.append(a) or [])
@@ -107,7 +132,7 @@ def test_the_check_reads_the_hint_where_the_teacher_does(monkeypatch, tiny_token
     # Under hint_placement = "system_and_user" the teacher reads the hint in the system prompt too; the check's
     # reward must be the one that teacher gives, not the user-message-only one.
     system = template_default_system(tiny_tokenizer)
-    ids = list(tiny_tokenizer(ANSWERS[1], add_special_tokens=False)["input_ids"])
+    ids = list(tiny_tokenizer(ANSWERS[1], add_special_tokens=False)["input_ids"]) + end_token_ids(tiny_tokenizer)[:1]
     expected = _direct_reward(base_model, tiny_tokenizer, ids, system=system)
     assert abs(expected - _direct_reward(base_model, tiny_tokenizer, ids)) > 1e-3
     accepted, candidate = perturb(base_model, 0.0, 1), perturb(base_model, 0.0, 2)
@@ -178,3 +203,24 @@ def test_a_reward_that_is_not_a_number_is_left_out_and_decides_nothing(monkeypat
                         lambda model, prompts, answers, **kw: [math.nan] * len(prompts))
     result = gate.check(candidate, reference)
     assert result.accepted and result.preference is None and result.probes[0].preference is None
+
+
+def test_an_answer_that_ended_is_read_with_its_end_token_and_one_cut_at_the_cap_without(
+        monkeypatch, tiny_tokenizer, base_model, perturb, scripted):
+    # Where an answer ends is part of what a length or closing preference asks; an answer the cap cut could go on,
+    # so its reading must not include an end it never wrote.
+    ids = list(tiny_tokenizer(ANSWERS[1], add_special_tokens=False)["input_ids"])
+    end = end_token_ids(tiny_tokenizer)[:1]
+    for cap, read in ((64, ids + end), (5, ids[:5])):
+        accepted, candidate = perturb(base_model, 0.0, 1), perturb(base_model, 0.0, 2)
+        scripted(monkeypatch, {id(base_model): {QUESTION: ANSWERS[0]}, id(accepted): {QUESTION: ANSWERS[0]},
+                               id(candidate): {QUESTION: ANSWERS[1]}})
+        gate = PublicationGate(tiny_tokenizer, probe_tokens=cap, probes=[QUESTION], max_kl=1e6,
+                               preference_hint=lambda: HINT, max_preference_drop=1e6)
+        reference = lambda: contextlib.nullcontext(base_model)  # noqa: E731
+        assert gate.check(accepted, reference).accepted
+        result = gate.check(candidate, reference)
+        assert result.probes[0].tokens == min(cap, len(ids))
+        expected = _direct_reward(base_model, tiny_tokenizer, read)
+        assert result.probes[0].preference == pytest.approx(expected, abs=1e-3)
+        assert result.preference.candidate_mean == pytest.approx(expected / len(read), abs=1e-4)
