@@ -1,6 +1,6 @@
 """Replay a comparison's kept versions: does the hint's own judgement of the gate's answers follow the held-out score?
 
-    python scripts/preference_replay.py results/eval-final [--cells hybrid-brief-s2 opd-brief-s2 ...] [--as-gate]
+    python scripts/preference_replay.py results/eval-final [--cells hybrid-brief-s2 opd-brief-s2 ...] [--without-end]
 
 In the comparison before the gate's preference check, some accepted versions unlearnt part of the preference
 (README, "Method comparison"). This asks, offline, whether the signal that check now reads
@@ -17,8 +17,8 @@ probes), and prints the mean R of the new version's answers against the last acc
 held-out scores both were measured at when served, and the same means per answer token (what the gate's check
 compares; ``clawloop.gate.preference``). Answers are read from the evidence as text and tokenised again, which may
 differ from the ids the gate decoded by a token here and there; an answer shorter than the gate's cap is taken to
-have ended, so its end token is scored, unless ``--as-gate`` (the gate reads the answers as it decoded them,
-without their end token). One thread; a few seconds a version on a 2-core CPU.
+have ended, so its end token is scored, as the gate's check reads it; ``--without-end`` leaves it out, as the check
+read answers before it compared them per token. One thread; a few seconds a version on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -36,13 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="A comparison folder (holding cells/).")
     parser.add_argument("--cells", nargs="*", default=None, help="Cell folder names (default: every cell).")
-    parser.add_argument("--as-gate", action="store_true",
-                        help="Score the answers without their end token, as the gate's check reads them.")
+    parser.add_argument("--without-end", action="store_true",
+                        help="Score the answers without their end token, as the gate's check read them before it "
+                             "compared rewards per token.")
     args = parser.parse_args(argv)
 
     import torch
 
-    from clawloop.engines.model_files import default_model_dir, end_token_ids, load_model, load_tokenizer
+    from clawloop.engines.model_files import default_model_dir, load_model, load_tokenizer, turn_end_token_id
     from clawloop.gate.preference import implicit_rewards, per_token
     from clawloop.renderers.chat import ChatRenderer
     from clawloop.teacher import inject_hint
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     model_dir = default_model_dir()
     tokenizer, model = load_tokenizer(model_dir), load_model(model_dir).eval()
-    end_id = end_token_ids(tokenizer)[0]
+    end_id = turn_end_token_id(tokenizer)
 
     renderer = ChatRenderer(tokenizer)  # as the server renders a request (and the teacher a hinted one)
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def answer_ids(text: str, cap: int) -> list[int]:
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        return ids + [end_id] if len(ids) < cap and not args.as_gate else ids
+        return ids + [end_id] if len(ids) < cap and not args.without_end else ids
 
     cells = sorted(Path(args.out, "cells").iterdir()) if args.cells is None else [
         Path(args.out, "cells", name) for name in args.cells]

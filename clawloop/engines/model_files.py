@@ -176,6 +176,15 @@ def end_token_ids(tokenizer: Any) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+def turn_end_token_id(tokenizer: Any) -> int:
+    """The id a chat answer ends with: the chat template's end of turn (``<|im_end|>``) where the vocabulary has
+    it, else the tokenizer's end of text."""
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        return im_end
+    return int(tokenizer.eos_token_id)
+
+
 # ----------------------------------------------------------------------------------------- default model
 
 

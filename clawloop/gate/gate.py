@@ -68,7 +68,7 @@ from typing import Any, ContextManager
 
 import torch
 
-from clawloop.engines.model_files import end_token_ids
+from clawloop.engines.model_files import end_token_ids, turn_end_token_id
 from clawloop.gate.generation import length_buckets, probe_answers, sampling_uniforms
 from clawloop.gate.guard import check as guard_check
 from clawloop.gate.knowledge import KNOWLEDGE_TOKENS, KnowledgeProbe, knows, names_fact
@@ -118,8 +118,8 @@ class ProbeOutcome:
     """Sampled knowledge probe: the mean of that count over the reference's dice sets (``reference_dice``; the
     check's own set among them); None where the reference drew with the check's dice only."""
     preference: float | None = None
-    """The preference check's R of the candidate's answer, summed over its tokens (``clawloop.gate.preference``);
-    None where not measured."""
+    """The preference check's R of the candidate's answer, summed over its tokens and its end token where it ended
+    before the cap (``clawloop.gate.preference``); None where not measured."""
     accepted_preference: float | None = None
     """The same R of the last accepted version's answer."""
 
@@ -772,11 +772,12 @@ class PublicationGate:
             pair = self._hinted_pair(p.messages, hint)
             if pair is None:
                 continue
-            rows.append((p, self._with_end(p, ans), o))
+            read = self._with_end(p, ans)
+            rows.append((p, read, o))
             plain.append(pair[0])
             hinted.append(pair[1])
             reuse = r_T_V is not None and pair[0] == p.ids
-            plain_sums.append(summed_logprob(r_T_V, rows[-1][1]) if reuse else None)
+            plain_sums.append(summed_logprob(r_T_V, read) if reuse else None)
         if not rows:
             return None, {}
         compared = [i for i, (p, _, _) in enumerate(rows) if _key(p) in self._accepted]
@@ -818,10 +819,11 @@ class PublicationGate:
                                     [len(rows[i][1]) for i in compared]), rewards
 
     def _with_end(self, p: _Probe, ans: list[int]) -> list[int]:
-        """A greedy answer as the preference check reads it: with the end token (the tokenizer's first) where it
-        ended before its cap. Where an answer ends says as much about a preference for length or for a closing as
-        its words do, and an answer read without it would be scored as if it could go on."""
-        return list(ans) + self._eos_ids()[:1] if len(ans) < self._cap(p) else list(ans)
+        """A greedy answer as the preference check reads it: with the end of turn (``turn_end_token_id``) where it
+        ended before its cap (a greedy answer stops short of its cap only at an end token). Where an answer ends
+        says as much about a preference for length or for a closing as its words do, and an answer read without it
+        would be scored as if it could go on."""
+        return list(ans) + [turn_end_token_id(self.tokenizer)] if len(ans) < self._cap(p) else list(ans)
 
     def _accepted_scored(self, p: _Probe) -> list[int]:
         """The last accepted version's answer to ``p`` as the preference check reads it (``_with_end``)."""

@@ -25,6 +25,18 @@ def test_tiny_model_is_small_random_llama_with_the_real_tokenizer(tiny_model_pat
     assert not model.generation_config.do_sample
 
 
+def test_a_chat_answer_ends_with_the_end_of_turn_where_the_vocabulary_has_one(tiny_tokenizer):
+    assert model_files.turn_end_token_id(tiny_tokenizer) == tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    class PlainTokenizer:  # a vocabulary without <|im_end|>: the tokenizer maps it to its unknown token
+        eos_token_id, unk_token_id = 7, 3
+
+        def convert_tokens_to_ids(self, token):
+            return self.unk_token_id
+
+    assert model_files.turn_end_token_id(PlainTokenizer()) == 7
+
+
 def test_tiny_model_is_built_once_and_identical_everywhere(tiny_model_path, tmp_path):
     assert model_files.tiny_model_dir() == tiny_model_path
     copy = model_files.tiny_model_dir(tmp_path / "tiny")

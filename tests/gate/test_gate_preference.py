@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from clawloop.engines.model_files import end_token_ids
+from clawloop.engines.model_files import turn_end_token_id
 from clawloop.gate import gate as gate_module
 from clawloop.gate.gate import PublicationGate, decide
 from clawloop.gate.preference import PreferenceReading, implicit_rewards
@@ -84,7 +84,7 @@ def test_a_candidate_the_hint_favours_less_than_the_accepted_version_is_rejected
                                                                                 base_model, perturb, scripted,
                                                                                 margin):
     # The gate reads each answer with its end token, since both ended before the cap.
-    ids = [list(tiny_tokenizer(a, add_special_tokens=False)["input_ids"]) + end_token_ids(tiny_tokenizer)[:1]
+    ids = [list(tiny_tokenizer(a, add_special_tokens=False)["input_ids"]) + [turn_end_token_id(tiny_tokenizer)]
            for a in ANSWERS]
     rewards = [_direct_reward(base_model, tiny_tokenizer, i) for i in ids]
     # The random tiny model favours one of the two answers under the hint; that one is the accepted version's.
@@ -132,7 +132,7 @@ def test_the_check_reads_the_hint_where_the_teacher_does(monkeypatch, tiny_token
     # Under hint_placement = "system_and_user" the teacher reads the hint in the system prompt too; the check's
     # reward must be the one that teacher gives, not the user-message-only one.
     system = template_default_system(tiny_tokenizer)
-    ids = list(tiny_tokenizer(ANSWERS[1], add_special_tokens=False)["input_ids"]) + end_token_ids(tiny_tokenizer)[:1]
+    ids = list(tiny_tokenizer(ANSWERS[1], add_special_tokens=False)["input_ids"]) + [turn_end_token_id(tiny_tokenizer)]
     expected = _direct_reward(base_model, tiny_tokenizer, ids, system=system)
     assert abs(expected - _direct_reward(base_model, tiny_tokenizer, ids)) > 1e-3
     accepted, candidate = perturb(base_model, 0.0, 1), perturb(base_model, 0.0, 2)
@@ -210,8 +210,13 @@ def test_an_answer_that_ended_is_read_with_its_end_token_and_one_cut_at_the_cap_
     # Where an answer ends is part of what a length or closing preference asks; an answer the cap cut could go on,
     # so its reading must not include an end it never wrote.
     ids = list(tiny_tokenizer(ANSWERS[1], add_special_tokens=False)["input_ids"])
-    end = end_token_ids(tiny_tokenizer)[:1]
-    for cap, read in ((64, ids + end), (5, ids[:5])):
+    end = [turn_end_token_id(tiny_tokenizer)]
+    # The end token moves R, so a reading with it and one without cannot pass for each other.
+    assert abs(_direct_reward(base_model, tiny_tokenizer, ids + end)
+               - _direct_reward(base_model, tiny_tokenizer, ids)) > 1e-3
+    # Ended well before the cap, one token before it, exactly at it (cut: a greedy answer that reaches its cap may
+    # have gone on), and well past it.
+    for cap, read in ((64, ids + end), (len(ids) + 1, ids + end), (len(ids), ids), (5, ids[:5])):
         accepted, candidate = perturb(base_model, 0.0, 1), perturb(base_model, 0.0, 2)
         scripted(monkeypatch, {id(base_model): {QUESTION: ANSWERS[0]}, id(accepted): {QUESTION: ANSWERS[0]},
                                id(candidate): {QUESTION: ANSWERS[1]}})

@@ -304,7 +304,7 @@
           v.owner ? el("span", { class: "muted", text: ` user ${v.owner}` }) : null,
           el("span", { class: "muted", text: ` step ${v.step} · ${time(v.created_at)}` })),
         el("div", { class: "small", text: v.steps.length ? `trained by step${v.steps.length > 1 ? "s" : ""} ${v.steps.join(", ")} on ${v.samples} sample${v.samples === 1 ? "" : "s"}` : "no step recorded for it" }),
-        ("guard_pass" in ev || "kl" in ev) ? el("div", { class: "small", text: `gate: guard pass ${fmt(ev.guard_pass)}, KL ${fmt(ev.kl)}${ev.kl_to ? ` to ${ev.kl_to}` : ""}${ev.preference ? `, the hint's reward ${fmt(ev.preference.accepted_mean)} → ${fmt(ev.preference.candidate_mean)} nats/token` : ""}${(ev.reasons || []).length ? `, reasons: ${ev.reasons.join("; ")}` : ""}` }) : null,
+        ("guard_pass" in ev || "kl" in ev) ? el("div", { class: "small", text: `gate: guard pass ${fmt(ev.guard_pass)}, KL ${fmt(ev.kl)}${ev.kl_to ? ` to ${ev.kl_to}` : ""}${ev.preference ? `, the hint's reward ${fmt(ev.preference.accepted_mean)} → ${fmt(ev.preference.candidate_mean)} ${ev.preference.accepted_sum_mean == null ? "nats" : "nats/token"}` : ""}${(ev.reasons || []).length ? `, reasons: ${ev.reasons.join("; ")}` : ""}` }) : null,
         el("details", {}, el("summary", { text: "evidence" }), el("pre", { text: JSON.stringify(ev, null, 1) })));
     }) : el("p", { class: "muted", text: "No version published yet." }));
     const outside = d.steps_in_no_version || [];
