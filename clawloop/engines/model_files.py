@@ -166,23 +166,24 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
+def _template_turn_end(tokenizer: Any) -> int | None:
+    """The chat template's end of turn (``<|im_end|>``), or None where the vocabulary has none."""
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return im_end if isinstance(im_end, int) and im_end != tokenizer.unk_token_id else None
+
+
 def end_token_ids(tokenizer: Any) -> list[int]:
     """The ids that end an answer: the tokenizer's end of text and the chat template's end of turn
     (``<|im_end|>``, where the vocabulary has it)."""
-    ids = {tokenizer.eos_token_id}
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
-        ids.add(im_end)
+    ids = {tokenizer.eos_token_id, _template_turn_end(tokenizer)}
     return sorted(i for i in ids if i is not None)
 
 
 def turn_end_token_id(tokenizer: Any) -> int:
-    """The id a chat answer ends with: the chat template's end of turn (``<|im_end|>``) where the vocabulary has
-    it, else the tokenizer's end of text."""
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
-        return im_end
-    return int(tokenizer.eos_token_id)
+    """The id a chat answer ends with: the chat template's end of turn where the vocabulary has it, else the
+    tokenizer's end of text."""
+    turn_end = _template_turn_end(tokenizer)
+    return turn_end if turn_end is not None else int(tokenizer.eos_token_id)
 
 
 # ----------------------------------------------------------------------------------------- default model
