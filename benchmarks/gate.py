@@ -14,7 +14,10 @@ the run's corrected prompts), so the two times are measured side by side on the 
 whether both decided alike and how many of their common answers are equal. With ``--without-kept-states`` the other
 gate is the trainer's own without the reference's kept prompt states (``clawloop.gate.scoring``), and the line
 below it compares the parts' times; with ``--step-allocator`` it is a copy of the trainer's own run under a
-training step's mmap threshold (``clawloop.memory``), as every check ran before that was raised outside the steps.
+training step's mmap threshold (``clawloop.memory``), as every check ran before that was raised outside the steps;
+with ``--kept-answers`` it is a copy of the trainer's gate keeping the starting weights' answers in an empty file
+(``clawloop.gate.kept_answers``), which the trainer's own gate then reads, as a later run on the same machine
+would.
 The last lines time the greedy answers to probes of mixed lengths in one padded batch and in the gate's length
 groups, side by side, then the reference's forward over those answers with and without kept prompt states, then
 (LoRA) with the adapter as it trains against merged for the check, then the gate's decoding (rows leave the batch
@@ -25,6 +28,7 @@ as they end) against one ``generate`` call per group, as the candidate answers a
     .venv/bin/python benchmarks/gate.py --threads 2 --steps 6 --demo-preset --without-kept-states
     .venv/bin/python benchmarks/gate.py --threads 2 --steps 3 --demo-preset --no-plain --work-ahead
     .venv/bin/python benchmarks/gate.py --threads 2 --steps 3 --demo-preset --step-allocator
+    .venv/bin/python benchmarks/gate.py --threads 2 --steps 3 --demo-preset --no-plain --kept-answers
 """
 
 from __future__ import annotations
@@ -66,6 +70,11 @@ def main() -> None:
                         "the trainer's gate run under a training step's mmap threshold (clawloop.memory: how every "
                         "check ran before the threshold was raised outside the steps), to time the check both "
                         "ways on the same candidates.")
+    parser.add_argument("--kept-answers", action="store_true", help="Check each candidate first with a copy of "
+                        "the trainer's gate that keeps the starting weights' answers in an empty file (as a run on a "
+                        "new machine), then with the trainer's own gate reading that file (as a later run or a "
+                        "restart): the first check, and the one that first draws the reference's other dice, side "
+                        "by side.")
     parser.add_argument("--work-ahead", action="store_true", help="Before the first step, let the trainer do its "
                         "work ahead (Trainer.prepare, as the online loop does while nothing is ready: the retain "
                         "term's targets, the reference's answers and its other dice) and time each piece; the first "
@@ -77,6 +86,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from clawloop.config import Config
     from clawloop.engines.model_files import default_model_dir, load_tokenizer
+    from clawloop.gate.kept_answers import KeptAnswers
     from clawloop.sim.demo import DEMO_PRESET
     from clawloop.store import SampleRecord, Store, TurnRecord
     from clawloop.trainer.core import Trainer
@@ -107,7 +117,10 @@ def main() -> None:
         trainer = Trainer(config, store, LocalVersion(), console=None)
         if args.hint:  # the samples carry no hint; the preference check reads this one as if they had
             trainer.hint_counts[args.hint] += 1
+        if args.kept_answers:
+            trainer.gate.kept_answers = KeptAnswers(Path(tmp) / "kept-answers.json")
         side = (SideBySide(trainer.gate, without_states(trainer.gate)) if args.without_kept_states
+                else SideBySide(trainer.gate, cold_copy(trainer.gate)) if args.kept_answers
                 else SideBySide(trainer.gate, UnderStepAllocator(same_gate(trainer.gate))) if args.step_allocator
                 else SideBySide(trainer.gate, plain_gate(tokenizer, config, store)) if args.plain else None)
         if side is not None:
@@ -143,19 +156,24 @@ def main() -> None:
             if side is not None and side.last:
                 other, same, total, agree = side.last
                 what = ("without kept prompt states" if args.without_kept_states
+                        else "with no answers kept yet (then the trainer's gate reading the ones it kept)"
+                        if args.kept_answers
                         else "under a training step's mmap threshold" if args.step_allocator
                         else "plain gate (no knowledge probes or corrected prompts)")
                 print(f"  {what}, the same candidate: {other.seconds:.2f}s (ratio to train "
                       f"{other.seconds / train_s:.2f}, to the gate's check {other.seconds / max(gate_s, 1e-9):.2f}x) "
                       f"| same decision: {agree} | same answers: {same}/{total}")
-                if args.without_kept_states:
+                if args.without_kept_states or args.kept_answers:
                     mine = {part: m[f"gate_{part}_s"] for part, _ in PARTS if f"gate_{part}_s" in m}
+                    theirs = other.seconds_by_part
                     print("    parts without / with: " + ", ".join(
-                        f"{label} {other.seconds_by_part[part]:.2f}s / {mine[part]:.2f}s "
-                        f"({other.seconds_by_part[part] / max(mine[part], 1e-9):.2f}x)"
-                        for part, label in PARTS if part in mine and part in other.seconds_by_part)
+                        f"{label} {theirs[part]:.2f}s / {mine[part]:.2f}s ({theirs[part] / max(mine[part], 1e-9):.2f}x)"
+                        if part in mine and part in theirs else
+                        f"{label} {theirs[part]:.2f}s / none" if part in theirs else f"{label} none / {mine[part]:.2f}s"
+                        for part, label in PARTS if part in mine or part in theirs)
                         + (f" | KL {other.kl:.5f} / {m['gate_kl']:.5f}" if other.kl_measured and "gate_kl" in m
                            else " | no KL measured"))
+                if args.without_kept_states:
                     states = trainer.gate.prompt_states
                     print(f"    kept prompt states: {states.tokens} tokens, {states.nbytes / 2 ** 20:.1f} MiB")
         compare_batching(trainer, tokenizer, args.probe_tokens)
@@ -175,6 +193,19 @@ def plain_gate(tokenizer, config, store):
     return PublicationGate(tokenizer, min_guard_pass=config.gate_min_guard_pass, max_kl=config.gate_max_kl,
                            probe_tokens=config.gate_probe_tokens,
                            recent_prompts=lambda: store.recent_prompts(config.gate_recent_prompts))
+
+
+def cold_copy(gate):
+    """A copy of ``gate`` (its own kept verdicts and prompt states, the same tokenizer) keeping the starting
+    weights' answers in the trainer's gate's file, which it fills first."""
+    import copy
+
+    from clawloop.gate.kept_answers import KeptAnswers
+
+    shared = (gate.tokenizer, gate.preference_hint, gate.recent_prompts, gate.fixed_prompts)  # the run's, not copied
+    other = copy.deepcopy(gate, memo={id(gate.kept_answers): None, **{id(x): x for x in shared}})
+    other.kept_answers = KeptAnswers(gate.kept_answers.path)
+    return other
 
 
 def without_states(gate):

@@ -421,6 +421,12 @@ class GateSettings:
                                        "0 keeps none. A kept token costs 2 x layers x KV heads x head size float32 "
                                        "values (the trainer's reference is float32): 46 KB for SmolLM2-135M, 295 KB "
                                        "for Qwen3-4B.")
+    gate_kept_answers: bool = _f(True, "Keep the starting weights' answers to the gate's shipped and knowledge probes "
+                                 "(their dice sets included) on disk in the clawloop cache ($CLAWLOOP_CACHE, else "
+                                 "~/.cache/clawloop, folder gate-answers), so that later runs and restarts of the "
+                                 "same model do not ask them again: they took 23-67 s of a first check and 130-170 s "
+                                 "of the check that first drew the other dice on the CPU default. Shipped text only; "
+                                 "the run's own prompts are never kept (clawloop/gate/kept_answers.py).")
 
 
 # The sections in reverse reading order: a dataclass collects its bases' fields from the last base to the first,

@@ -12,7 +12,9 @@ A check:
    it was served; a longer one (an agent's, with its system prompt, tools and history) as its closing exchanges
    (``closing_exchanges``: what the user wrote in the last messages, at most ``RECENT_TAIL_TOKENS``), which is
    what the guard judges the answer against; a probe equal to an earlier one is asked once;
-2. has the reference answer each probe once, the first time a check reaches it, and keeps its verdict;
+2. has the reference answer each probe once, the first time a check reaches it, and keeps its verdict (the
+   starting weights' answers to the shipped and knowledge probes are also kept on disk from one run to the next,
+   ``kept_answers``, ``clawloop.gate.kept_answers``);
 3. finds the candidate's greedy answer to each probe (``probe_tokens`` at most, ``knowledge_tokens`` for the
    knowledge probes, which are answered first; probes of similar length batched together, ``length_buckets``,
    each row leaving the batch when its answer ends; on the CPU a LoRA candidate merged, as the embedded engine
@@ -71,6 +73,7 @@ import torch
 from clawloop.engines.model_files import end_token_ids, turn_end_token_id
 from clawloop.gate.generation import length_buckets, probe_answers, sampling_uniforms
 from clawloop.gate.guard import check as guard_check
+from clawloop.gate.kept_answers import KeptAnswers, request_key
 from clawloop.gate.knowledge import KNOWLEDGE_TOKENS, KnowledgeProbe, knows, names_fact
 from clawloop.gate.preference import PreferenceReading, implicit_rewards
 from clawloop.gate.probes import PROBES
@@ -374,6 +377,9 @@ class _Probe:
     (a long message's ends) or a knowledge probe."""
 
 
+SHIPPED_SOURCES = ("shipped", "knowledge")
+"""Probes whose text ships with clawloop (the run's own prompts come from users' conversations)."""
+
 PromptSource = Callable[[], Sequence[tuple[int, list[int], list[dict[str, Any]]]]]
 """Gives ``(turn id, prompt ids, request messages)`` of the run's prompts (``Store.recent_prompts``)."""
 
@@ -391,7 +397,7 @@ class PublicationGate:
                  knowledge_temperature: float = 0.6, max_fact_drop: float = MAX_FACT_DROP,
                  preference_hint: Callable[[], str | None] | None = None, max_preference_drop: float = 0.1,
                  hint_system: str | None = None, prompt_states: PromptStates | None = None,
-                 reference_dice: int = 1):
+                 reference_dice: int = 1, kept_answers: KeptAnswers | None = None):
         self.tokenizer = tokenizer
         self.min_guard_pass = float(min_guard_pass)
         self.max_kl = float(max_kl)
@@ -425,6 +431,10 @@ class PublicationGate:
         self.prompt_states = prompt_states
         """The starting weights' kept prompt states (``clawloop.gate.scoring``), used by the KL and preference
         forwards when the reference is those weights (``kl_to="reference"``); None scores every prompt afresh."""
+        self.kept_answers = kept_answers
+        """The starting weights' answers to the shipped and knowledge probes kept on disk between runs
+        (``clawloop.gate.kept_answers``), read and added to when the reference is those weights; None asks the
+        reference in every run."""
         self.renderer = ChatRenderer(tokenizer)
         self.shipped = [_Probe("shipped", p, self._render(p), question=p, messages=[{"role": "user", "content": p}])
                         for p in probes]
@@ -651,8 +661,7 @@ class PublicationGate:
         for k, part in enumerate(parts):
             missing = [p for p in part if _key(p) not in self._reference_ok]
             if missing:  # the reference answers each probe once, the first time a check reaches it
-                with _timed(parts_s, "reference_answers"), reference() as ref:
-                    self._answer_by_reference(ref, missing, eos)
+                self._answer_by_reference(reference, missing, eos, parts_s, keep=kl_to == "reference")
             asked = [p for p in part if self._worth_asking(p)]
             unasked += len(part) - len(asked)
             batches = [[asked[i] for i in idx] for idx in length_buckets([len(p.ids) for p in asked])]
@@ -878,19 +887,22 @@ class PublicationGate:
         sampled = [(p, o) for (p, _, _), o in zip(answered, outcomes) if o.samples and o.reference_right]
         lacking = [p for p, _ in sampled if _key(p) not in self._reference_mean]
         if lacking and too_few_facts([o for _, o in sampled], self.max_fact_drop):
-            with _timed(seconds, "reference_dice"), reference() as ref:
-                self._draw_reference_dice(ref, lacking, eos)
+            self._draw_reference_dice(reference, lacking, eos, seconds)
         for p, o in sampled:
             o.reference_mean = self._reference_mean.get(_key(p))
 
-    def _answer_by_reference(self, ref: torch.nn.Module, probes: list[_Probe], eos: list[int]) -> None:
-        """The reference's verdict on each probe (sampled: how many of its answers state the fact)."""
-        for p, (answers, _) in zip(probes, self._ask(ref, probes, eos)):
+    def _answer_by_reference(self, reference: Callable[[], ContextManager[torch.nn.Module]], probes: list[_Probe],
+                             eos: list[int], seconds: dict[str, float] | None = None, *, keep: bool = True) -> None:
+        """The reference's verdict on each probe (sampled: how many of its answers state the fact). ``keep``: the
+        reference is the fixed starting weights, whose answers may come from and go to ``kept_answers``."""
+        for p, answers in zip(probes, self._reference_asked(reference, probes, eos, 0, seconds, "reference_answers",
+                                                             keep=keep)):
             right = self._sound_count(p, answers)
             self._reference_right[_key(p)] = right
             self._reference_ok[_key(p)] = 2 * right >= len(answers)
 
-    def _draw_reference_dice(self, ref: torch.nn.Module, probes: list[_Probe], eos: list[int],
+    def _draw_reference_dice(self, reference: Callable[[], ContextManager[torch.nn.Module]], probes: list[_Probe],
+                             eos: list[int], seconds: dict[str, float] | None = None,
                              max_sets: int | None = None) -> None:
         """Draws the reference's answers to sampled knowledge ``probes`` with their next dice sets (every set left,
         or ``max_sets`` of them), each probe's mean count recorded once it has ``reference_dice`` counts."""
@@ -901,10 +913,38 @@ class PublicationGate:
             draws = [self._reference_draws.setdefault(_key(p), [self._reference_right[_key(p)]]) for p in todo]
             d = min(len(drawn) for drawn in draws)
             batch = [(p, drawn) for p, drawn in zip(todo, draws) if len(drawn) == d]
-            for (p, drawn), (answers, _) in zip(batch, self._ask(ref, [p for p, _ in batch], eos, dice_set=d)):
+            asked = self._reference_asked(reference, [p for p, _ in batch], eos, d, seconds, "reference_dice")
+            for (p, drawn), answers in zip(batch, asked):
                 drawn.append(self._sound_count(p, answers))
                 if len(drawn) >= self.reference_dice:
                     self._reference_mean[_key(p)] = sum(drawn) / len(drawn)
+
+    def _reference_asked(self, reference: Callable[[], ContextManager[torch.nn.Module]], probes: list[_Probe],
+                         eos: list[int], dice_set: int, seconds: dict[str, float] | None, part: str, *,
+                         keep: bool = True) -> list[list[list[int]]]:
+        """The reference's answers to ``probes`` under ``dice_set``: a shipped or knowledge probe's from
+        ``kept_answers`` where it holds them, the others asked (the reference entered only then, its time added to
+        ``seconds[part]``) and, for shipped text, kept."""
+        kept = self.kept_answers if keep else None
+        keys = [self._kept_key(p, eos, dice_set) if kept is not None and p.source in SHIPPED_SOURCES else None
+                for p in probes]
+        found = [kept.get(k) if kept is not None and k is not None else None for k in keys]
+        missing = [i for i, answers in enumerate(found) if answers is None]
+        if missing:
+            with _timed(seconds if seconds is not None else {}, part), reference() as ref:
+                asked = self._ask(ref, [probes[i] for i in missing], eos, dice_set)
+            for i, (answers, _) in zip(missing, asked):
+                found[i] = answers
+            if kept is not None:
+                kept.put({k: found[i] for i in missing if (k := keys[i]) is not None})
+        return [answers or [] for answers in found]
+
+    def _kept_key(self, p: _Probe, eos: list[int], dice_set: int) -> str:
+        sampled = self._sampled(p)
+        return request_key(p.prompt, p.ids, cap=self._cap(p), eos_ids=eos,
+                           samples=self.knowledge_samples if sampled else 0,
+                           temperature=self.knowledge_temperature, dice_set=dice_set,
+                           facts=p.answers if sampled else ())
 
     @torch.no_grad()
     def prepare(self, reference: Callable[[], ContextManager[torch.nn.Module]]) -> bool:
@@ -921,14 +961,12 @@ class PublicationGate:
         for part in (self.knowledge, self.shipped):
             missing = [p for p in part if _key(p) not in self._reference_ok]
             if missing:
-                with reference() as ref:
-                    self._answer_by_reference(ref, missing, eos)
+                self._answer_by_reference(reference, missing, eos)
                 return True
         dice = [p for p in self.knowledge if self._sampled(p) and self._reference_right[_key(p)] > 0
                 and _key(p) not in self._reference_mean] if self.reference_dice > 1 else []
         if dice:
-            with reference() as ref:
-                self._draw_reference_dice(ref, dice, eos, max_sets=1)
+            self._draw_reference_dice(reference, dice, eos, max_sets=1)
         return any(_key(p) not in self._reference_mean for p in dice)
 
     def _cap(self, p: _Probe) -> int:

@@ -52,6 +52,7 @@ import torch
 
 from clawloop.config import Config
 from clawloop.gate.gate import GateResult, PublicationGate
+from clawloop.gate.kept_answers import KeptAnswers
 from clawloop.gate.knowledge import KNOWLEDGE
 from clawloop.gate.scoring import PromptStates
 from clawloop.memory import decoding_allocations
@@ -205,7 +206,27 @@ class Trainer:
                                max_fact_drop=c.gate_max_fact_drop, reference_dice=c.gate_reference_dice,
                                preference_hint=self._preference_hint if c.gate_preference else None,
                                max_preference_drop=c.gate_max_preference_drop,
-                               hint_system=hint_system(c, tokenizer), prompt_states=states)
+                               hint_system=hint_system(c, tokenizer), prompt_states=states,
+                               kept_answers=self._kept_answers())
+
+    def _kept_answers(self) -> KeptAnswers | None:
+        """The starting weights' kept answers (``gate_kept_answers``), opened once for these models; None when off
+        or when the model folder cannot be read for its fingerprint (the gate then asks the reference as before)."""
+        if not self.config.gate_kept_answers:
+            return None
+        if self.models.gate_kept_answers is None:
+            causal_lm = self.models.causal_lm
+            weight = next(causal_lm.parameters())
+            try:
+                self.models.gate_kept_answers = KeptAnswers.for_model(
+                    self.models.model_dir, dtype=str(weight.dtype), device_type=weight.device.type)
+            except OSError as exc:
+                log.warning("trainer: the gate's reference answers are not kept between runs (%s: %s)",
+                            type(exc).__name__, exc)
+                return None
+            log.info("trainer: %d answers of the starting weights kept from earlier runs (%s)",
+                     len(self.models.gate_kept_answers), self.models.gate_kept_answers.path)
+        return self.models.gate_kept_answers
 
     def _preference_hint(self) -> str | None:
         """The hint the gate's preference check reads: the one most often first among the hints of the samples

@@ -36,7 +36,9 @@ from clawloop.config import Config
 from clawloop.engines.model_files import load_model, resolve_device, resolve_model
 
 if TYPE_CHECKING:
-    from clawloop.gate.scoring import PromptStates
+    from clawloop.gate.kept_answers import KeptAnswers
+from clawloop.gate.kept_answers import KeptAnswers
+from clawloop.gate.scoring import PromptStates
 
 
 @dataclass
@@ -57,6 +59,9 @@ class TrainModels:
     """The gate reference's kept prompt states (``clawloop.gate.scoring``), made by the trainer's first gate and
     shared, as the retain targets are, by every trainer of these models: every user's gate reads the same shipped
     probes under the same starting weights (under ``torchrun``, rank 0's unsharded copy of them)."""
+    gate_kept_answers: KeptAnswers | None = None
+    """The starting weights' answers to the gate's shipped probes kept on disk (``clawloop.gate.kept_answers``),
+    opened by the trainer's first gate and shared by the others (``gate_kept_answers``)."""
 
     @property
     def device(self) -> torch.device:

@@ -501,3 +501,74 @@ def test_a_right_fact_counts_whatever_the_question_rules_say(monkeypatch, tiny_t
     assert result.accepted and (result.knowledge_counted, result.forgotten) == (2, 0)
     scripted(monkeypatch, {id(base_model): reference, id(candidate): vague})
     assert _check(gate, candidate, base_model).forgotten == 1
+
+
+def test_answers_kept_by_one_run_spare_the_next_every_reference_answer_and_change_no_decision(
+        monkeypatch, tmp_path, tiny_tokenizer, base_model, perturb):
+    """The starting weights' answers to the shipped and knowledge probes, dice sets included, are kept on disk
+    (``KeptAnswers``): a gate of a later run (a new gate, the file read afresh) asks the reference for none of
+    them, neither working ahead nor in a check, and reaches the verdicts of a gate that asks it everything, on the
+    real decoding of the tiny model as a gate that asked it the same ahead of its checks. The run's own prompts are
+    asked of the reference as before and never kept."""
+    from clawloop.gate import gate as gate_module
+    from clawloop.gate.kept_answers import KeptAnswers
+
+    found, _ = _half_stated_fact(tiny_tokenizer, base_model, reference_dice=3)
+    knowledge = [KnowledgeProbe(p.question, p.answers) for p in found.knowledge]
+    path = tmp_path / "kept.json"
+    recent_ids = list(tiny_tokenizer.apply_chat_template([{"role": "user", "content": "What is a kettle?"}],
+                                                         add_generation_prompt=True)["input_ids"])
+    recent = lambda: [(7, recent_ids, [{"role": "user", "content": "What is a kettle?"}])]  # noqa: E731
+
+    def gate(kept=None):
+        return PublicationGate(tiny_tokenizer, min_guard_pass=0.95, probes=["Name a colour.", "What is rain?"],
+                               knowledge=knowledge, knowledge_samples=8, reference_dice=3, recent_prompts=recent,
+                               kept_answers=kept)
+
+    reference = lambda: contextlib.nullcontext(base_model)  # noqa: E731
+    first = gate(KeptAnswers(path))
+    while first.prepare(reference):
+        pass
+    # one greedy answer per shipped probe, and per knowledge probe one entry per dice set (3): nothing recent
+    assert len(KeptAnswers(path)) == 2 + 3 * len(knowledge)
+
+    calls = []
+    real = gate_module.probe_answers
+    monkeypatch.setattr(gate_module, "probe_answers", lambda model, prompts, *a, **k: calls.append(
+        (id(model), len(prompts))) or real(model, prompts, *a, **k))
+    later, asking = gate(KeptAnswers(path)), gate()
+    while later.prepare(reference):
+        pass
+    assert calls == []
+    while asking.prepare(reference):  # the same work done by the reference itself (decisions within checks: above)
+        pass
+    candidates = [base_model] + [perturb(base_model, 0.5, seed) for seed in range(7, 27)]
+    drew = False
+    for n, candidate in enumerate(candidates):
+        calls.clear()
+        mine = _check(later, candidate, base_model)
+        asked_reference = [rows for model, rows in calls if model == id(base_model) and candidate is not base_model]
+        # only the run's own prompt, once, at the first check that reaches the guard probes
+        assert asked_reference in ([], [1]) and not (n and "reference_dice" in mine.seconds_by_part)
+        theirs = _check(asking, candidate, base_model)
+        assert (mine.accepted, mine.reasons, mine.facts_right, mine.facts_reference_right,
+                mine.facts_reference_bar) == (theirs.accepted, theirs.reasons, theirs.facts_right,
+                                              theirs.facts_reference_right, theirs.facts_reference_bar)
+        assert [(o.ok, o.right, o.answer) for o in mine.probes] == [(o.ok, o.right, o.answer) for o in theirs.probes]
+        drew = drew or mine.facts_reference_bar < mine.facts_reference_right
+    assert drew, "no candidate was held to the mean of the kept dice rather than the check's own draw"
+    assert len(KeptAnswers(path)) == 2 + 3 * len(knowledge)
+
+
+def test_kept_answers_are_not_used_when_the_reference_is_the_last_accepted_version(
+        monkeypatch, tmp_path, tiny_tokenizer, base_model, perturb):
+    """Kept answers are the starting weights'; a gate measuring against the last accepted weights (full
+    fine-tuning without a frozen copy) asks its reference afresh and keeps nothing."""
+    from clawloop.gate.kept_answers import KeptAnswers
+
+    path = tmp_path / "kept.json"
+    gate = PublicationGate(tiny_tokenizer, min_guard_pass=0.95, probes=["Name a colour."],
+                           kept_answers=KeptAnswers(path))
+    result = gate.check(perturb(base_model, 0.05, 1), lambda: contextlib.nullcontext(base_model),
+                        kl_to="the last accepted version")
+    assert "reference_answers" in result.seconds_by_part and not path.exists()
