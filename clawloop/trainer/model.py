@@ -37,8 +37,7 @@ from clawloop.engines.model_files import load_model, resolve_device, resolve_mod
 
 if TYPE_CHECKING:
     from clawloop.gate.kept_answers import KeptAnswers
-from clawloop.gate.kept_answers import KeptAnswers
-from clawloop.gate.scoring import PromptStates
+    from clawloop.gate.scoring import PromptStates
 
 
 @dataclass

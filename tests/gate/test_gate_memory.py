@@ -559,16 +559,48 @@ def test_answers_kept_by_one_run_spare_the_next_every_reference_answer_and_chang
     assert drew, "no candidate was held to the mean of the kept dice rather than the check's own draw"
     assert len(KeptAnswers(path)) == 2 + 3 * len(knowledge)
 
+    # A gate that did not work ahead reads the file within its checks: the reference answers only the run's own
+    # prompt and draws no dice, and every outcome (the reference's counts and mean included) is that of a gate
+    # that asks the reference within its checks.
+    within, asking = gate(KeptAnswers(path)), gate()
+    needed_dice = False
+    for candidate in candidates:
+        calls.clear()
+        mine = _check(within, candidate, base_model)
+        assert [rows for model, rows in calls if model == id(base_model) and candidate is not base_model] in ([], [1])
+        assert "reference_dice" not in mine.seconds_by_part
+        theirs = _check(asking, candidate, base_model)
+        needed_dice = needed_dice or "reference_dice" in theirs.seconds_by_part
+        assert (mine.accepted, mine.reasons, mine.facts_reference_bar) == \
+            (theirs.accepted, theirs.reasons, theirs.facts_reference_bar)
+        assert [(o.ok, o.right, o.answer, o.reference_ok, o.reference_right, o.reference_mean) for o in mine.probes] \
+            == [(o.ok, o.right, o.answer, o.reference_ok, o.reference_right, o.reference_mean) for o in theirs.probes]
+    assert needed_dice, "no check needed the reference's other dice, which the file then gave"
+    assert len(KeptAnswers(path)) == 2 + 3 * len(knowledge)
+
 
 def test_kept_answers_are_not_used_when_the_reference_is_the_last_accepted_version(
         monkeypatch, tmp_path, tiny_tokenizer, base_model, perturb):
     """Kept answers are the starting weights'; a gate measuring against the last accepted weights (full
-    fine-tuning without a frozen copy) asks its reference afresh and keeps nothing."""
+    fine-tuning without a frozen copy) asks its reference every probe afresh, though the file holds them all, and
+    adds nothing to it."""
+    from clawloop.gate import gate as gate_module
     from clawloop.gate.kept_answers import KeptAnswers
 
     path = tmp_path / "kept.json"
-    gate = PublicationGate(tiny_tokenizer, min_guard_pass=0.95, probes=["Name a colour."],
-                           kept_answers=KeptAnswers(path))
+    probes = ["Name a colour.", "What is rain?"]
+    filler = PublicationGate(tiny_tokenizer, min_guard_pass=0.95, probes=probes, kept_answers=KeptAnswers(path))
+    while filler.prepare(lambda: contextlib.nullcontext(base_model)):
+        pass
+    kept_before = path.read_bytes()
+    assert len(KeptAnswers(path)) == 2
+
+    calls = []
+    real = gate_module.probe_answers
+    monkeypatch.setattr(gate_module, "probe_answers", lambda model, prompts, *a, **k: calls.append(
+        (id(model), len(prompts))) or real(model, prompts, *a, **k))
+    gate = PublicationGate(tiny_tokenizer, min_guard_pass=0.95, probes=probes, kept_answers=KeptAnswers(path))
     result = gate.check(perturb(base_model, 0.05, 1), lambda: contextlib.nullcontext(base_model),
                         kl_to="the last accepted version")
-    assert "reference_answers" in result.seconds_by_part and not path.exists()
+    assert "reference_answers" in result.seconds_by_part and (id(base_model), 2) in calls
+    assert path.read_bytes() == kept_before

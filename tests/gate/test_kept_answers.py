@@ -43,13 +43,15 @@ def test_kept_answers_are_read_back_by_another_instance_and_two_writers_keep_bot
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")]
 
 
-def test_an_unreadable_file_is_set_aside_and_started_again(tmp_path, caplog):
+def test_an_unreadable_file_is_read_as_empty_and_set_aside_by_the_next_writer(tmp_path, caplog):
     path = tmp_path / "m.json"
     path.write_text('{"format": 1, "answers": {"a": [[1, 2]', encoding="utf-8")  # cut off by a full disk
     kept = KeptAnswers(path)
     assert len(kept) == 0 and "unreadable" in caplog.text
-    assert [p.name.startswith(".bad-m.json-") for p in tmp_path.iterdir()] == [True]
+    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]  # a reader moves nothing another writer may replace
     kept.put({"b": [[5]]})
+    assert sorted(p.name.startswith(".bad-m.json-") for p in tmp_path.iterdir() if p.suffix != ".lock") == [
+        False, True]
     assert json.loads(path.read_text())["answers"] == {"b": [[5]]}
     path.write_text(json.dumps({"format": 999, "answers": {"b": [[5]]}}), encoding="utf-8")
     assert len(KeptAnswers(path)) == 0  # another layout's file is not read as this one's
@@ -70,6 +72,14 @@ def test_the_model_fingerprint_names_the_weights_and_how_they_were_loaded(tmp_pa
     assert weights_fingerprint(model, dtype="torch.float32", device_type="cpu") == base
     assert weights_fingerprint(model, dtype="torch.bfloat16", device_type="cpu") != base
     assert weights_fingerprint(model, dtype="torch.float32", device_type="cuda") != base
+    copy = tmp_path / "copy"
+    shutil.copytree(model, copy)  # copytree keeps the times: another folder is still another model
+    assert weights_fingerprint(copy, dtype="torch.float32", device_type="cpu") != base
+    template = model / "tokenizer_config.json"
+    text = template.read_text()
+    template.write_text(text.replace("}", ', "x": 1}', 1))
+    assert weights_fingerprint(model, dtype="torch.float32", device_type="cpu") != base
+    template.write_text(text)
     weights = next(model.glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1  # the last weight's last byte, at the same size and modification time
@@ -84,7 +94,11 @@ def test_the_model_fingerprint_names_the_weights_and_how_they_were_loaded(tmp_pa
 
 def test_a_model_s_file_lives_in_the_clawloop_cache_and_is_named_by_its_fingerprints(tmp_path, monkeypatch,
                                                                                     tiny_model_path):
+    from clawloop.gate import kept_answers
+
     monkeypatch.setenv("CLAWLOOP_CACHE", str(tmp_path))
+    assert kept_answers.cache_answers_root() == tmp_path / "gate-answers"
+    monkeypatch.setattr(kept_answers, "answers_root", kept_answers.cache_answers_root)
     kept = KeptAnswers.for_model(tiny_model_path, dtype="torch.float32", device_type="cpu")
     assert kept.path.parent == tmp_path / "gate-answers"
     assert kept.path != KeptAnswers.for_model(tiny_model_path, dtype="torch.float32", device_type="cuda").path

@@ -234,3 +234,34 @@ def test_version_numbers_stay_unique_across_restarts(make_config, base_model, ti
     steps = store.steps()
     assert [(s["step"], s["requeued"]) for s in steps] == [(1, False), (2, False), (3, False), (4, True), (5, False)]
     assert [s["policy_version"] for s in steps] == [1, 2, 3, 4, 5]
+
+
+def test_a_restarted_trainer_s_first_check_reads_the_answers_its_predecessor_kept(make_config, base_model,
+                                                                                  tiny_tokenizer, tmp_path):
+    """``gate_kept_answers``: the starting weights' answers to the shipped probes, kept by one trainer, spare the
+    next one (a restart, or another run of the model) asking them; off, every trainer asks them itself."""
+    from clawloop.gate import kept_answers
+
+    # The run's own prompts would be asked of the reference in any case: leave them out to see the shipped ones.
+    config = make_config(method="rl", lora=True, lr=1e-2, gate_probe_tokens=8, gate=True, gate_recent_prompts=0,
+                         gate_fixed_prompts=0)
+    store = Store(tmp_path / "store.sqlite")
+    for i in range(6):
+        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i % 2 else -1.0)
+
+    first = Trainer(config, store, LocalVersion(), console=None)
+    assert first.gate.kept_answers.path.parent == kept_answers.answers_root()
+    assert first.run_batch(*store.lease_samples(2))["gate_reference_answers_s"] > 0
+    assert len(first.gate.kept_answers) >= len(first.gate.shipped)
+    first.close()
+
+    second = Trainer(config, store, LocalVersion(), console=None)
+    checked = second.run_batch(*store.lease_samples(2))
+    assert checked["gate_s"] > 0 and "gate_reference_answers_s" not in checked
+    second.close()
+
+    off = Trainer(config.replace(gate_kept_answers=False), store, LocalVersion(), console=None)
+    assert off.gate.kept_answers is None
+    assert off.run_batch(*store.lease_samples(2))["gate_reference_answers_s"] > 0
+    off.close()
+    store.close()
