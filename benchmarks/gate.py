@@ -197,33 +197,29 @@ def plain_gate(tokenizer, config, store):
                            recent_prompts=lambda: store.recent_prompts(config.gate_recent_prompts))
 
 
-def cold_copy(gate):
-    """A copy of ``gate`` (its own kept verdicts and prompt states, the same tokenizer) keeping the starting
-    weights' answers in the trainer's gate's file, which it fills first."""
+def same_gate(gate, *, fresh=()):
+    """A copy of ``gate`` with its own kept verdicts and prompt states (the same tokenizer and prompt sources);
+    each of its attributes named in ``fresh`` is left None."""
     import copy
 
+    shared = (gate.tokenizer, gate.preference_hint, gate.recent_prompts, gate.fixed_prompts)  # the run's, not copied
+    return copy.deepcopy(gate, memo={**{id(getattr(gate, name)): None for name in fresh},
+                                     **{id(x): x for x in shared}})
+
+
+def cold_copy(gate):
+    """A copy of ``gate`` keeping the starting weights' answers in the trainer's gate's file, which it fills
+    first."""
     from clawloop.gate.kept_answers import KeptAnswers
 
-    shared = (gate.tokenizer, gate.preference_hint, gate.recent_prompts, gate.fixed_prompts)  # the run's, not copied
-    other = copy.deepcopy(gate, memo={id(gate.kept_answers): None, **{id(x): x for x in shared}})
+    other = same_gate(gate, fresh=("kept_answers",))
     other.kept_answers = KeptAnswers(gate.kept_answers.path)
     return other
 
 
 def without_states(gate):
     """A copy of ``gate`` that scores every prompt afresh (its own kept verdicts, the same tokenizer)."""
-    import copy
-
-    shared = (gate.tokenizer, gate.preference_hint, gate.recent_prompts, gate.fixed_prompts)  # the run's, not copied
-    return copy.deepcopy(gate, memo={id(gate.prompt_states): None, **{id(x): x for x in shared}})
-
-
-def same_gate(gate):
-    """A copy of ``gate`` with its own kept verdicts and prompt states (the same tokenizer and prompt sources)."""
-    import copy
-
-    shared = (gate.tokenizer, gate.preference_hint, gate.recent_prompts, gate.fixed_prompts)
-    return copy.deepcopy(gate, memo={id(x): x for x in shared})
+    return same_gate(gate, fresh=("prompt_states",))
 
 
 class UnderStepAllocator:

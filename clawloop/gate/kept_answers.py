@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from clawloop.atomic import hidden_sibling, write_text_atomically
+from clawloop.engines.model_files import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.ji
 
 def cache_answers_root() -> Path:
     """``gate-answers`` in the clawloop cache (``$CLAWLOOP_CACHE``, else ``~/.cache/clawloop``)."""
-    from clawloop.engines.model_files import cache_root
-
     return cache_root() / "gate-answers"
 
 
