@@ -193,6 +193,10 @@ class TeacherSettings:
     context_samples: int = _f(0, "Context distillation: answers the teacher samples under an accepted hint, per "
                               "hinted turn, each trained as its own sample on the un-hinted prompt (0 = off; "
                               "docs/context-distillation.md).")
+    context_draft: bool = _f(False, "Ask for context answers as teacher_draft asks for scores: the hint, the "
+                             "turn's served answer to rewrite, the hint again. The teacher then keeps the answer's "
+                             "facts and mostly adds what the hint asks for; scoring stays as teacher_draft says "
+                             "(docs/context-distillation.md, 'Drafted context answers').")
     context_loss: str = _f("sft", "How a context sample trains: sft (a +1 vote through the GRPO branch: the "
                            "SFT gradient on the teacher's answer) or objective (the hint candidates ride along "
                            "and the OPD branch scores the teacher's answer like any hinted sample).")
@@ -605,6 +609,8 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
         if self.context_samples < 0 or self.context_max_tokens < 0:
             raise ConfigError("context_samples and context_max_tokens must be >= 0")
         if self.context_samples == 0:
+            if self.context_draft:
+                raise ConfigError("context_draft shapes context answers, and context_samples=0 asks for none")
             return
         w_rl, w_opd = self.weights
         if not self.needs_hints:

@@ -318,7 +318,9 @@ class Pipeline:
         teacher = self.teacher
         plan = [(i, i % len(hints)) for i in range(self.context_samples)]
         target = str(self.config.opd_target)
-        calls = [teacher.answer(turn, hints[h], context_params(self.config, turn, i), target) for i, h in plan]
+        draft = True if self.config.context_draft else None
+        calls = [teacher.answer(turn, hints[h], context_params(self.config, turn, i), target, draft=draft)
+                 for i, h in plan]
         try:
             answers = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), self.turn_deadline_s)
         except asyncio.TimeoutError:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -144,16 +145,17 @@ class Teacher:
         return frozenset(int(i) for i in self.end_ids.tolist())
 
     # ---- prompts ----------------------------------------------------------------------------------------
-    def prompt_ids(self, turn: TurnRecord, hint: str | None) -> list[int]:
-        """The teacher prompt for one candidate; ``None``/'' means the un-hinted stored prompt ids."""
+    def prompt_ids(self, turn: TurnRecord, hint: str | None, *, draft: bool | None = None) -> list[int]:
+        """The teacher prompt for one candidate; ``None``/'' means the un-hinted stored prompt ids. ``draft``:
+        whether the prompt carries the served answer to rewrite (None: as ``teacher_draft`` says)."""
         if not hint:
             return list(turn.prompt_ids)
-        return list(self.render(inject_hint(turn.messages, hint, self._draft(turn), system=self.hint_system),
-                                turn.tools))
+        shown = self._draft(turn) if (self.draft if draft is None else draft) else None
+        return list(self.render(inject_hint(turn.messages, hint, shown, system=self.hint_system), turn.tools))
 
     def _draft(self, turn: TurnRecord) -> str | None:
-        """The turn's served answer as text, when the teacher is shown it (``teacher_draft``); None otherwise."""
-        if not self.draft or self.decode is None:
+        """The turn's served answer as text (None without a tokenizer to read it)."""
+        if self.decode is None:
             return None
         return self.decode([i for i in turn.response_ids if i not in self.ends]).strip()
 
@@ -162,12 +164,15 @@ class Teacher:
         return list(self.render(turn.messages, turn.tools)) == list(turn.prompt_ids)
 
     # ---- answering ----------------------------------------------------------------------------------------
-    async def answer(self, turn: TurnRecord, hint: str, params: SamplingParams, target: str = "hinted"
-                     ) -> Generation:
-        """The teacher's own answer to ``turn``'s request with ``hint`` injected, rendered exactly as for
-        scoring; under a mixed ``target``, the answer that target describes (``_mixed_answer``). Rendering runs
-        in a worker thread and the engine calls are awaited: this coroutine runs on the serving event loop."""
-        prompt_ids = await asyncio.to_thread(self.prompt_ids, turn, hint)
+    async def answer(self, turn: TurnRecord, hint: str, params: SamplingParams, target: str = "hinted", *,
+                     draft: bool | None = None) -> Generation:
+        """The teacher's own answer to ``turn``'s request with ``hint`` injected, rendered as for scoring, or with
+        the served answer shown as a draft or not as ``draft`` says (None: as for scoring); under a mixed
+        ``target``, the answer that target describes (``_mixed_answer``). Rendering runs in a worker thread and
+        the engine calls are awaited: this coroutine runs on the serving event loop."""
+        if draft and self.decode is None:
+            raise ValueError("a drafted answer needs the tokenizer to read the served answer; this teacher has none")
+        prompt_ids = await asyncio.to_thread(functools.partial(self.prompt_ids, turn, hint, draft=draft))
         if target == "hinted":
             return await self.engine.generate(prompt_ids, params)
         if target not in OPD_TARGETS:

@@ -15,7 +15,7 @@ from clawloop.judge.votes import Judge, JudgeSettings
 from clawloop.pipeline import Pipeline
 from clawloop.renderers import chat_render_fn
 from clawloop.store import CONTEXT_KIND, Store, TurnState
-from clawloop.teacher import HINT_PREFIX, Teacher
+from clawloop.teacher import DRAFT_PREFIX, HINT_PREFIX, Teacher
 from clawloop.wire import TeacherRequest
 
 from pipeline_support import CaseJudge, add_judgeable_turn
@@ -102,6 +102,24 @@ def test_a_hinted_turn_yields_the_teachers_answers_without_the_hint(tmp_path, ju
     assert all(HINT_PREFIX + HINT_TEXT in tiny_tokenizer.decode(ids) for ids in engine.asked)
     assert sorted(store.get_turn(s.turn_id).response_ids for s in contexts) == sorted(engine.answers)
     assert sum(1 for t in store.turns() if t.sample_kind == CONTEXT_KIND) == 2
+
+
+def test_drafted_context_answers_show_the_teacher_the_served_answer_and_scoring_does_not(
+        tmp_path, judge_server, tiny_model_path, tiny_engine, tiny_tokenizer):
+    store, config, source, engine = judged_with_context(tmp_path, judge_server, tiny_model_path, tiny_engine,
+                                                        tiny_tokenizer, context_draft=True)
+    served = store.get_turn(source)
+    draft = tiny_tokenizer.decode([i for i in served.response_ids if i not in set(end_token_ids(tiny_tokenizer))],
+                                  skip_special_tokens=True).strip()
+    assert draft and len(engine.asked) == 2
+    for ids in engine.asked:  # asked: hint, the served answer to rewrite, hint again
+        text = tiny_tokenizer.decode(ids)
+        assert DRAFT_PREFIX + draft in text and text.count(HINT_TEXT) == 2
+    assert len(context_samples(store)) == 2
+    # The teacher's scores of the served turn read the hint alone (teacher_draft is off).
+    teacher = Teacher(engine, chat_render_fn(tiny_tokenizer), config, tokenizer=tiny_tokenizer)
+    scored = tiny_tokenizer.decode(teacher.prompt_ids(served, HINT_TEXT))
+    assert HINT_PREFIX + HINT_TEXT in scored and DRAFT_PREFIX not in scored
 
 
 def test_under_a_mixed_target_the_answer_is_the_unhinted_ones_cut_where_the_hinted_prompt_would_stop(
@@ -259,6 +277,8 @@ def test_settings_are_checked(judge_server, tmp_path, tiny_model_path):
     with pytest.raises(ConfigError, match="OPD branch|hints"):
         make_config(judge_server, tmp_path, tiny_model_path, method="rl", context_loss="objective")
     make_config(judge_server, tmp_path, tiny_model_path, method="opd", context_loss="objective")
+    with pytest.raises(ConfigError, match="context_draft"):
+        make_config(judge_server, tmp_path, tiny_model_path, context_samples=0, context_draft=True)
 
 
 def test_the_store_keeps_one_answer_per_turn_and_index(tmp_path, tiny_tokenizer):
