@@ -429,8 +429,10 @@ class GateSettings:
                                  "(their dice sets included) on disk in the clawloop cache ($CLAWLOOP_CACHE, else "
                                  "~/.cache/clawloop, folder gate-answers), so that later runs and restarts of the "
                                  "same model do not ask them again: they took 23-67 s of a first check and 130-170 s "
-                                 "of the check that first drew the other dice on the CPU default. Shipped text only; "
-                                 "the run's own prompts are never kept (clawloop/gate/kept_answers.py).")
+                                 "of the check that first drew the other dice on the CPU default. The retain term's "
+                                 "answers to its prompts are kept there too (its targets then take one forward "
+                                 "instead of decoding). Shipped text only; the run's own prompts are never kept "
+                                 "(clawloop/gate/kept_answers.py).")
 
 
 # The sections in reverse reading order: a dataclass collects its bases' fields from the last base to the first,

@@ -1,5 +1,8 @@
 """The starting weights' answers to the shipped probes, kept on disk from one run to the next.
 
+Besides the gate's probes, the retain term keeps its prompts' greedy answers here too (``clawloop.trainer.retain``,
+keys named apart: ``retain:`` before the prompt), which spares a later run the decoding of its targets.
+
 The gate asks the fixed reference (the starting weights) each shipped and knowledge probe once per run, and draws
 its sampled knowledge answers with up to ``gate_reference_dice`` sets of dice. Those answers depend on nothing a
 run changes: the same weights, prompts, caps and dice give the same tokens. On the CPU default they took 23-67 s of

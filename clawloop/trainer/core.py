@@ -207,26 +207,7 @@ class Trainer:
                                preference_hint=self._preference_hint if c.gate_preference else None,
                                max_preference_drop=c.gate_max_preference_drop,
                                hint_system=hint_system(c, tokenizer), prompt_states=states,
-                               kept_answers=self._kept_answers())
-
-    def _kept_answers(self) -> KeptAnswers | None:
-        """The starting weights' kept answers (``gate_kept_answers``), opened once for these models; None when off
-        or when the model folder cannot be read for its fingerprint (the gate then asks the reference as before)."""
-        if not self.config.gate_kept_answers:
-            return None
-        if self.models.gate_kept_answers is None:
-            causal_lm = self.models.causal_lm
-            weight = next(causal_lm.parameters())
-            try:
-                self.models.gate_kept_answers = KeptAnswers.for_model(
-                    self.models.model_dir, dtype=str(weight.dtype), device_type=weight.device.type)
-            except OSError as exc:
-                log.warning("trainer: the gate's reference answers are not kept between runs (%s: %s)",
-                            type(exc).__name__, exc)
-                return None
-            log.info("trainer: %d answers of the starting weights kept from earlier runs (%s)",
-                     len(self.models.gate_kept_answers), self.models.gate_kept_answers.path)
-        return self.models.gate_kept_answers
+                               kept_answers=kept_answers(self.models, self.config))
 
     def _preference_hint(self) -> str | None:
         """The hint the gate's preference check reads: the one most often first among the hints of the samples
@@ -691,6 +672,26 @@ class Trainer:
         self.accepted = None  # type: ignore[assignment]
 
 
+def kept_answers(models: TrainModels, config: Config) -> KeptAnswers | None:
+    """The starting weights' kept answers (``gate_kept_answers``: the gate's shipped probes and the retain term's
+    prompts), opened once for these models; None when off or when the model folder cannot be read for its
+    fingerprint (the reference is then asked as before)."""
+    if not config.gate_kept_answers:
+        return None
+    if models.gate_kept_answers is None:
+        weight = next(models.causal_lm.parameters())
+        try:
+            models.gate_kept_answers = KeptAnswers.for_model(models.model_dir, dtype=str(weight.dtype),
+                                                             device_type=weight.device.type)
+        except OSError as exc:
+            log.warning("trainer: the starting weights' answers are not kept between runs (%s: %s)",
+                        type(exc).__name__, exc)
+            return None
+        log.info("trainer: %d answers of the starting weights kept from earlier runs (%s)",
+                 len(models.gate_kept_answers), models.gate_kept_answers.path)
+    return models.gate_kept_answers
+
+
 def starting_retain_examples(models: TrainModels, config: Config, prompts: list[str]) -> list[RetainExample | None]:
     """The retain targets of ``prompts``, answered by the starting weights of ``models`` (``RetainTargets.build``;
     not bound to one trainer, since every user's trainer shares them)."""
@@ -701,7 +702,8 @@ def starting_retain_examples(models: TrainModels, config: Config, prompts: list[
     # Inside a step's low mmap threshold when the step itself needs them (clawloop.memory): this is decoding.
     with decoding_allocations(), gate_reference(models, None) as starting:
         examples = build_examples(starting, tokenizer, prompts, k=config.retain_k, max_tokens=config.retain_tokens,
-                                  end_ids=end_token_ids(tokenizer), opening=config.retain_opening)
+                                  end_ids=end_token_ids(tokenizer), opening=config.retain_opening,
+                                  kept=kept_answers(models, config))
     log.info("retain term: targets of %d prompts in %.1fs (%d without a position to train)", len(prompts),
              time.monotonic() - t0, sum(e is None for e in examples))
     return examples

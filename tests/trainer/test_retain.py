@@ -73,6 +73,32 @@ def test_targets_are_the_starting_weights_top_k_along_their_own_greedy_answer(ti
         assert retain_kl(base_model, e, torch.device("cpu")).item() == pytest.approx(0.0, abs=1e-4)
 
 
+def test_kept_answers_spare_a_later_run_the_decoding_and_give_the_same_targets(tiny_tokenizer, base_model,
+                                                                               tmp_path, monkeypatch):
+    from clawloop.gate.kept_answers import KeptAnswers
+    from clawloop.trainer import retain
+
+    prompts = list(RETAIN_PROMPTS[:3])
+    settings = dict(k=8, max_tokens=12, end_ids=end_token_ids(tiny_tokenizer))
+    first = build_examples(base_model, tiny_tokenizer, prompts, kept=KeptAnswers(tmp_path / "kept.json"), **settings)
+    assert len(KeptAnswers(tmp_path / "kept.json")) == 3  # the answers, as ids, are on disk
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("a kept answer was decoded again")
+
+    monkeypatch.setattr(retain, "probe_answers", no_decoding)
+    later = build_examples(base_model, tiny_tokenizer, prompts, kept=KeptAnswers(tmp_path / "kept.json"),
+                           **settings)
+    for a, b in zip(first, later):
+        assert torch.equal(a.input_ids_L, b.input_ids_L) and torch.equal(a.positions_T, b.positions_T)
+        assert torch.equal(a.ref_ids_T_K, b.ref_ids_T_K)
+        assert torch.allclose(a.ref_logprobs_T_K, b.ref_logprobs_T_K, atol=1e-4)
+    # Another cap is another answer: decoded, not read.
+    with pytest.raises(AssertionError, match="decoded again"):
+        build_examples(base_model, tiny_tokenizer, prompts[:1], kept=KeptAnswers(tmp_path / "kept.json"),
+                       **{**settings, "max_tokens": 10})
+
+
 def _built(examples):
     """Targets whose examples are given (None: a prompt without one), as if built from the starting weights."""
     prompts = [f"prompt {i}" if e is None else e.prompt for i, e in enumerate(examples)]
