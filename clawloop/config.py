@@ -195,8 +195,8 @@ class TeacherSettings:
                               "docs/context-distillation.md).")
     context_draft: bool = _f(False, "Ask for context answers as teacher_draft asks for scores: the hint, the "
                              "turn's served answer to rewrite, the hint again. The teacher then keeps the answer's "
-                             "facts and mostly adds what the hint asks for; scoring stays as teacher_draft says "
-                             "(docs/context-distillation.md, 'Drafted context answers').")
+                             "facts and mostly adds what the hint asks for; scoring stays as teacher_draft says, "
+                             "so it needs context_loss='sft' (docs/context-distillation.md, 'Drafted answers').")
     context_loss: str = _f("sft", "How a context sample trains: sft (a +1 vote through the GRPO branch: the "
                            "SFT gradient on the teacher's answer) or objective (the hint candidates ride along "
                            "and the OPD branch scores the teacher's answer like any hinted sample).")
@@ -614,6 +614,9 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
             if self.context_draft:
                 raise ConfigError("context_draft shapes context answers, and context_samples=0 asks for none")
             return
+        if self.context_draft and self.context_loss != "sft":
+            raise ConfigError("context_draft samples under the hint and the served answer, while the OPD branch "
+                              "scores under the hint alone; use it with context_loss='sft'")
         w_rl, w_opd = self.weights
         if not self.needs_hints:
             raise ConfigError(f"context_samples needs accepted hints, which method={self.method!r} never asks for")

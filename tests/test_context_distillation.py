@@ -279,6 +279,8 @@ def test_settings_are_checked(judge_server, tmp_path, tiny_model_path):
     make_config(judge_server, tmp_path, tiny_model_path, method="opd", context_loss="objective")
     with pytest.raises(ConfigError, match="context_draft"):
         make_config(judge_server, tmp_path, tiny_model_path, context_samples=0, context_draft=True)
+    with pytest.raises(ConfigError, match="context_draft"):
+        make_config(judge_server, tmp_path, tiny_model_path, context_draft=True, context_loss="objective")
 
 
 def test_the_store_keeps_one_answer_per_turn_and_index(tmp_path, tiny_tokenizer):

@@ -1,7 +1,8 @@
 """The starting weights' answers to the shipped probes, kept on disk from one run to the next.
 
-Besides the gate's probes, the retain term keeps its prompts' greedy answers here too (``clawloop.trainer.retain``,
-keys named apart: ``retain:`` before the prompt), which spares a later run the decoding of its targets.
+Besides the gate's probes, the retain term keeps its prompts' greedy answers here too (``clawloop.trainer.retain``;
+keys named apart by a ``retain/N:`` before the prompt, N bumped when that module changes how it decodes), which
+spares a later run the decoding of its targets.
 
 The gate asks the fixed reference (the starting weights) each shipped and knowledge probe once per run, and draws
 its sampled knowledge answers with up to ``gate_reference_dice`` sets of dice. Those answers depend on nothing a

@@ -56,6 +56,9 @@ SENTENCE_ENDS = (".", "!", "?")
 CLOSERS = "\"')]\u201d\u2019"
 """Characters that may close a sentence after its end mark ('He said "Hi."', "(See above.)")."""
 BUILD_CHUNK = 8
+ANSWERS_FORMAT = 1
+"""Part of a kept answer's key (``answer_key``): bumped when this module changes how the answers are decoded (the
+gate's decoder itself is in the kept file's code fingerprint, this module is not)."""
 """Prompts answered together when the targets are built (two updates' worth at the default ``retain_batch``)."""
 
 
@@ -112,7 +115,7 @@ def retain_positions(tokenizer: Any, answer_ids: Sequence[int], *, opening: bool
 def answer_key(prompt: str, prompt_ids: Sequence[int], *, max_tokens: int, end_ids: Sequence[int]) -> str:
     """The key of a retain prompt's greedy answer among the starting weights' kept answers (``kept`` of
     ``build_examples``): named apart from every gate probe's."""
-    return request_key(f"retain:{prompt}", prompt_ids, cap=max_tokens, eos_ids=end_ids, samples=0,
+    return request_key(f"retain/{ANSWERS_FORMAT}:{prompt}", prompt_ids, cap=max_tokens, eos_ids=end_ids, samples=0,
                        temperature=0.0, dice_set=0, facts=())
 
 
@@ -136,13 +139,14 @@ def build_examples(reference: torch.nn.Module, tokenizer: Any, prompts: Sequence
             found = kept.get(key)
             answers[i] = list(found[0]) if found else None
     todo = [i for i, a in enumerate(answers) if a is None]
-    rows: dict[int, torch.Tensor] = {}
+    tops: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     # A few prompts at a time: the decoder keeps a [T, V] log-softmax row per answer token until it returns.
     for start in range(0, len(todo), BUILD_CHUNK):
         chunk = todo[start: start + BUILD_CHUNK]
         decoded, logprobs = probe_answers(reference, [rendered[i] for i in chunk], max_tokens, end_ids)
         for i, answer, logprobs_T_V in zip(chunk, decoded, logprobs):
-            answers[i], rows[i] = list(answer), logprobs_T_V[:len(answer)]
+            top = logprobs_T_V[:len(answer)].float().topk(k, dim=-1)
+            answers[i], tops[i] = list(answer), (top.indices.cpu(), top.values.cpu())
     if kept is not None and todo:
         kept.put({keys[i]: [answers[i]] for i in todo})
     examples: list[RetainExample | None] = []
@@ -153,19 +157,21 @@ def build_examples(reference: torch.nn.Module, tokenizer: Any, prompts: Sequence
             examples.append(None)
             continue
         input_ids_L = torch.tensor(prompt_ids + answer, dtype=torch.long)
-        logprobs_T_V = rows[i] if i in rows else _answer_rows(reference, input_ids_L, len(answer))
-        top = logprobs_T_V.float().topk(k, dim=-1)
+        ids_T_K, logprobs_T_K = tops[i] if i in tops else _answer_top_k(reference, input_ids_L, len(answer), k)
         examples.append(RetainExample(
-            prompt=prompt, input_ids_L=input_ids_L, prompt_len=len(prompt_ids), ref_ids_T_K=top.indices.cpu(),
-            ref_logprobs_T_K=top.values.cpu(), positions_T=positions_T))
+            prompt=prompt, input_ids_L=input_ids_L, prompt_len=len(prompt_ids), ref_ids_T_K=ids_T_K,
+            ref_logprobs_T_K=logprobs_T_K, positions_T=positions_T))
     return examples
 
 
-def _answer_rows(model: torch.nn.Module, input_ids_L: torch.Tensor, answer_len: int) -> torch.Tensor:
-    """[T, V] the model's log-softmax at each of the answer's positions, from one forward over prompt and answer."""
+def _answer_top_k(model: torch.nn.Module, input_ids_L: torch.Tensor, answer_len: int, k: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, K] ids and log-probs of the model's top-K at each of the answer's positions (position t predicts answer
+    token t), from one forward over prompt and answer."""
     device = next(model.parameters()).device
     logits_T_V = model(input_ids=input_ids_L.to(device)[None], logits_to_keep=answer_len + 1).logits[0, :-1]
-    return torch.log_softmax(logits_T_V.float(), dim=-1).cpu()
+    top = torch.log_softmax(logits_T_V.float(), dim=-1).topk(k, dim=-1)
+    return top.indices.cpu(), top.values.cpu()
 
 
 class RetainTargets:
