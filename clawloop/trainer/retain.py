@@ -56,10 +56,10 @@ SENTENCE_ENDS = (".", "!", "?")
 CLOSERS = "\"')]\u201d\u2019"
 """Characters that may close a sentence after its end mark ('He said "Hi."', "(See above.)")."""
 BUILD_CHUNK = 8
+"""Prompts answered together when the targets are built (two updates' worth at the default ``retain_batch``)."""
 ANSWERS_FORMAT = 1
 """Part of a kept answer's key (``answer_key``): bumped when this module changes how the answers are decoded (the
 gate's decoder itself is in the kept file's code fingerprint, this module is not)."""
-"""Prompts answered together when the targets are built (two updates' worth at the default ``retain_batch``)."""
 
 
 @dataclass
