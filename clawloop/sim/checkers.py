@@ -11,6 +11,8 @@ pure functions of the text (no model, no randomness), so a preference score is r
   matters: a policy pushed toward French can drift into Spanish-looking text, which must not count.
 * ``BriefChecker``: one sentence of at most ``max_words`` words. Sentences end at ``.``, ``!``, ``?`` (or
   a line break) followed by more text; a few common abbreviations and decimal points do not end one.
+* ``ParagraphChecker``: one short paragraph, a finished answer of ``min_sentences``–``max_sentences`` sentences and
+  at most ``max_words`` words, no list lines: the length between a one-liner and the model's usual answer.
 * ``OpeningChecker``: the answer starts with a fixed word (``Ahoy``), allowing leading quotes or markdown
   emphasis and any case, requiring a word boundary after it and an actual answer (a few words) after it.
 * ``ClosingChecker``: the answer ends with a fixed phrase, ignoring trailing spaces, quotes and emphasis, after
@@ -139,6 +141,33 @@ class BriefChecker:
         return f"one sentence of at most {self.max_words} words"
 
 
+# A list line: a bullet (-, *, •) or a number with "." or ")" at its start.
+_LIST_LINE = re.compile(r"^[ \t]*(?:[-*•]|\d{1,2}[.)])[ \t]+\S", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class ParagraphChecker:
+    """One short paragraph: ``min_sentences`` to ``max_sentences`` sentences, at most ``max_words`` words, no
+    list lines, and a sentence end at the end (an answer cut at the token cap is not a paragraph of this size).
+
+    Disjoint from ``BriefChecker`` whenever ``min_sentences`` ≥ 2, so two users who want these two lengths can be
+    told apart by their answers."""
+
+    min_sentences: int = 2
+    max_sentences: int = 4
+    max_words: int = 60
+
+    def __call__(self, text: str) -> bool:
+        body = text.strip().rstrip("\"')]*_` ")
+        return (self.min_sentences <= sentence_count(text) <= self.max_sentences
+                and 1 <= word_count(text) <= self.max_words
+                and body[-1:] in (".", "!", "?") and not _LIST_LINE.search(text))
+
+    def describe(self) -> str:
+        return (f"one paragraph of {self.min_sentences}-{self.max_sentences} sentences and at most "
+                f"{self.max_words} words")
+
+
 # Leading decoration a model may put before the opening word: quotes, markdown emphasis, spaces.
 _DECORATION = " \t\r\n\"'*_`“”‘’"
 
@@ -228,6 +257,7 @@ CHECKER_KINDS: dict[str, type] = {
     "french": FrenchChecker,
     "spanish": SpanishChecker,
     "brief": BriefChecker,
+    "paragraph": ParagraphChecker,
     "opening": OpeningChecker,
     "closing": ClosingChecker,
     "numbered_list": NumberedListChecker,

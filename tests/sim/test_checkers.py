@@ -12,6 +12,7 @@ from clawloop.sim.checkers import (
     NoDigitsChecker,
     NumberedListChecker,
     OpeningChecker,
+    ParagraphChecker,
     SpanishChecker,
     sentence_count,
     word_count,
@@ -198,6 +199,38 @@ def test_numbered_list_checker_accepts_lists(text):
 @pytest.mark.parametrize("text", LIST_NO)
 def test_numbered_list_checker_rejects_prose_single_items_and_repeats(text):
     assert not NumberedListChecker()(text)
+
+
+PARAGRAPH_YES = [
+    "A glacier is a slow river of ice. It forms where snow piles up for centuries and turns to ice.",
+    "Clouds form when warm air rises and cools. Its water vapour condenses into droplets. \"That is all.\"",
+    "Sound is a wave of pressure! It travels through air, water and solids.",
+]
+PARAGRAPH_NO = [
+    "A glacier is a slow river of ice.",  # one sentence: brief's answer, not a paragraph
+    "A glacier is a slow river of ice. It forms where snow piles up for centuries and turns to ice, and it moves",
+    # cut at the token cap, mid-sentence
+    "Ice. " * 5,  # five sentences
+    " ".join(["word"] * 40) + ". " + " ".join(["word"] * 25) + ".",  # 65 words
+    "Glaciers form in two ways.\n- Snow piles up.\n- Ice flows downhill.",  # a list
+    "",
+]
+
+
+@pytest.mark.parametrize("text", PARAGRAPH_YES)
+def test_paragraph_checker_accepts_a_finished_short_paragraph(text):
+    assert ParagraphChecker()(text)
+
+
+@pytest.mark.parametrize("text", PARAGRAPH_NO)
+def test_paragraph_checker_rejects_one_liners_cut_answers_long_answers_and_lists(text):
+    assert not ParagraphChecker()(text)
+
+
+@pytest.mark.parametrize("text", BRIEF_YES + BRIEF_NO + PARAGRAPH_YES + PARAGRAPH_NO)
+def test_no_answer_follows_both_brief_and_a_paragraph(text):
+    # Two users who want these lengths are told apart by their answers (clawloop eval-users).
+    assert not (BriefChecker()(text) and ParagraphChecker()(text))
 
 
 @pytest.mark.parametrize("name", sorted(PERSONAS))
