@@ -147,8 +147,9 @@ _LIST_LINE = re.compile(r"^[ \t]*(?:[-*•]|\d{1,2}[.)])[ \t]+\S", re.MULTILINE)
 
 @dataclass(frozen=True)
 class ParagraphChecker:
-    """One short paragraph: ``min_sentences`` to ``max_sentences`` sentences, at most ``max_words`` words, no
-    list lines, and a sentence end at the end (an answer cut at the token cap is not a paragraph of this size).
+    """One short paragraph: ``min_sentences`` to ``max_sentences`` sentences (as ``sentence_count`` counts them),
+    at most ``max_words`` words, no list lines, and a sentence end as its last character: an answer cut at the
+    token cap mid-sentence is not a paragraph of this size (one cut just after a full stop cannot be told apart).
 
     Disjoint from ``BriefChecker`` whenever ``min_sentences`` ≥ 2, so two users who want these two lengths can be
     told apart by their answers."""
