@@ -135,7 +135,10 @@ def run_users(config: Config, personas: list[Persona], *, seed: int = 0, interac
         per_user = {p.name: {"owner": owner_of(k), "steps": sum(st.get("owner") == owner_of(k) for st in steps),
                              "versions": [v["version"] for v in store.versions(owner=owner_of(k))
                                           if v["status"] == "accepted"],
-                             "share_after_base": share_after_base(sessions[p.name])}
+                             "share_after_base": share_after_base(sessions[p.name]),
+                             "gate_checks": sum(e.get("owner") == owner_of(k) for e in gate_log),
+                             "gate_rejections": sum(e.get("owner") == owner_of(k) and e.get("kind") == "gate_rejected"
+                                                    for e in gate_log)}
                     for p, k in users}
     finally:
         runtime.stop()
@@ -156,16 +159,23 @@ def run_users(config: Config, personas: list[Persona], *, seed: int = 0, interac
 
 
 def summary_table(summary: dict[str, Any]) -> str:
+    """The run's table, one row per user: held-out scores, what each user's answers follow, sessions to a stable
+    effect, the versions served to the user (and the share of their sessions opened by one newer than the base) and
+    the gate's rejections of the user's candidates."""
     names = summary["personas"]
     columns = " | ".join(f"follows {n} (before → after)" for n in names)
-    head = f"| user | score before → after | guard after | {columns} | sessions to stable effect | versions |"
-    lines = [head, "|" + "---|" * (5 + len(names))]
+    head = (f"| user | score before → after | guard after | {columns} | sessions to stable effect | versions served "
+            f"(sessions newer than the base) | gate rejections |")
+    lines = [head, "|" + "---|" * (7 + len(names))]
     for name in names:
-        b, a = summary["before"][name], summary["after"][name]
+        b, a, user = summary["before"][name], summary["after"][name], summary["users"][name]
         follows = " | ".join(f"{b['follows'][n]:.2f} → {a['follows'][n]:.2f}" for n in names)
         stable = summary["sessions_to_stable_effect"][name]
+        share = user.get("share_after_base")
+        served = f"{len(user['versions'])}" + (f" ({share:.0%})" if share is not None else "")
+        rejections = (f"{user['gate_rejections']} of {user['gate_checks']}" if "gate_checks" in user else "–")
         lines.append(f"| {name} | {b['score']:.2f} → {a['score']:.2f} | {a['guard']:.2f} | {follows} | "
-                     f"{stable if stable is not None else 'not reached'} | {len(summary['users'][name]['versions'])} |")
+                     f"{stable if stable is not None else 'not reached'} | {served} | {rejections} |")
     return "\n".join(lines)
 
 

@@ -35,6 +35,10 @@ def test_two_simulated_users_train_their_own_adapters(tmp_path, tiny_model_path,
             assert len(steps) == summary["users"][name]["steps"] == 3
             assert {store.get_turn(t).owner for s in steps for t in s["turn_ids"]} == {owner}
             assert summary["users"][name]["versions"] == [v["version"] for v in store.versions(owner=owner)]
+            # Every step is checked (--gate-every 1); the table counts this user's checks and rejections only.
+            checks = [e for e in store.events() if e["kind"].startswith("gate_") and e["detail"]["owner"] == owner]
+            assert summary["users"][name]["gate_checks"] == len(checks) == 3
+            assert summary["users"][name]["gate_rejections"] == sum(e["kind"] == "gate_rejected" for e in checks)
     finally:
         store.close()
     assert (out / "run" / "table.md").read_text().startswith("| user |")
