@@ -141,6 +141,8 @@ class BriefChecker:
         return f"one sentence of at most {self.max_words} words"
 
 
+# Decoration a model may put around its text: quotes, markdown emphasis, spaces.
+_DECORATION = " \t\r\n\"'*_`“”‘’"
 # A list line: a bullet (-, *, •) or a number with "." or ")" at its start.
 _LIST_LINE = re.compile(r"^[ \t]*(?:[-*•]|\d{1,2}[.)])[ \t]+\S", re.MULTILINE)
 
@@ -159,7 +161,7 @@ class ParagraphChecker:
     max_words: int = 60
 
     def __call__(self, text: str) -> bool:
-        body = text.strip().rstrip("\"')]*_` ")
+        body = text.rstrip(_DECORATION + ")]")
         return (self.min_sentences <= sentence_count(text) <= self.max_sentences
                 and 1 <= word_count(text) <= self.max_words
                 and body[-1:] in (".", "!", "?") and not _LIST_LINE.search(text))
@@ -167,10 +169,6 @@ class ParagraphChecker:
     def describe(self) -> str:
         return (f"one paragraph of {self.min_sentences}-{self.max_sentences} sentences and at most "
                 f"{self.max_words} words")
-
-
-# Leading decoration a model may put before the opening word: quotes, markdown emphasis, spaces.
-_DECORATION = " \t\r\n\"'*_`“”‘’"
 
 
 @dataclass(frozen=True)

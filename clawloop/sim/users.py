@@ -132,14 +132,15 @@ def run_users(config: Config, personas: list[Persona], *, seed: int = 0, interac
             out(f"[after] {name}: score {s['score']:.2f} guard {s['guard']:.2f} follows {s['follows']}")
         store = runtime.server.store
         steps = store.steps()
-        per_user = {p.name: {"owner": owner_of(k), "steps": sum(st.get("owner") == owner_of(k) for st in steps),
-                             "versions": [v["version"] for v in store.versions(owner=owner_of(k))
-                                          if v["status"] == "accepted"],
-                             "share_after_base": share_after_base(sessions[p.name]),
-                             "gate_checks": sum(e.get("owner") == owner_of(k) for e in gate_log),
-                             "gate_rejections": sum(e.get("owner") == owner_of(k) and e.get("kind") == "gate_rejected"
-                                                    for e in gate_log)}
-                    for p, k in users}
+        per_user = {}
+        for persona, key in users:
+            owner = owner_of(key)
+            checks = [e for e in gate_log if e.get("owner") == owner]
+            per_user[persona.name] = {
+                "owner": owner, "steps": sum(st.get("owner") == owner for st in steps),
+                "versions": [v["version"] for v in store.versions(owner=owner) if v["status"] == "accepted"],
+                "share_after_base": share_after_base(sessions[persona.name]),
+                "gate_checks": len(checks), "gate_rejections": sum(e.get("kind") == "gate_rejected" for e in checks)}
     finally:
         runtime.stop()
     summary = {
@@ -173,7 +174,7 @@ def summary_table(summary: dict[str, Any]) -> str:
         stable = summary["sessions_to_stable_effect"][name]
         share = user.get("share_after_base")
         served = f"{len(user['versions'])}" + (f" ({share:.0%})" if share is not None else "")
-        rejections = (f"{user['gate_rejections']} of {user['gate_checks']}" if "gate_checks" in user else "–")
+        rejections = f"{user['gate_rejections']} of {user['gate_checks']}" if "gate_checks" in user else "–"
         lines.append(f"| {name} | {b['score']:.2f} → {a['score']:.2f} | {a['guard']:.2f} | {follows} | "
                      f"{stable if stable is not None else 'not reached'} | {served} | {rejections} |")
     return "\n".join(lines)

@@ -21,8 +21,8 @@ def _summary(**brief_user):
 def test_each_user_row_has_its_own_versions_share_and_gate_rejections():
     rows = summary_table(_summary(gate_checks=9, gate_rejections=7)).splitlines()
     assert "gate rejections" in rows[0] and rows[1].count("---") == 9  # 7 columns + one per persona
-    assert rows[2] == ("| brief | 0.00 → 0.86 | 1.00 | 0.00 → 0.86 | 0.00 → 0.00 | 15 | 2 (75%) | 7 of 9 |")
-    assert rows[3] == ("| paragraph | 0.00 → 0.57 | 0.93 | 0.00 → 0.00 | 0.00 → 0.57 | not reached | 0 | 9 of 9 |")
+    assert rows[2] == "| brief | 0.00 → 0.86 | 1.00 | 0.00 → 0.86 | 0.00 → 0.00 | 15 | 2 (75%) | 7 of 9 |"
+    assert rows[3] == "| paragraph | 0.00 → 0.57 | 0.93 | 0.00 → 0.00 | 0.00 → 0.57 | not reached | 0 | 9 of 9 |"
 
 
 def test_a_summary_written_before_the_gate_counts_still_prints():
