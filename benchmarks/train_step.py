@@ -104,7 +104,8 @@ def child(variant: str, samples: int, tokens: int, steps: int, threads: int) -> 
             t0, c0 = time.perf_counter(), time.process_time()
             metrics = trainer.run_batch(lease, leased)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            results.append({"wall_s": wall, "cpu_s": cpu, "step_time_s": metrics["step_time_s"], "samples": metrics["samples"],
+            results.append({"wall_s": wall, "cpu_s": cpu, "step_time_s": metrics["step_time_s"],
+                            "samples": metrics["samples"],
                             "tokens": metrics["tokens"], **{p: metrics.get(p, 0.0) for p in PHASES},
                             "loss": metrics["loss"]})
         trainer.close()
@@ -272,7 +273,8 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
         for i, s in enumerate(r["steps"], 1):
             t = s["step_time_s"]
             fb = s["time_forward_s"] + s["time_backward_s"] + s["time_old_forward_s"]
-            print(f"{r['variant']:<11} {i:>4} {t:>7.2f} {s['cpu_s']:>7.1f} {s['samples'] / t:>9.2f} {s['tokens'] / t:>8.0f} "
+            print(f"{r['variant']:<11} {i:>4} {t:>7.2f} {s['cpu_s']:>7.1f} {s['samples'] / t:>9.2f} "
+                  f"{s['tokens'] / t:>8.0f} "
                   f"{s['time_old_forward_s']:>7.2f} {s['time_forward_s']:>6.2f} {s['time_loss_s']:>6.2f} "
                   f"{s['time_backward_s']:>6.2f} {s['time_retain_s']:>6.2f} {s['time_optimizer_s']:>6.2f} "
                   f"{100 * s['time_loss_s'] / t:>6.1f} "

@@ -11,7 +11,7 @@ Order, and why:
    folder's earlier training is checked (``clawloop.run_folder``). First, because a folder that cannot be
    started must stop start-up in seconds, before any model or vLLM server loads. A given store is used as it is
    (it may hold live leases of a trainer in this process).
-1. **fleet**: the vLLM servers the config names, started or attached (``clawloop.engines.fleet``); the config then
+1. **fleet**: the vLLM servers the config names, started or attached (``clawloop.fleet``); the config then
    holds their URLs. With learning on, a ``judge_url`` is checked here (``judge.endpoint_check``): a wrong key or
    path stops start-up, a slow or absent judge only warns.
 2. **engines**: the policy engine (given, the fleet's policy server, or the embedded HF engine) and, with learning
@@ -51,7 +51,7 @@ from clawloop.api.teacher_routes import mount_teacher_routes
 from clawloop.api.trainer_routes import mount_trainer_routes
 from clawloop.config import Config
 from clawloop.dashboard.routes import install_for_service
-from clawloop.engines.fleet import Fleet, FleetSupervisor
+from clawloop.fleet import Fleet, FleetSupervisor
 from clawloop.judge.describe import judge_backend
 from clawloop.judge.endpoint_check import check_judge_endpoint
 from clawloop.judge.factory import build_judge, load_base_engine
@@ -274,7 +274,7 @@ def build_engine(config: Config, fleet: Fleet | None = None) -> Any:
         from clawloop.engines.model_files import load_tokenizer, resolve_model
 
         if fleet is None or fleet.policy is None:
-            raise ValueError("engine='vllm' needs the run's vLLM fleet (clawloop.engines.fleet.Fleet)")
+            raise ValueError("engine='vllm' needs the run's vLLM fleet (clawloop.fleet.Fleet)")
         return fleet.policy_engine(config, load_tokenizer(resolve_model(config.model)))
     from clawloop.engines.hf import HFEngine
 

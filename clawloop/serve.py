@@ -31,7 +31,7 @@ from clawloop.api.framing import OpenAIShapedFraming
 from clawloop.api.sessions import JudgeableHook, SessionManager
 from clawloop.assemble import Assembly, Component, Learning, assemble
 from clawloop.config import Config
-from clawloop.engines.fleet import Fleet
+from clawloop.fleet import Fleet
 from clawloop.store import Store
 
 log = logging.getLogger("clawloop.serve")
@@ -100,7 +100,7 @@ class Server:
 
     @property
     def fleet(self) -> Fleet | None:
-        """The vLLM servers of this run (``clawloop.engines.fleet.Fleet``), started by ``build``."""
+        """The vLLM servers of this run (``clawloop.fleet.Fleet``), started by ``build``."""
         return self.parts.fleet if self.parts is not None else None
 
     @property

@@ -13,12 +13,12 @@ import httpx
 import pytest
 
 from clawloop.config import Config
-from clawloop.engines.fleet import FleetSupervisor
+from clawloop.fleet import FleetSupervisor
 from clawloop.pipeline import Pipeline
 from clawloop.runtime import build_runtime
 from clawloop.serve import Server
 from clawloop.trainer.loop import OnlineTrainer
-from tests.engines.test_fleet import FAKE_VLLM
+from tests.test_fleet import FAKE_VLLM
 
 
 @pytest.fixture

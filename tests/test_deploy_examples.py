@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from clawloop.config import Config
-from clawloop.engines.fleet import Fleet
+from clawloop.fleet import Fleet
 from clawloop.engines.vllm_server import VLLMServerSettings
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "deploy"

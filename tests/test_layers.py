@@ -23,7 +23,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("trainer", ("clawloop.trainer",)),
     ("api", ("clawloop.api",)),
     ("dashboard", ("clawloop.dashboard",)),
-    ("assembly, serve, runtime", ("clawloop.run_folder", "clawloop.assemble", "clawloop.serve", "clawloop.runtime")),
+    ("assembly, serve, runtime", ("clawloop.run_folder", "clawloop.fleet", "clawloop.assemble", "clawloop.serve",
+                                  "clawloop.runtime")),
     ("commands", ("clawloop.cli", "clawloop.sim", "clawloop.openclaw_config", "clawloop.openclaw_launch")),
 ]
 

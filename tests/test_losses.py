@@ -1,4 +1,5 @@
-"""clawloop.losses against straightforward float64 re-derivations, finite differences and the properties docs/method.md states.
+"""clawloop.losses against straightforward float64 re-derivations, finite differences and the properties
+docs/method.md states.
 
 The references below loop over tokens and vocabulary ids with Python floats and sets; they share no code with
 the module under test (they read full log-prob tables directly instead of the six TopKTargets fields).

@@ -302,7 +302,8 @@ def test_the_term_follows_the_opd_branch_rule_for_unhinted_samples_and_the_metho
     sample, _ = _sample()
     half = L.sample_objective(sample, L.ObjectiveSettings(method="opd", w_opd=0.5, support_coef=1.0))
     off = L.sample_objective(sample, L.ObjectiveSettings(method="opd", w_opd=0.5))
-    assert float(half.loss.detach()) == pytest.approx(float(off.loss.detach()) + 0.5 * half.metrics["opd_support_loss"], rel=1e-6)
+    expected = float(off.loss.detach()) + 0.5 * half.metrics["opd_support_loss"]
+    assert float(half.loss.detach()) == pytest.approx(expected, rel=1e-6)
 
     # Teachers that agree with the student's top-k at 3 of 7 positions: "outside" leaves exactly those out.
     mixed, _ = _sample(agree_T=torch.tensor([True, False, True, False, False, True, False]))

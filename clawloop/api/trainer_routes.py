@@ -292,7 +292,8 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
                            "n", "invalid_value")
         corrected = request.query_params.get("corrected", "0") in ("1", "true")
         found = await _store_call(lambda: store.recent_prompts(n, corrected=corrected))
-        return {"corrected": corrected, "prompts": [{"turn_id": t, "prompt_ids": ids, "messages": messages} for t, ids, messages in found]}
+        prompts = [{"turn_id": t, "prompt_ids": ids, "messages": messages} for t, ids, messages in found]
+        return {"corrected": corrected, "prompts": prompts}
 
     async def state(request: Request) -> Any:
         authorise(request)

@@ -18,10 +18,10 @@ A check:
 3. finds the candidate's greedy answer to each probe (``probe_tokens`` at most, ``knowledge_tokens`` for the
    knowledge probes, which are answered first; probes of similar length batched together, ``length_buckets``,
    each row leaving the batch when its answer ends; on the CPU a LoRA candidate merged, as the embedded engine
-   serves it, by the trainer's ``gate_candidate``); with ``knowledge_samples`` set, each knowledge probe instead gets that
-   many answers sampled at the serving temperature, drawn with the same uniforms as the reference's
-   (``sampling_uniforms``), since users are served sampled answers and a small model's greedy answer to a fact
-   it states in half its answers flips at the slightest change;
+   serves it, by the trainer's ``gate_candidate``); with ``knowledge_samples`` set, each knowledge probe instead
+   gets that many answers sampled at the serving temperature, drawn with the same uniforms as the reference's
+   (``sampling_uniforms``), since users are served sampled answers and a small model's greedy answer to a fact it
+   states in half its answers flips at the slightest change;
 4. runs the degeneracy guard on every answer: the text rules everywhere (empty, symbol soup, loops, low diversity)
    and, where the question is known (the shipped probes, and a recent prompt whose last user message ends in a
    wh-question, ``question_of``), the question rules too (the answer must mention the question's topic and must not

@@ -3,12 +3,12 @@
 Each checker is a small frozen object with ``__call__(text) -> bool`` and a ``describe()`` for reports. They are
 pure functions of the text (no model, no randomness), so a preference score is reproducible anywhere.
 
-* ``LanguageChecker`` (``FrenchChecker``, ``SpanishChecker``): language identification by stop-word lists. Words are lower-cased, curly apostrophes
-  straightened, and elided forms kept with their apostrophe (``l'``, ``qu'``). Words that are stop words in
-  more than one of French/English/Spanish (``a``, ``on``, ``de``, ``la``, ``que``...) are simply not in the
-  lists, so they vote for nobody. The text is French when it has at least ``min_hits`` French stop words
-  and French holds at least ``min_share`` of all stop-word hits (likewise for Spanish). Keeping both lists
-  matters: a policy pushed toward French can drift into Spanish-looking text, which must not count.
+* ``LanguageChecker`` (``FrenchChecker``, ``SpanishChecker``): language identification by stop-word lists. Words
+  are lower-cased, curly apostrophes straightened, and elided forms kept with their apostrophe (``l'``, ``qu'``).
+  Words that are stop words in more than one of French/English/Spanish (``a``, ``on``, ``de``, ``la``, ``que``...)
+  are simply not in the lists, so they vote for nobody. The text is French when it has at least ``min_hits`` French
+  stop words and French holds at least ``min_share`` of all stop-word hits (likewise for Spanish). Keeping both
+  lists matters: a policy pushed toward French can drift into Spanish-looking text, which must not count.
 * ``BriefChecker``: one sentence of at most ``max_words`` words. Sentences end at ``.``, ``!``, ``?`` (or
   a line break) followed by more text; a few common abbreviations and decimal points do not end one.
 * ``ParagraphChecker``: one short paragraph, a finished answer of ``min_sentences``–``max_sentences`` sentences and

@@ -277,7 +277,8 @@ def main_from_args(args: argparse.Namespace, cli: dict[str, Any], out: Callable[
         else:
             settings_path.write_text(json.dumps(shared, indent=1, default=str))
         options = LoopOptions(interactions=args.interactions, eval_every=args.eval_every, heldout_n=args.heldout_n,
-                              eval_each_version=args.eval_each_version, user_url=args.user_url, user_model=args.user_model,
+                              eval_each_version=args.eval_each_version, user_url=args.user_url,
+                              user_model=args.user_model,
                               user_api_key_env=args.user_api_key_env, max_lag=args.max_lag)
         persona_files = {load_persona_file(path).name: str(path) for path in args.persona_file or []}
         problem = check_persona_records(out_dir, persona_files, force=args.force)

@@ -31,7 +31,7 @@ from typing import Any
 
 from clawloop.api.auth import owner_of
 from clawloop.config import Config
-from clawloop.sim.demo import DEMO_INTERACTIONS, demo_config, wait_for_training
+from clawloop.sim.demo import DEMO_INTERACTIONS, DEMO_MAX_LAG, demo_config, wait_for_training
 from clawloop.sim.driver import EvalResult, Simulation, evaluate
 from clawloop.sim.persona_file import PersonaFileError, load_persona_file
 from clawloop.sim.personas import Persona, get_persona
@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--persona-file", action="append", default=[], help="A persona from a TOML or JSON file "
                         "(clawloop/sim/persona_file.py), one more simulated user; may be given several times.")
     parser.add_argument("--interactions", type=int, default=DEMO_INTERACTIONS, help="Answers per user.")
-    parser.add_argument("--max-lag", type=int, default=8, help="A user waits before a session until fewer than "
-                        "this many of its own answers wait to be judged or trained on (0 = never waits).")
+    parser.add_argument("--max-lag", type=int, default=DEMO_MAX_LAG, help="A user waits before a session until "
+                        "fewer than this many of its own answers wait to be judged or trained on (0 = never waits).")
     parser.add_argument("--heldout-n", type=int, default=0, help="Held-out questions per user (0 = all).")
     parser.add_argument("--out", default="runs/users", help="Output folder (run folder, summary, table).")
 
@@ -78,7 +78,7 @@ def _scores(base_url: str, users: list[tuple[Persona, str]], heldout_n: int, see
 
 
 def run_users(config: Config, personas: list[Persona], *, seed: int = 0, interactions: int = DEMO_INTERACTIONS,
-              max_lag: int = 8, heldout_n: int = 0, out: Callable[[str], None] = print) -> dict[str, Any]:
+              max_lag: int = DEMO_MAX_LAG, heldout_n: int = 0, out: Callable[[str], None] = print) -> dict[str, Any]:
     """One run with one simulated user per persona on one per-user server; returns (and writes) its summary."""
     from clawloop.runtime import build_runtime
 

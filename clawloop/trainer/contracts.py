@@ -73,7 +73,8 @@ class SampleSource(Protocol):
 
     def record_rollback(self, to_version: int, from_version: int, detail: dict[str, Any]) -> list[int]: ...
 
-    def recent_prompts(self, n: int, *, corrected: bool = False) -> list[tuple[int, list[int], list[dict[str, Any]]]]: ...
+    def recent_prompts(self, n: int, *,
+                       corrected: bool = False) -> list[tuple[int, list[int], list[dict[str, Any]]]]: ...
 
 
 class PublishingEngine(Protocol):

@@ -12,8 +12,9 @@ number from the store (never one used before, across restarts), is written to th
 (``trainer.versions``), recorded in the store and published; a rejected one is never served: the trainable
 weights and the optimizer state go back to the last accepted version's, and a ``gate_rejected`` event records the
 evidence (with ``gate_restore_after`` > 1, only once that many candidates in a row were rejected; until then
-training goes on from the rejected weights, which are never served). The rejected steps stay committed (their samples were consumed by them; the event names them), so
-nothing is lost silently and nothing is trained forever. With ``gate`` off every step is published unchecked.
+training goes on from the rejected weights, which are never served). The rejected steps stay committed (their
+samples were consumed by them; the event names them), so nothing is lost silently and nothing is trained forever.
+With ``gate`` off every step is published unchecked.
 
 Ordering and crash safety:
 

@@ -232,8 +232,8 @@ def run(config: Config, store: SampleSource | None, *, max_steps: int = 0, lease
         api: WeightReport | None = None, teacher: Any = None) -> int:
     """Train until ``max_steps`` batches (0 = forever) or ``idle_exit_s`` without a batch, resuming from the
     newest checkpoint under ``config.run_dir`` first. ``store`` is used on rank 0 only (``RemoteStore`` or
-    ``Store``); weights folders are reported to ``api`` (the ``RemoteStore``) unless ``report_weights`` is off. ``teacher``
-    goes to the step unchanged. Returns the number of batches trained."""
+    ``Store``); weights folders are reported to ``api`` (the ``RemoteStore``) unless ``report_weights`` is off.
+    ``teacher`` goes to the step unchanged. Returns the number of batches trained."""
     rank, world, device = init_distributed()
     if world > 1 and config.retain_coef > 0:
         raise ConfigError(f"retain_coef > 0 runs in one process only; this trainer has {world} ranks (set "

@@ -10,11 +10,11 @@ dashboard and the records export show it). With the run's server stopped:
    of a step at or after the first such step, since each version carries all the steps before it) is marked
    ``retired``, and a journal of what is left to do outside the store is written (``FORGET_PENDING``).
 2. **The run folder**, from the journal: the retired versions' folders (``versions/`` and ``weights/``) and every
-   checkpoint of that first step or later are deleted, in ``archive/`` too, and the user's lines are taken out of the records export
-   in ``RUN_DIR/export`` (the gate's evidence there scrubbed as in the store, and in every version folder left).
-   Under per-user policies (``policy_scope = "per_user"``) the user's samples trained only the user's own
-   adapter: every version of it is retired and the user's folder ``RUN_DIR/users/<owner>`` (the adapter's
-   versions, checkpoints and metrics) is deleted; no other user's version or checkpoint is touched.
+   checkpoint of that first step or later are deleted, in ``archive/`` too, and the user's lines are taken out of
+   the records export in ``RUN_DIR/export`` (the gate's evidence there scrubbed as in the store, and in every
+   version folder left). Under per-user policies (``policy_scope = "per_user"``) the user's samples trained only
+   the user's own adapter: every version of it is retired and the user's folder ``RUN_DIR/users/<owner>`` (the
+   adapter's versions, checkpoints and metrics) is deleted; no other user's version or checkpoint is touched.
 3. **The receipt**, ``RUN_DIR/receipts/forget-<time>-<owner>.json``: counts and ids (never text), the retired versions,
    the removed checkpoints, and where training goes on from. Then the journal is cleared.
 

@@ -16,12 +16,12 @@
 * while nothing is ready, the shared policy's trainer works ahead, one piece at a time (``Trainer.prepare``): the
   retain term's targets and the gate's answers of the starting weights, which the first step and checks would
   otherwise compute on the way to the first new version;
-* a step that fails before its update releases its lease (its samples become ready again) and the loop backs off (doubling
-  from ``error_backoff_s`` up to ``max_backoff_s``) before trying again; the error is logged and counted. The
-  failed batch's samples are then retried one per step, so samples that train fine go through and one that
+* a step that fails before its update releases its lease (its samples become ready again) and the loop backs off
+  (doubling from ``error_backoff_s`` up to ``max_backoff_s``) before trying again; the error is logged and counted.
+  The failed batch's samples are then retried one per step, so samples that train fine go through and one that
   breaks every step it is in is isolated; after ``max_sample_failures`` failed steps it is dropped with reason
-  ``train_error`` (never silently) instead of stopping training forever (``trainer.leasing``, which every
-  trainer loop leases through);
+  ``train_error`` (never silently) instead of stopping training forever (``trainer.leasing``, which every trainer
+  loop leases through);
 * once the update is in the weights the batch is never given back: a store write that fails (disk full, database
   locked) is tried again until it goes through (``Trainer._persist``); only a lost lease gives up, and then the
   samples are not marked trained. A stop asked for while the store keeps failing leaves the lease to expire and

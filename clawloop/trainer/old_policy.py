@@ -22,10 +22,10 @@ forward first, for the top-k ids alone, when a teacher is to be asked.
 The next batch cannot be asked for in advance: its ids depend on the weights after this step.
 
 Scores recorded with a sample at the very same ids (a step that was trained but not kept, an older store) are
-used as they are (re-ordered to match) and the teacher is not asked, provided they carry at least K' teacher ids. When the teacher fails, times out or is
-absent, the sample's OPD branch is left out (``TEACHER_MISSING``): its RL branch still trains when it has a
-±1 vote, and a sample with nothing left is dropped with reason ``teacher_error`` (``TEACHER_ERROR``). Every case
-is counted in the step metrics; a stale set is never used.
+used as they are (re-ordered to match) and the teacher is not asked, provided they carry at least K' teacher ids.
+When the teacher fails, times out or is absent, the sample's OPD branch is left out (``TEACHER_MISSING``): its RL
+branch still trains when it has a ±1 vote, and a sample with nothing left is dropped with reason ``teacher_error``
+(``TEACHER_ERROR``). Every case is counted in the step metrics; a stale set is never used.
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ class RemoteStore:
         return response.json()
 
     # ---- the Store subset ---------------------------------------------------------------------------
-    def lease_samples(self, n: int, lease_s: float = 3600.0, min_n: int | None = None) -> tuple[str, list[SampleRecord]]:
+    def lease_samples(self, n: int, lease_s: float = 3600.0,
+                      min_n: int | None = None) -> tuple[str, list[SampleRecord]]:
         out = self._call("POST", "/v1/trainer/lease", {"n": n, "min_n": min_n, "lease_s": lease_s})
         lease_id = out["lease_id"]
         samples = []

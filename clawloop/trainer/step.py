@@ -201,7 +201,8 @@ def nothing_left(item: TrainItem, config: Config) -> bool:
 
 def share_teacher_outcomes(items: list[TrainItem], mine: list[TrainItem], runner: Runner) -> None:
     """Every rank learns which samples lost their OPD branch (the advantages of the whole batch depend on it)."""
-    missing = {it.turn_id: str(it.info.get("teacher_missing_reason", "")) for it in mine if it.info.get(TEACHER_MISSING)}
+    missing = {it.turn_id: str(it.info.get("teacher_missing_reason", ""))
+               for it in mine if it.info.get(TEACHER_MISSING)}
     for part in runner.gather(missing):
         for it in items:
             if it.turn_id in part:

@@ -8,8 +8,8 @@ Layout under ``run_dir/versions``::
     v7/version.json          version, step, time, mode and the gate's evidence
 
 Each folder is written atomically, and checked for damage, by ``clawloop.weight_folder``. The store's
-``versions`` table is the index (status accepted / rolled_back / uncommitted / archived / retired, and the evidence); the folders hold
-the weights. Version 0 is the starting weights.
+``versions`` table is the index (status accepted / rolled_back / uncommitted / archived / retired, and the
+evidence); the folders hold the weights. Version 0 is the starting weights.
 
 Retention, applied each time a version is saved (``prune_versions``): the newest ``keep`` versions are kept
 (``keep_lora_versions`` or ``keep_full_versions``), and so are, whatever their age, the version being served

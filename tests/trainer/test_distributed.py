@@ -62,8 +62,8 @@ def test_two_gloo_ranks_match_single_process(make_config, base_model, tiny_token
     expected_weights = merged_state_dict(models)
     store.close()
 
-    args = [str(TORCHRUN), "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "clawloop.trainer.distributed",
-            "--store", str(store_file), "--max-steps", "1", "--poll-s", "0.1"]
+    args = [str(TORCHRUN), "--nproc_per_node", "2", "--master_port", str(free_port()),
+            "-m", "clawloop.trainer.distributed", "--store", str(store_file), "--max-steps", "1", "--poll-s", "0.1"]
     for key, value in dict(model=str(tiny_model_path), device="cpu", run_dir=str(run_dir), num_threads=1,
                            **settings).items():
         args += ["--set", f"{key}={value}"]
@@ -290,7 +290,8 @@ def test_resumed_trainer_continues_weights_optimizer_and_counters(make_config, b
 
 
 @pytest.mark.timeout(200)
-def test_a_lease_lost_during_a_step_neither_stops_nor_stalls_the_ranks(base_model, tiny_tokenizer, tiny_model_path, tmp_path):
+def test_a_lease_lost_during_a_step_neither_stops_nor_stalls_the_ranks(base_model, tiny_tokenizer, tiny_model_path,
+                                                                        tmp_path):
     """Rank 0's commit is refused (its lease expired while the step ran): every rank goes on, and exits."""
     run_dir = tmp_path / "run"
     store_file = run_dir / "store.sqlite"

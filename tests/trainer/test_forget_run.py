@@ -150,7 +150,8 @@ if point == "in the store's transaction":  # the journal written, the transactio
 elif point == "between versions and checkpoints":
     f.remove_version = killed_after(f.remove_version)
 elif point == "after the receipt":  # the receipt on disk, the journal not cleared
-    f.write_text_atomically = killed_after(f.write_text_atomically, lambda path, *_: Path(path).parent.name == "receipts")
+    f.write_text_atomically = killed_after(f.write_text_atomically,
+                                           lambda path, *_: Path(path).parent.name == "receipts")
 sys.exit(f.forget_command(sys.argv[2], sys.argv[3]))
 """
 

@@ -3,7 +3,7 @@
 * ``vllm_python`` (session): the vLLM interpreter (``$CLAWLOOP_VLLM_PYTHON`` or ``.venv-vllm/bin/python``);
   every ``vllm`` test is skipped with the reason when there is none.
 * ``vllm_fleet`` (session): two servers on SmolLM2-135M-Instruct started from a ``Config`` (``engine = "vllm"``,
-  ``lora``, ``[vllm_policy]`` / ``[vllm_teacher]``) by ``clawloop.engines.fleet.Fleet``, as ``clawloop serve``
+  ``lora``, ``[vllm_policy]`` / ``[vllm_teacher]``) by ``clawloop.fleet.Fleet``, as ``clawloop serve``
   starts them: float32, eager mode (no torch.compile: a start of 2-5 minutes on a small shared CPU instead of
   5-10), launched together and stopped at the end; yields the fleet and the config with their URLs.
 * ``vllm_servers`` (session): the same servers by name: ``"policy"`` with LoRA hot-loading (generation,
@@ -20,7 +20,7 @@ import pytest
 
 from clawloop.config import Config
 from clawloop.engines import model_files
-from clawloop.engines.fleet import Fleet
+from clawloop.fleet import Fleet
 from clawloop.engines.vllm_server import find_vllm_python
 
 STARTUP_TIMEOUT_S = 900.0

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from clawloop.config import Config
-from clawloop.engines.fleet import Fleet, FleetSupervisor, needs_teacher_server, server_settings
+from clawloop.fleet import Fleet, FleetSupervisor, needs_teacher_server, server_settings
 
 
 @pytest.fixture
@@ -198,7 +198,7 @@ def test_an_attached_policy_server_that_comes_back_gets_the_weights_again(tmp_pa
 def test_a_server_left_by_a_killed_run_is_stopped_by_the_next_start(model_dir, tmp_path):
     import subprocess
 
-    from clawloop.engines.fleet import stop_leftover
+    from clawloop.fleet import stop_leftover
 
     script = tmp_path / "fake_vllm.py"
     script.write_text(FAKE_VLLM)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clawloop.config import Config
 from clawloop.engines.vllm_server import VLLMServer, VLLMServerSettings
 
 log = logging.getLogger("clawloop.fleet")
@@ -43,7 +44,7 @@ log = logging.getLogger("clawloop.fleet")
 DEFAULT_SERVED_NAME = "base"
 
 
-def needs_teacher_server(config: Any) -> bool:
+def needs_teacher_server(config: Config) -> bool:
     """Whether a run on vLLM needs the frozen base-model server (teacher scoring, or the judge falls to it)."""
     if config.engine != "vllm" or not config.train:  # serving only: nothing is judged or distilled
         return False
@@ -52,12 +53,12 @@ def needs_teacher_server(config: Any) -> bool:
     return distils_from_base or judge_on_base
 
 
-def role_section(config: Any, role: str) -> dict[str, Any]:
+def role_section(config: Config, role: str) -> dict[str, Any]:
     """The config's ``vllm_<role>`` section: the settings of the server clawloop starts for ``role``."""
     return {"policy": config.vllm_policy, "teacher": config.vllm_teacher, "judge": config.vllm_judge}[role]
 
 
-def server_settings(config: Any, role: str, model_dir: Path) -> VLLMServerSettings:
+def server_settings(config: Config, role: str, model_dir: Path) -> VLLMServerSettings:
     """The settings of the ``role`` server clawloop starts: the config's section over role defaults."""
     section = dict(role_section(config, role))
     defaults: dict[str, Any] = {
@@ -87,7 +88,7 @@ class Fleet:
     _started: list[VLLMServer] = field(default_factory=list)
 
     @classmethod
-    def plan(cls, config: Any) -> Fleet:
+    def plan(cls, config: Config) -> Fleet:
         """Decide which servers the run needs; nothing is started (model folders are resolved lazily)."""
         fleet = cls()
         if config.engine == "vllm":
@@ -130,7 +131,7 @@ class Fleet:
                 _pid_file(server).unlink(missing_ok=True)
         self._started.clear()
 
-    def resolve(self, config: Any) -> Any:
+    def resolve(self, config: Config) -> Config:
         """``config`` with the URLs and model names of the started servers filled in."""
         changes: dict[str, Any] = {}
         if self.policy is not None:
@@ -146,7 +147,7 @@ class Fleet:
         return config.replace(**changes) if changes else config
 
     # ---- engines ------------------------------------------------------------------------------------------
-    def policy_engine(self, config: Any, tokenizer: Any) -> Any:
+    def policy_engine(self, config: Config, tokenizer: Any) -> Any:
         """The ``VLLMEngine`` serving the policy, with the publisher new weights go through."""
         from clawloop.engines.vllm_publish import USER_ADAPTERS_DIR, CheckpointPublisher, LoRAPublisher, \
             UserAdapterPublisher
@@ -167,7 +168,7 @@ class Fleet:
         engine.publisher = self.publisher
         return engine
 
-    def teacher_engine(self, config: Any, tokenizer: Any) -> Any:
+    def teacher_engine(self, config: Config, tokenizer: Any) -> Any:
         assert self.teacher is not None
         return _engine(self.teacher, config, tokenizer, lora=False)
 
@@ -209,7 +210,7 @@ def _running(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
-def _server(config: Any, role: str, url: str, model: str) -> VLLMServer:
+def _server(config: Config, role: str, url: str, model: str) -> VLLMServer:
     if url:
         return VLLMServer.attach(url, served_model_name=model or DEFAULT_SERVED_NAME)
     from clawloop.engines.model_files import resolve_model
@@ -218,7 +219,7 @@ def _server(config: Any, role: str, url: str, model: str) -> VLLMServer:
     return VLLMServer(server_settings(config, role, model_dir))
 
 
-def _engine(server: VLLMServer, config: Any, tokenizer: Any, *, lora: bool) -> Any:
+def _engine(server: VLLMServer, config: Config, tokenizer: Any, *, lora: bool) -> Any:
     overrides: dict[str, Any] = {"tokenizer": tokenizer}
     if not server.managed:
         # Nothing is known about an attached server but what the config says: the model folder sizes the id
