@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from clawloop.config import Config
+from clawloop.engines.model_files import resolve_model
 from clawloop.engines.vllm_server import VLLMServer, VLLMServerSettings
 
 log = logging.getLogger("clawloop.fleet")
@@ -151,7 +152,6 @@ class Fleet:
         """The ``VLLMEngine`` serving the policy, with the publisher new weights go through."""
         from clawloop.engines.vllm_publish import USER_ADAPTERS_DIR, CheckpointPublisher, LoRAPublisher, \
             UserAdapterPublisher
-        from clawloop.engines.model_files import resolve_model
 
         assert self.policy is not None
         engine = _engine(self.policy, config, tokenizer, lora=config.lora)
@@ -213,8 +213,6 @@ def _running(pid: int) -> bool:
 def _server(config: Config, role: str, url: str, model: str) -> VLLMServer:
     if url:
         return VLLMServer.attach(url, served_model_name=model or DEFAULT_SERVED_NAME)
-    from clawloop.engines.model_files import resolve_model
-
     model_dir = Path(role_section(config, role).get("model") or resolve_model(config.model))
     return VLLMServer(server_settings(config, role, model_dir))
 
@@ -224,8 +222,6 @@ def _engine(server: VLLMServer, config: Config, tokenizer: Any, *, lora: bool) -
     if not server.managed:
         # Nothing is known about an attached server but what the config says: the model folder sizes the id
         # checks, and a LoRA server is scored by probing, never with prompt log-probs (see VLLMServer.engine).
-        from clawloop.engines.model_files import resolve_model
-
         vocab = VLLMServerSettings(model=str(resolve_model(config.model))).model_vocab_size()
         overrides.update(vocab_size=vocab, prompt_logprobs=not lora)
     return server.engine(**overrides)
