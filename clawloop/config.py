@@ -202,6 +202,10 @@ class TeacherSettings:
                            "and the OPD branch scores the teacher's answer like any hinted sample).")
     context_max_tokens: int = _f(0, "Most tokens per context answer (0 = default_max_tokens); never more than "
                                  "max_response_tokens.")
+    context_guard: bool = _f(True, "Leave out a context answer the degeneracy guard flags (the gate's rules: a "
+                             "loop, an echo of the question, an answer off the topic of a wh-question), since a "
+                             "context sample is trained as a good answer; SmolLM2-135M's hinted answers include "
+                             "\"What is snow?\" to \"What is snow?\" (docs/context-distillation.md).")
 
 
 @dataclass

@@ -44,6 +44,8 @@ from collections.abc import Callable
 from typing import Any
 
 from clawloop.engines.base import Generation, SamplingParams
+from clawloop.gate.gate import question_of
+from clawloop.gate.guard import check as guard_check
 from clawloop.judge.describe import startup_message
 from clawloop.judge.factory import configured_turn_deadline_s
 from clawloop.judge.votes import Judge, Judgement
@@ -311,8 +313,9 @@ class Pipeline:
     async def context_answers(self, turn: TurnRecord, hints: list[str], info: dict[str, Any]) -> list[ContextSample]:
         """The teacher's own answers to ``turn`` under its accepted ``hints`` (answer i under hint i mod C, all
         sampled at once), as context samples to store with the turn's sample. An answer identical to an earlier
-        one (a greedy turn) is left out; failures and what was left out are noted in ``info``, never raised: a
-        turn's own sample does not depend on its context answers."""
+        one (a greedy turn) is left out, and with ``context_guard`` one the degeneracy guard flags (asked with the
+        turn's wh-question, ``question_of``); failures and what was left out are noted in ``info``, never raised:
+        a turn's own sample does not depend on its context answers."""
         if self.context_samples <= 0 or not hints or self.teacher is None:
             return []
         teacher = self.teacher
@@ -330,6 +333,8 @@ class Pipeline:
         out: list[ContextSample] = []
         seen: set[tuple[int, ...]] = set()
         errors: list[str] = []
+        unsound: list[str] = []
+        question = question_of(turn.messages)
         for (index, hint_index), answer in zip(plan, answers):
             if isinstance(answer, BaseException):
                 errors.append(f"{index}: {type(answer).__name__}: {answer}"[:200])
@@ -339,9 +344,17 @@ class Pipeline:
                 info["context_repeats"] = int(info.get("context_repeats", 0)) + 1
                 continue
             seen.add(ids)
+            if self.config.context_guard:
+                flagged = guard_check(answer.text, question=question).reasons
+                if flagged:
+                    unsound.append(f"{index}: {', '.join(flagged)}")
+                    continue
             out.append(context_sample(self.config, turn, hints, index, hint_index, answer))
         if errors:
             info["context_error"] = errors
             self.stats["context_error"] += len(errors)
+        if unsound:  # trained as a +1 answer, a loop or an echo would teach exactly what the gate rejects
+            info["context_unsound"] = unsound
+            self.stats["context_unsound"] += len(unsound)
         info["context_answers"] = len(out)
         return out

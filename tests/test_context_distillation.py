@@ -9,6 +9,7 @@ import torch
 from clawloop.config import Config, ConfigError
 from clawloop.engines.model_files import end_token_ids
 from clawloop.dashboard.readmodel import RunView
+from clawloop.engines.base import Generation
 from clawloop.judge.client import HTTPJudgeClient
 from clawloop.judge.scripted import ScriptedJudgeServer
 from clawloop.judge.votes import Judge, JudgeSettings
@@ -52,7 +53,8 @@ def make_config(server, tmp_path, tiny_model_path, **overrides):
     values = dict(model=str(tiny_model_path), device="cpu", judge_url=server.url, judge_model="m", prm_m=3,
                   judge_timeout_s=2.0, judge_retries=1, topk=4, context_samples=2, context_max_tokens=6,
                   run_dir=str(tmp_path / "run"), rollout_batch_size=8, micro_batch_size=4, lr=1e-3,
-                  checkpoint_every=1000, metrics_backends=["jsonl"], gate=False)
+                  checkpoint_every=1000, metrics_backends=["jsonl"], gate=False,
+                  context_guard=False)  # the random tiny model's answers are word salad the guard would drop
     values.update(overrides)
     return Config.from_dict(values)
 
@@ -102,6 +104,51 @@ def test_a_hinted_turn_yields_the_teachers_answers_without_the_hint(tmp_path, ju
     assert all(HINT_PREFIX + HINT_TEXT in tiny_tokenizer.decode(ids) for ids in engine.asked)
     assert sorted(store.get_turn(s.turn_id).response_ids for s in contexts) == sorted(engine.answers)
     assert sum(1 for t in store.turns() if t.sample_kind == CONTEXT_KIND) == 2
+
+
+class ScriptedTeacherEngine:
+    """A teacher engine that answers with the given texts in turn (tokenised by the real tokenizer), as a small
+    model's hinted answers can be: sound, or an echo of the question."""
+
+    def __init__(self, tokenizer, texts):
+        self.tokenizer = tokenizer
+        self.texts = list(texts)
+
+    async def generate(self, prompt_ids, params):
+        text = self.texts.pop(0)
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + end_token_ids(self.tokenizer)[:1]
+        return Generation(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop", policy_version=0,
+                          prompt_tokens=len(prompt_ids), text=text)
+
+
+def test_an_answer_the_guard_flags_is_not_trained_as_a_good_one(tmp_path, judge_server, tiny_model_path,
+                                                                 tiny_tokenizer):
+    sound, echo = "It is 68 degrees Fahrenheit in Paris today.", "What is the temperature in Paris?"
+    config = make_config(judge_server, tmp_path, tiny_model_path, context_guard=True)
+    store = Store(tmp_path / "run.db")
+    source = add_judgeable_turn(store, tiny_tokenizer, "good")  # asks "What is the temperature in Paris?"
+    engine = ScriptedTeacherEngine(tiny_tokenizer, [echo, sound])
+    pipeline = make_pipeline(store, config, engine, tiny_tokenizer)
+    assert run_until_drained(pipeline)
+
+    contexts = context_samples(store)
+    assert [store.get_turn(s.turn_id).response_text for s in contexts] == [sound]
+    info = store.get_sample(source).info
+    # Which index drew the echo depends on which call reached the engine first.
+    assert info["context_answers"] == 1 and [u.split(": ")[1] for u in info["context_unsound"]] == ["echo"]
+    assert pipeline.stats["context_unsound"] == 1
+    # The dashboard's session view says which answer was left out and why.
+    turns = {t["turn_id"]: t for t in RunView(tmp_path, store_path=tmp_path / "run.db").session("s")["turns"]}
+    assert turns[source]["sample"]["info"]["context_unsound"] == info["context_unsound"]
+
+    # With the setting off, both are kept.
+    config_off = make_config(judge_server, tmp_path / "off", tiny_model_path, context_guard=False)
+    store_off = Store(tmp_path / "off.db")
+    add_judgeable_turn(store_off, tiny_tokenizer, "good")
+    engine_off = ScriptedTeacherEngine(tiny_tokenizer, [echo, sound])
+    assert run_until_drained(make_pipeline(store_off, config_off, engine_off, tiny_tokenizer))
+    kept = sorted(store_off.get_turn(s.turn_id).response_text for s in context_samples(store_off))
+    assert kept == sorted([echo, sound])
 
 
 def test_drafted_context_answers_show_the_teacher_the_served_answer_and_scoring_does_not(

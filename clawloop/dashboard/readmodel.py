@@ -378,7 +378,8 @@ class RunView:
                     "chosen_hint": self._chosen_hint(sample), "has_targets": sample.targets is not None,
                     "info": {k: sample.info.get(k) for k in ("kind_reason", "candidates", "teacher_error",
                                                              "hint", "context_loss", "context_answers",
-                                                             "context_error") if k in sample.info}},
+                                                             "context_error", "context_unsound")
+                                      if k in sample.info}},
                 "fate": fate_of(turn.state, turn.reason, sample, fates),
             })
         return {"session_id": session_id, "turns": out}
