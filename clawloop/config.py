@@ -205,7 +205,7 @@ class TeacherSettings:
     context_guard: bool = _f(True, "Leave out a context answer the degeneracy guard flags (the gate's rules: a "
                              "loop, an echo of the question, an answer off the topic of a wh-question), since a "
                              "context sample is trained as a good answer; SmolLM2-135M's hinted answers include "
-                             "\"What is snow?\" to \"What is snow?\" (docs/context-distillation.md).")
+                             "a sentence about the Sun to \"What is thunder?\" (docs/context-distillation.md).")
 
 
 @dataclass

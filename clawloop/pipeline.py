@@ -334,7 +334,7 @@ class Pipeline:
         seen: set[tuple[int, ...]] = set()
         errors: list[str] = []
         unsound: list[str] = []
-        question = question_of(turn.messages)
+        question = question_of(turn.messages) if self.config.context_guard else None
         for (index, hint_index), answer in zip(plan, answers):
             if isinstance(answer, BaseException):
                 errors.append(f"{index}: {type(answer).__name__}: {answer}"[:200])
