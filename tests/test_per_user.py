@@ -18,7 +18,7 @@ import torch
 from clawloop.api.auth import owner_of
 from clawloop.config import Config, ConfigError
 from clawloop.runtime import build_runtime
-from clawloop.store import Store
+from clawloop.store import Store, TurnState
 from clawloop.trainer.forget import forget_user
 from tests.e2e_support import QUESTIONS, chat
 
@@ -37,6 +37,18 @@ def per_user_config(model: Path, run_dir: Path, **overrides) -> Config:
                   gate_min_guard_pass=0.0)  # word salad: no guard share (tests/e2e_support.py)
     values.update(overrides)
     return Config.load(env={}, **values)
+
+
+PENDING = (TurnState.JUDGEABLE, TurnState.JUDGING, TurnState.READY, TurnState.LEASED)
+
+
+def settled(runtime, owner: str) -> bool:
+    """Whether every turn of ``owner`` has been judged and trained on and the trainer is between steps, so no later
+    version of theirs is on its way: A's turns make more than one step, and an answer read before the last one was
+    published was once compared with the next version's."""
+    store = runtime.server.store
+    pending = any(t.owner == owner for state in PENDING for t in store.turns(state=state))
+    return not pending and not runtime.trainer.training
 
 
 def talk(http: httpx.Client, session: str, question: str, corrected: bool) -> None:
@@ -178,12 +190,13 @@ def test_a_user_forgotten_on_the_running_server_is_served_the_base_model_and_lea
                 talk(user_a, f"a{i}", f"{QUESTIONS[i]} {MARKER}", corrected=i % 2 == 0)
             talk(user_b, "b0", QUESTIONS[5], corrected=True)
             deadline = time.time() + 300
-            while engine.adapter_version(a) is None:
-                assert time.time() < deadline, f"A's adapter was not published: {runtime.trainer.status()}"
+            while engine.adapter_version(a) is None or not settled(runtime, a):
+                assert time.time() < deadline, f"A's training did not settle: {runtime.trainer.status()}"
                 time.sleep(0.2)
             trained = ask(user_a)
             assert served(trained) != served(a_before)
-            version_a = engine.adapter_version(a)
+            version_a = trained["clawloop"]["policy_version"]
+            assert version_a == engine.adapter_version(a)
 
             # Rolling A back (to the base model, then to A's version again) changes only A's answers.
             assert admin.post("/v1/admin/rollback", json={"version": 0}).status_code == 400  # whose?
