@@ -44,8 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from clawloop.engines.base import Generation, SamplingParams
-from clawloop.gate.gate import question_of
-from clawloop.gate.guard import check as guard_check
+from clawloop.gate.guard import check as guard_check, question_of
 from clawloop.judge.describe import startup_message
 from clawloop.judge.factory import configured_turn_deadline_s
 from clawloop.judge.votes import Judge, Judgement

@@ -61,7 +61,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import re
 import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
@@ -72,7 +71,7 @@ import torch
 
 from clawloop.engines.model_files import end_token_ids, turn_end_token_id
 from clawloop.gate.generation import length_buckets, probe_answers, sampling_uniforms
-from clawloop.gate.guard import check as guard_check
+from clawloop.gate.guard import check as guard_check, last_user_text, plain_text, question_of
 from clawloop.gate.kept_answers import KeptAnswers, request_key
 from clawloop.gate.knowledge import KNOWLEDGE_TOKENS, KnowledgeProbe, knows, names_fact
 from clawloop.gate.preference import PreferenceReading, implicit_rewards
@@ -978,54 +977,6 @@ class PublicationGate:
 
     def _eos_ids(self) -> list[int]:
         return end_token_ids(self.tokenizer)
-
-
-WH_WORDS = frozenset("what why how where when who whom whose which".split())
-_SENTENCE_END_RE = re.compile(r"(?<=[.!?:;])\s+|\n+")
-"""Where a sentence ends: punctuation followed by white space ("Node.js" and "10:30" stay whole), or a new line."""
-_CLOSERS = "\"'”’)]*_ \t"
-
-
-def question_of(messages: Sequence[dict[str, Any]]) -> str | None:
-    """The question a recent prompt asks, for the guard's question rules (on topic, not an echo): the last
-    sentence of its last user message (``last_user_text``: client envelopes removed) when that sentence is a
-    wh-question ("Thanks! What is an atom?" gives "What is an atom?"), else None. Thanks, farewells and requests
-    about the answer itself ("Great, thanks for your help.", "Can you keep it that short?", "Shorter, please.")
-    say nothing about what the answer should be about: checked against their words, "You're welcome." was off
-    topic and a compliant short re-answer would be too, and such false alarms fell on the candidates that had
-    learnt the preference. The price: a recent
-    prompt that asks in another form ("Explain photosynthesis.", "Can you tell me what a fossil is?", "What is
-    X? One word, please.") gets the text rules only; the shipped probes keep the question rules for every form."""
-    text = last_user_text(messages)
-    if text is None:
-        return None
-    sentences = [s.strip() for s in _SENTENCE_END_RE.split(text) if any(ch.isalpha() for ch in s)]
-    last = sentences[-1].rstrip(_CLOSERS).rstrip("!") if sentences else ""
-    first = re.match(r"[^\W\d_]+", last.lstrip("\"'“‘(*_").lower())
-    if not last.endswith("?") or first is None or first.group() not in WH_WORDS:  # "What's" counts as "what"
-        return None
-    return last
-
-
-def last_user_text(messages: Sequence[dict[str, Any]]) -> str | None:
-    """What the user wrote in a prompt's last message, when that is a user message of plain text, else None (a
-    tool result, an image). Client envelopes are removed first (``clawloop.judge.envelopes``, as for the judge):
-    OpenClaw's timestamp before the question ("[Mon 2026-11-23 19:51 UTC] What is a frog?") hid it from
-    ``question_of``, and its internal-context message, sent after the user's, is no message of the user's."""
-    kept = strip_messages(messages)
-    return plain_text(kept[-1]) if kept and kept[-1].get("role") == "user" else None
-
-
-def plain_text(message: dict[str, Any]) -> str | None:
-    """A message's content when it is plain text (a string, or text parts only), stripped; else None."""
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: only an all-text message counts
-        if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
-            return None
-        content = " ".join(str(part.get("text", "")) for part in content)
-    if not isinstance(content, str):
-        return None
-    return content.strip() or None
 
 
 def closing_exchanges(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:

@@ -34,6 +34,9 @@ With the question given (``check(text, question=...)``), two more rules apply:
   question?"). It assumes question and answer share a language, so personas that want another language
   than the question's leave it off.
 
+Which question a conversation asks is ``question_of`` (its last user message's last sentence, when that is a
+wh-question), for the gate's recent prompts and the pipeline's context answers alike.
+
 Words are lower-cased runs of letters/digits (contractions kept whole: ``it's``), so punctuation and case do
 not hide a loop. The thresholds
 are set for answers of up to a few hundred tokens, which is what the evaluation asks for.
@@ -43,7 +46,11 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from clawloop.judge.envelopes import strip_messages
 
 ENGLISH_STOPWORDS = frozenset(
     """
@@ -157,3 +164,51 @@ def check(text: str, config: GuardConfig = GuardConfig(), question: str | None =
 def passes_guard(text: str, config: GuardConfig = GuardConfig(), question: str | None = None) -> bool:
     """True when ``text`` breaks none of the guard's rules."""
     return check(text, config, question).ok
+
+
+WH_WORDS = frozenset("what why how where when who whom whose which".split())
+_SENTENCE_END_RE = re.compile(r"(?<=[.!?:;])\s+|\n+")
+"""Where a sentence ends: punctuation followed by white space ("Node.js" and "10:30" stay whole), or a new line."""
+_CLOSERS = "\"'”’)]*_ \t"
+
+
+def question_of(messages: Sequence[dict[str, Any]]) -> str | None:
+    """The question a recent prompt asks, for the guard's question rules (on topic, not an echo): the last
+    sentence of its last user message (``last_user_text``: client envelopes removed) when that sentence is a
+    wh-question ("Thanks! What is an atom?" gives "What is an atom?"), else None. Thanks, farewells and requests
+    about the answer itself ("Great, thanks for your help.", "Can you keep it that short?", "Shorter, please.")
+    say nothing about what the answer should be about: checked against their words, "You're welcome." was off
+    topic and a compliant short re-answer would be too, and such false alarms fell on the candidates that had
+    learnt the preference. The price: a recent
+    prompt that asks in another form ("Explain photosynthesis.", "Can you tell me what a fossil is?", "What is
+    X? One word, please.") gets the text rules only; the shipped probes keep the question rules for every form."""
+    text = last_user_text(messages)
+    if text is None:
+        return None
+    sentences = [s.strip() for s in _SENTENCE_END_RE.split(text) if any(ch.isalpha() for ch in s)]
+    last = sentences[-1].rstrip(_CLOSERS).rstrip("!") if sentences else ""
+    first = re.match(r"[^\W\d_]+", last.lstrip("\"'“‘(*_").lower())
+    if not last.endswith("?") or first is None or first.group() not in WH_WORDS:  # "What's" counts as "what"
+        return None
+    return last
+
+
+def last_user_text(messages: Sequence[dict[str, Any]]) -> str | None:
+    """What the user wrote in a prompt's last message, when that is a user message of plain text, else None (a
+    tool result, an image). Client envelopes are removed first (``clawloop.judge.envelopes``, as for the judge):
+    OpenClaw's timestamp before the question ("[Mon 2026-11-23 19:51 UTC] What is a frog?") hid it from
+    ``question_of``, and its internal-context message, sent after the user's, is no message of the user's."""
+    kept = strip_messages(messages)
+    return plain_text(kept[-1]) if kept and kept[-1].get("role") == "user" else None
+
+
+def plain_text(message: dict[str, Any]) -> str | None:
+    """A message's content when it is plain text (a string, or text parts only), stripped; else None."""
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: only an all-text message counts
+        if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+            return None
+        content = " ".join(str(part.get("text", "")) for part in content)
+    if not isinstance(content, str):
+        return None
+    return content.strip() or None

@@ -13,8 +13,8 @@ import torch
 from clawloop.openclaw_format import housekeeping_kind
 from clawloop.api.schemas import parse_chat_request
 from clawloop.gate import gate as gate_module
-from clawloop.gate.gate import (MAX_PROMPT_TOKENS, RECENT_TAIL_TOKENS, PublicationGate, closing_exchanges,
-                                question_of)
+from clawloop.gate.gate import MAX_PROMPT_TOKENS, RECENT_TAIL_TOKENS, PublicationGate, closing_exchanges
+from clawloop.gate.guard import question_of
 from clawloop.gate.generation import length_buckets, probe_answers, sampling_uniforms
 from clawloop.gate.probes import PROBES
 from clawloop.gate.scoring import answer_logprobs
