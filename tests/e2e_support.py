@@ -35,15 +35,17 @@ def judge(body: dict[str, Any]) -> str:
 
 
 def e2e_config(run_dir: str, judge_url: str, **overrides: Any) -> Config:
-    # The publication gate stays on, but without its guard share, its knowledge probes and its preference check:
-    # the tiny random model writes word salad that the guard may judge either way on any probe, states a known fact
-    # only by chance (once in the 136 sampled answers of one run's reference, so one chance answer decided), and
-    # reads a hint as noise, which would make the number of published versions a coin toss (the gate's decisions
-    # are tested in tests/trainer/test_gate.py and tests/gate/). The KL bound still applies.
+    # The publication gate stays on, but without its guard share, its knowledge probes, its preference check and the
+    # run's corrected prompts: the tiny random model writes word salad that the guard may judge either way on any
+    # probe, states a known fact only by chance (once in the 136 sampled answers of one run's reference, so one
+    # chance answer decided), reads a hint as noise, and may flip a corrected prompt's answer, which no earlier fix
+    # may do (a fresh-clone run rejected step 2 for "What is the capital of France?"). Any of these would make the
+    # number of published versions a coin toss (the gate's decisions are tested in tests/trainer/test_gate.py and
+    # tests/gate/). The KL bound still applies.
     values = dict(model="tiny", port=0, run_dir=run_dir, judge_url=judge_url, judge_model="scripted-judge",
                   prm_m=1, judge_retries=0, judge_timeout_s=30, default_max_tokens=8, num_threads=2,
                   max_batch_size=8, rollout_batch_size=2, lr=1e-3, checkpoint_every=2, device="cpu",
-                  gate_min_guard_pass=0.0, gate_knowledge=False, gate_preference=False)
+                  gate_min_guard_pass=0.0, gate_knowledge=False, gate_preference=False, gate_fixed_prompts=0)
     values.update(overrides)
     return Config.load(env={}, **values)
 
