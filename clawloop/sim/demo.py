@@ -93,9 +93,9 @@ PRESET_NOTES: dict[str, str] = {
                            "interactions (0.07) and cost guard passes on the way (0.57 at 24). At 0.3, trained at "
                            "0.3 too, 'brief' was followed sooner (first answers of 50 of the 54 sessions after v0 "
                            "against 35 of 52; a stable effect from session 8.0 on average against 12.3), but every "
-                           "seed served a version at held-out guard 0.79-0.86; at 0.45 every served version was at 0.93 or "
-                           "more and the stable effect came from session 8.3 on average, but every seed ended at "
-                           "0.71 (results/eval-temperature).",
+                           "seed served a version at held-out guard 0.79-0.86; at 0.45 every served version was at "
+                           "0.93 or more and the stable effect came from session 8.3 on average, but every seed "
+                           "ended at 0.71 (results/eval-temperature).",
     "advantage_mode": "left at the default, balanced: with raw (A = r) 'inshort' got only -1 votes and the "
                       "policy degenerated (guard 1.00 -> 0.00); balanced kept guard >= 0.93 there and 'brief' "
                       "still learnt (0.00 -> 1.00, seed 0). docs/collapse-fix.md.",
