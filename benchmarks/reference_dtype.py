@@ -19,12 +19,19 @@ Ratios are float32 over bfloat16, measured in one run; the machine's own load mo
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-from clawloop.engines.model_files import load_model, load_tokenizer, resolve_model
-from clawloop.gate.gate import NEAR_IDENTICAL_KL
+import torch  # noqa: E402
+
+from benchmarks.prompts import chat_prompt  # noqa: E402
+from clawloop.engines.model_files import load_model, load_tokenizer, resolve_model  # noqa: E402
+from clawloop.gate.gate import NEAR_IDENTICAL_KL  # noqa: E402
 
 ANSWERS = [
     ("What is the capital of France?",
@@ -63,9 +70,7 @@ def precision_kl(model_32: torch.nn.Module, model_16: torch.nn.Module, tokenizer
     """Per answer, KL(p_float32 || p_bfloat16) at each answer position."""
     kls = []
     for question, answer in ANSWERS:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                               add_generation_prompt=True)
-        prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
+        prompt_ids = chat_prompt(tokenizer, question)
         answer_ids = tokenizer(answer, add_special_tokens=False).input_ids
         ids_1_T = torch.tensor([prompt_ids + answer_ids])
         start = len(prompt_ids) - 1
