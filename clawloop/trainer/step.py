@@ -33,7 +33,8 @@ Choices:
 * The model runs in eval mode (no dropout) throughout.
 * A sample whose teacher scores could not be had trains its RL term only (counted: ``teacher_missing``, and
   ``anchor_missing`` for an un-hinted sample under ``opd_on_unhinted = anchor``), rather than failing the
-  step for the whole batch; one with no RL term (vote 0) is left out and dropped with reason ``teacher_error``.
+  step for the whole batch; one with no RL term (vote 0, or a method without the GRPO branch) is left out and
+  dropped with reason ``teacher_error``.
 * The retain term (``retain``, ``clawloop.trainer.retain``), when given, adds its gradient to each epoch's before
   the clip, so one update carries both; an epoch no sample reached makes no update, the retain term included.
 * Metrics: each epoch's per-sample metrics are gathered from every rank and merged, then averaged over epochs,
@@ -189,11 +190,13 @@ def excluded_samples(items: list[TrainItem]) -> list[tuple[int, str]]:
 
 
 def nothing_left(item: TrainItem, config: Config) -> bool:
-    """A sample whose OPD branch lost its teacher scores and that has no RL branch (vote 0) is left out of the
-    update and dropped with reason ``TEACHER_ERROR`` (marked on the item); True when so."""
+    """A sample whose OPD branch lost its teacher scores and that has no RL branch (a vote of 0, or a method
+    without one: ``opd``, ``topk_kl``, ``w_rl = 0``) is left out of the update and dropped with reason
+    ``TEACHER_ERROR`` (marked on the item); True when so. Committed as trained, it would be used up untrained."""
     if EXCLUDED in item.info and item.info[EXCLUDED] == TEACHER_ERROR:
         return True
-    if item.info.get(TEACHER_MISSING) and float(item.sample.reward) == 0.0:
+    no_rl_branch = config.weights[0] == 0.0 or float(item.sample.reward) == 0.0
+    if item.info.get(TEACHER_MISSING) and no_rl_branch:
         item.info[EXCLUDED] = TEACHER_ERROR
         return True
     return False

@@ -187,6 +187,26 @@ def test_a_failing_teacher_costs_the_opd_branch_only(make_config, base_model, ti
     trainer.close()
 
 
+@pytest.mark.parametrize("method", ["opd", "topk_kl"])
+def test_without_a_grpo_branch_a_failing_teacher_drops_every_hinted_sample(method, make_config, base_model,
+                                                                           tiny_tokenizer, tmp_path):
+    """Under a method with no RL branch a voted sample whose teacher call failed has nothing left to train: it is
+    dropped, never committed as trained (its loss would be a constant, the update none of its doing)."""
+    config = make_config(rollout_batch_size=3, micro_batch_size=3, method=method)
+    store = Store(tmp_path / "store.sqlite")
+    thanked = add_sample(store, base_model, tiny_tokenizer, 0, reward=1.0, hints=HINTS, edit_targets=unrecorded)
+    corrected = add_sample(store, base_model, tiny_tokenizer, 1, reward=-1.0, hints=HINTS, edit_targets=unrecorded)
+    unvoted = add_sample(store, base_model, tiny_tokenizer, 2, reward=0.0, hints=HINTS, edit_targets=unrecorded)
+    trainer = Trainer(config, store, LocalVersion(), teacher=TableTeacher(base_model, tiny_tokenizer, fail=True),
+                      console=None)
+    trainer.run_batch(*store.lease_samples(3))
+    for turn_id in (thanked, corrected, unvoted):
+        turn = store.get_turn(turn_id)
+        assert turn.state == TurnState.DROPPED and turn.reason == TEACHER_ERROR, (turn_id, turn.state, turn.reason)
+    assert not [s for s in store.samples() if s.consumed_step is not None]
+    trainer.close()
+
+
 def test_step_numbers_are_bit_for_bit_those_of_scores_recorded_at_the_same_ids(make_config, base_model,
                                                                                tiny_tokenizer, tmp_path):
     """The same teacher values reach the objective whether the trainer asks for them (now) or finds them
