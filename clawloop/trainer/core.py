@@ -354,7 +354,12 @@ class Trainer:
             load_trainable_state_dict(self.models, stored.weights)
             if found.policy_version > 0:
                 self.policy_version = self.sink.publish(self.models, stored.weights, found.policy_version)
-            kept_optimizer = stored.optimizer if stored.optimizer is not None else found.optimizer
+            # The checkpoint's AdamW state is the version's only where both hold the same step; past it (steps
+            # the gate has not checked, or rejected ones training went on from) a rejection restoring it would
+            # bring back the momentum of discarded steps, so the version restarts with a fresh optimizer instead.
+            same_step = int(stored.meta.get("step", -1)) == found.step
+            kept_optimizer = stored.optimizer if stored.optimizer is not None else (
+                found.optimizer if same_step else None)
             self.accepted = AcceptedState(found.policy_version, trainable_state_dict(self.models),
                                           copy.deepcopy(kept_optimizer) if kept_optimizer is not None else None)
             load_trainable_state_dict(self.models, found.weights)

@@ -236,6 +236,31 @@ def test_version_numbers_stay_unique_across_restarts(make_config, base_model, ti
     assert [s["policy_version"] for s in steps] == [1, 2, 3, 4, 5]
 
 
+def test_a_resumed_full_fine_tuning_keeps_no_momentum_of_steps_past_its_accepted_version(make_config, base_model,
+                                                                                         tiny_tokenizer, tmp_path):
+    """Full fine-tuning keeps no optimizer state with its versions. A checkpoint written after an unchecked step
+    holds that step's AdamW state; it is not the accepted version's, so a rejection after the resume must not
+    restore it with the version's weights."""
+    config = make_config(method="rl", lora=False, lr=1e-2, checkpoint_every=1, gate_probe_tokens=8, gate=True,
+                         gate_every=2)
+    db = tmp_path / "store.sqlite"
+    store = Store(db)
+    for i in range(4):
+        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i % 2 else -1.0)
+    first = Trainer(config, store, LocalVersion(), console=None)
+    first.run_batch(*store.lease_samples(2))  # step 1: trained and checkpointed, not yet checked
+    assert first.step == 1 and first.policy_version == 0
+    first.close()
+    store.close()
+
+    second = Trainer(config, Store(db), LocalVersion(), console=None)
+    resumed = second.resume()
+    assert resumed["step"] == 1 and second.accepted is not None and second.accepted.version == 0
+    assert second.accepted.optimizer is None  # v0 goes back with a fresh optimizer, not step 1's momentum
+    assert second.optimizer.state  # while training itself goes on from the checkpoint's optimizer state
+    second.close()
+
+
 def test_a_restarted_trainer_s_first_check_reads_the_answers_its_predecessor_kept(make_config, base_model,
                                                                                   tiny_tokenizer, tmp_path):
     """``gate_kept_answers``: the starting weights' answers to the shipped probes, kept by one trainer, spare the
