@@ -5,6 +5,8 @@
 * ``tiny_tokenizer`` (session): that folder's tokenizer (49,152 ids, ChatML, eos ``<|im_end|>`` = 2).
 * ``tiny_engine`` (session): an ``HFEngine`` serving the tiny model on CPU (2 threads, batch up to 8).
   Shared: never publish weights on it; build your own ``HFEngine`` for tests that change weights.
+* ``soft_capped_model`` (session): a tiny random Gemma 2 over the same vocabulary whose forward soft-caps its
+  logits (``final_logit_softcapping`` 0.5): for code that applies the output layer itself.
 * ``chat_ids(text)`` (function): the tiny tokenizer's ChatML prompt ids for one user message.
 * the gate's kept answers (automatic): kept in a folder of each test (of the session, for trainers made by wider
   fixtures), never in the machine's cache.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
 from clawloop.engines import model_files  # sets HF_HUB_OFFLINE before transformers loads
 
@@ -71,6 +74,19 @@ def tiny_engine(tiny_model_path):
     engine = HFEngine(tiny_model_path, device="cpu", num_threads=2, max_batch_size=8)
     yield engine
     engine.close_sync()
+
+
+@pytest.fixture(scope="session")
+def soft_capped_model(tiny_tokenizer):
+    """A tiny random Gemma 2 (the tokenizer's vocabulary) whose forward soft-caps its logits at 0.5, so that code
+    applying the output layer itself differs from the model's own forward unless it caps them too."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.5,
+                          attn_implementation="eager")
+    return Gemma2ForCausalLM(config).eval()
 
 
 @pytest.fixture

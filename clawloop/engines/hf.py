@@ -83,6 +83,7 @@ from clawloop.engines.base import (
     TokenEvent,
 )
 from clawloop.engines.detok import IncrementalDetokenizer, StopStrings
+from clawloop.engines.head import logit_softcap, soft_capped
 from clawloop.engines.multi_lora import LORA_TARGETS, MultiLoRA
 from clawloop.engines.sampling import choose_tokens, sampling_logprobs, top_alternatives
 from clawloop.memory import trim_heap
@@ -952,7 +953,7 @@ class HFEngine:
         P, T, K = len(r.prompt_ids), len(r.response_ids), r.top_k
         temperature = r.temperature if r.temperature > 0 else 1.0
         lm_head = model.get_output_embeddings()
-        softcap = getattr(model.config, "final_logit_softcapping", None)
+        softcap = logit_softcap(model)
         response_T = torch.tensor(list(r.response_ids), dtype=torch.long, device=self.device)
         at_T_K = r.at_ids_T_K.to(self.device) if r.at_ids_T_K is not None else None
         logprobs_T = torch.empty(T, dtype=torch.float32)
@@ -962,9 +963,7 @@ class HFEngine:
         for start in range(0, T, self.score_chunk_rows):
             end = min(T, start + self.score_chunk_rows)
             # Position P-1+t holds the prediction of response[t].
-            logits_N_V = lm_head(hidden_L_H[P - 1 + start : P - 1 + end]).float()
-            if softcap:
-                logits_N_V = torch.tanh(logits_N_V / softcap) * softcap
+            logits_N_V = soft_capped(lm_head(hidden_L_H[P - 1 + start : P - 1 + end]).float(), softcap)
             logprobs_N_V = torch.log_softmax(logits_N_V / temperature, dim=-1)
             logprobs_T[start:end] = logprobs_N_V.gather(1, response_T[start:end, None])[:, 0].cpu()
             if K:

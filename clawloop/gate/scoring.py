@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from clawloop.engines.head import logit_softcap, soft_capped
 from clawloop.engines.hf import cache_kwargs
 from clawloop.gate.generation import length_buckets
 
@@ -194,7 +195,7 @@ class PromptStates:
             rows_T_H = s.last_hidden_H[None]
             if hidden_B_T_H is not None and len(a) > 1:
                 rows_T_H = torch.cat([rows_T_H, hidden_B_T_H[b, :len(a) - 1]])
-            out.append(torch.log_softmax(head(rows_T_H).float(), dim=-1))
+            out.append(torch.log_softmax(soft_capped(head(rows_T_H).float(), logit_softcap(model)), dim=-1))
         return out
 
 
@@ -252,6 +253,6 @@ def _plain_batch(model: torch.nn.Module, prompts: list[list[int]], answers: list
     head = model.get_output_embeddings()
     out = []
     for i, (p, a) in enumerate(zip(prompts, answers)):
-        logits_T_V = head(hidden_B_L_H[i, len(p) - 1:len(p) - 1 + len(a)])
-        out.append(torch.log_softmax(logits_T_V.float(), dim=-1))
+        logits_T_V = soft_capped(head(hidden_B_L_H[i, len(p) - 1:len(p) - 1 + len(a)]).float(), logit_softcap(model))
+        out.append(torch.log_softmax(logits_T_V, dim=-1))
     return out

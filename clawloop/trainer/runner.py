@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+from clawloop.engines.head import logit_softcap, soft_capped
 from clawloop.trainer.batch import TrainItem, collate
 from clawloop.trainer.recompute import checkpointed_layers, wants_checkpointing
 
@@ -76,6 +77,7 @@ class _LeafForward:
     def __init__(self, model: torch.nn.Module, group: list[TrainItem], device: torch.device, checkpointing: str):
         self.group = group
         self.head = model.get_output_embeddings()
+        self.softcap = logit_softcap(model)
         decoder = model.get_decoder()
         mb = collate(group, device)
         self.recomputed = torch.is_grad_enabled() and wants_checkpointing(checkpointing, mb.input_ids_B_L.numel())
@@ -89,7 +91,8 @@ class _LeafForward:
     def samples(self) -> Iterator[tuple[TrainItem, torch.Tensor]]:
         for i, item in enumerate(self.group):
             p, t = item.prompt_len, item.response_len
-            yield item, self.head(self.leaf_B_L_H[i, p - 1:p - 1 + t])  # position p - 1 + t predicts token t
+            # Position p - 1 + t predicts token t.
+            yield item, soft_capped(self.head(self.leaf_B_L_H[i, p - 1:p - 1 + t]), self.softcap)
 
     def add_loss(self, loss: torch.Tensor) -> None:
         if loss.requires_grad:  # a sample with no active term has a constant 0 loss

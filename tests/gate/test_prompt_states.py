@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+import torch
 
 from clawloop.gate.gate import PublicationGate
 from clawloop.gate.scoring import PromptStates, answer_logprob_sums, answer_logprobs
@@ -55,6 +56,19 @@ def test_scores_after_a_kept_prompt_equal_scores_of_the_whole_sequence(tiny_toke
     assert all(_close(w, k) for w, k in zip(answer_logprobs(base_model, again_prompts, again_answers), again))
     sums = answer_logprob_sums(base_model, prompts, answers)
     assert answer_logprob_sums(base_model, prompts, answers, states=states) == pytest.approx(sums, abs=1e-3)
+
+
+def test_scores_of_a_soft_capping_model_are_those_of_its_own_forward(tiny_tokenizer, soft_capped_model):
+    """The gate scores answers from the decoder's hidden states through the output layer; for a model whose
+    forward soft-caps its logits (Gemma 2), with or without kept prompt states, the log-probs are its forward's."""
+    prompts, answers = _prompts(tiny_tokenizer)[:2], _answers(tiny_tokenizer)[:2]
+    plain = answer_logprobs(soft_capped_model, prompts, answers)
+    kept = answer_logprobs(soft_capped_model, prompts, answers, states=PromptStates(100_000))
+    for p, a, got, got_kept in zip(prompts, answers, plain, kept):
+        with torch.no_grad():
+            logits_L_V = soft_capped_model(input_ids=torch.tensor([p + a])).logits[0]
+        want = torch.log_softmax(logits_L_V[len(p) - 1:len(p) - 1 + len(a)].float(), dim=-1)
+        assert _close(got, want) and _close(got_kept, want)
 
 
 def test_kept_states_stay_within_their_budget_and_a_prompt_beyond_it_is_scored_without(tiny_tokenizer, base_model):
