@@ -19,7 +19,8 @@ With ``gate`` off every step is published unchecked.
 Ordering and crash safety:
 
 * The optimizer update happens before anything is recorded; if training raises, the caller releases the
-  lease and the samples go back to ready (nothing was updated).
+  lease and the samples go back to ready (nothing was updated: a later PPO epoch that fails after an update
+  ends the step with the updates it made instead of raising, ``train_step``).
 * A sample whose loss or gradient is not finite is dropped with that reason and the rest of the batch trains
   (``trainer.step.finite_share``). A step that changed no weight is not committed, gated or published; its
   samples go back to ready once (``_void_update``).
@@ -605,7 +606,9 @@ class Trainer:
             "policy_version": self.policy_version,
             "published": 1.0 if published else 0.0,
             "dropped": float(len(drops)),
-            "waiting": float(self.parallel.share(lambda: self._source().ready_count())),
+            # A read, but after the update: retried like the writes, never a reason to give the batch back.
+            "waiting": float(self._persist(lambda store: store.ready_count(), "the count of waiting samples",
+                                           should_stop)),
         })
         if not self._commit(lease_id, step, metrics, [it.turn_id for it in items], should_stop,
                             {it.turn_id: it.scores.tensors() for it in items if it.scores is not None}):

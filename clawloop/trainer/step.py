@@ -30,6 +30,9 @@ Choices:
   logits, is not finite is left out of the update (``finite_share``) and reported with its reason
   (``excluded_samples``); the rest of the batch trains. An update whose global gradient is still not finite is
   skipped (``updates_applied`` < epochs in the metrics), and the trainer then neither commits nor publishes it.
+* An epoch that raises after an update was applied (a later PPO epoch's out-of-memory) ends the step with the
+  updates made (``epochs_cut_short`` in the metrics): raising would give back a batch already in the weights, to
+  be trained twice. One that raises before any update raises, and the batch goes back untrained.
 * The model runs in eval mode (no dropout) throughout.
 * A sample whose teacher scores could not be had trains its RL term only (counted: ``teacher_missing``, and
   ``anchor_missing`` for an un-hinted sample under ``opd_on_unhinted = anchor``), rather than failing the
@@ -44,6 +47,7 @@ Choices:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections import Counter, defaultdict
@@ -63,6 +67,8 @@ from clawloop.trainer.old_policy import TEACHER_ERROR, TEACHER_MISSING, ask_from
 from clawloop.trainer.retain import RetainTerm
 from clawloop.trainer.runner import LocalRunner, Runner, scalar
 from clawloop.trainer.teacher_client import TeacherClient
+
+log = logging.getLogger(__name__)
 
 
 def make_optimizer(models: TrainModels, config: Config) -> torch.optim.Optimizer:
@@ -290,78 +296,94 @@ def _train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: li
     skipped = 0
     empty = 0
     checkpointed = 0
-    for _ in range(epochs):
-        optimizer.zero_grad(set_to_none=True)
-        acc = MetricsAccumulator()
-        contributed = 0  # samples of this rank whose share reached the gradient this epoch
-        for g in range(rounds):
-            group = groups[g] if g < len(groups) else []  # [] keeps FSDP's collectives in step
-            if fuse and models.use_reference:
+    stepped = 0  # optimizer updates applied
+    cut_short = 0
+    for epoch in range(epochs):
+        try:
+            optimizer.zero_grad(set_to_none=True)
+            acc = MetricsAccumulator()
+            contributed = 0  # samples of this rank whose share reached the gradient this epoch
+            for g in range(rounds):
+                group = groups[g] if g < len(groups) else []  # [] keeps FSDP's collectives in step
+                if fuse and models.use_reference:
+                    t0 = time.perf_counter()
+                    fill_reference(models, group, runner)
+                    timings["time_old_forward_s"] += time.perf_counter() - t0
                 t0 = time.perf_counter()
-                fill_reference(models, group, runner)
-                timings["time_old_forward_s"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            forward = runner.forward(models.causal_lm, group, checkpointing=config.gradient_checkpointing)
-            checkpointed += int(forward.recomputed)
-            _sync(device)
-            timings["time_forward_s"] += time.perf_counter() - t0
-            if rewards is None:  # ask_late: the teacher's answers come in now
-                assert teacher is not None
+                forward = runner.forward(models.causal_lm, group, checkpointing=config.gradient_checkpointing)
+                checkpointed += int(forward.recomputed)
+                _sync(device)
+                timings["time_forward_s"] += time.perf_counter() - t0
+                if rewards is None:  # ask_late: the teacher's answers come in now
+                    assert teacher is not None
+                    t0 = time.perf_counter()
+                    timings["time_teacher_wait_s"] += ask_from_forward(forward, group, config, teacher)
+                    timings["time_old_forward_s"] += time.perf_counter() - t0
+                    rewards = rewards_for(items, config)
+                assert rewards is not None
                 t0 = time.perf_counter()
-                timings["time_teacher_wait_s"] += ask_from_forward(forward, group, config, teacher)
-                timings["time_old_forward_s"] += time.perf_counter() - t0
-                rewards = rewards_for(items, config)
-            assert rewards is not None
-            t0 = time.perf_counter()
-            for item, logits_T_V in forward.samples():
-                if id(item) in excluded:
-                    continue  # left out in an earlier epoch: it adds nothing to this update either
-                if fuse:
-                    old_side_from_logits(item, logits_T_V, config)
-                    mark_unscored(item, config)
-                    if nothing_left(item, config):
+                for item, logits_T_V in forward.samples():
+                    if id(item) in excluded:
+                        continue  # left out in an earlier epoch: it adds nothing to this update either
+                    if fuse:
+                        old_side_from_logits(item, logits_T_V, config)
+                        mark_unscored(item, config)
+                        if nothing_left(item, config):
+                            excluded.add(id(item))
+                            continue
+                    result = sample_objective(objective_sample(item, logits_T_V, rewards[index_of[id(item)]]),
+                                              settings_for(item, settings))
+                    # The whole batch's n: the sum over ranks is the batch mean.
+                    share, reason = finite_share(result.loss / n, logits_T_V)
+                    if reason is not None:
                         excluded.add(id(item))
+                        item.info[EXCLUDED] = reason
                         continue
-                result = sample_objective(objective_sample(item, logits_T_V, rewards[index_of[id(item)]]),
-                                          settings_for(item, settings))
-                # The whole batch's n: the sum over ranks is the batch mean.
-                share, reason = finite_share(result.loss / n, logits_T_V)
-                if reason is not None:
-                    excluded.add(id(item))
-                    item.info[EXCLUDED] = reason
-                    continue
-                if share is not None:
-                    forward.add_loss(share)
-                    contributed += 1
-                acc.add(result.metrics)
-                del logits_T_V, result, share
-            _sync(device)
-            timings["time_loss_s"] += time.perf_counter() - t0
+                    if share is not None:
+                        forward.add_loss(share)
+                        contributed += 1
+                    acc.add(result.metrics)
+                    del logits_T_V, result, share
+                _sync(device)
+                timings["time_loss_s"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                forward.backward()
+                del forward
+                _sync(device)
+                timings["time_backward_s"] += time.perf_counter() - t0
+            reached = sum(runner.gather(contributed))
+            if retain is not None and reached:
+                t0 = time.perf_counter()
+                retain_kls.append(retain.backward(models.causal_lm, device))
+                _sync(device)
+                timings["time_retain_s"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            forward.backward()
-            del forward
+            max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
+            grad_norm = scalar(torch.nn.utils.clip_grad_norm_(params, max_norm))  # the same on every rank
+            if not math.isfinite(grad_norm):
+                skipped += 1
+            elif reached == 0:
+                empty += 1  # no sample reached the gradient: no update (weight decay alone would still move weights)
+            else:
+                optimizer.step()
+                stepped += 1
+            optimizer.zero_grad(set_to_none=True)
             _sync(device)
-            timings["time_backward_s"] += time.perf_counter() - t0
-        reached = sum(runner.gather(contributed))
-        if retain is not None and reached:
-            t0 = time.perf_counter()
-            retain_kls.append(retain.backward(models.causal_lm, device))
-            _sync(device)
-            timings["time_retain_s"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        max_norm = config.grad_clip if config.grad_clip > 0 else float("inf")
-        grad_norm = scalar(torch.nn.utils.clip_grad_norm_(params, max_norm))  # the same on every rank
-        if not math.isfinite(grad_norm):
-            skipped += 1
-        elif reached == 0:
-            empty += 1  # no sample reached the gradient: no update (weight decay alone would still move weights)
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        _sync(device)
-        timings["time_optimizer_s"] += time.perf_counter() - t0
-        grad_norms.append(grad_norm)
-        epoch_parts.append(acc.parts())
+            timings["time_optimizer_s"] += time.perf_counter() - t0
+            grad_norms.append(grad_norm)
+            epoch_parts.append(acc.parts())
+        except Exception:
+            # An epoch after an applied update failed (a later epoch's OOM, say). The batch is in the weights now:
+            # raising would give its samples back to be trained again. In one process the step ends with the
+            # updates it made; across ranks a failure is the job's, and its restart requeues after the checkpoint.
+            if stepped == 0 or runner.world > 1:
+                raise
+            log.exception("train_step: epoch %d of %d failed after %d update(s); the step ends with those",
+                          epoch + 1, epochs, stepped)
+            optimizer.zero_grad(set_to_none=True)
+            cut_short = epochs - epoch
+            break
+    epochs_run = len(epoch_parts)
 
     # Every rank's per-sample metrics (per epoch) and item info, so each reports the whole batch.
     parts = runner.gather((epoch_parts, {items[i].turn_id: items[i].info for i in mine}))
@@ -369,7 +391,7 @@ def _train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: li
         for it in items:
             if it.turn_id in infos and infos[it.turn_id] is not it.info:
                 it.info.update(infos[it.turn_id])
-    metrics: dict[str, Any] = mean_dicts([_merged([p[0][e] for p in parts]) for e in range(epochs)])
+    metrics: dict[str, Any] = mean_dicts([_merged([p[0][e] for p in parts]) for e in range(epochs_run)])
     metrics.update(timings)
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
     finite_kls = [v for v in retain_kls if math.isfinite(v)]
@@ -379,14 +401,15 @@ def _train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: li
         metrics["retain_applied"] = 1.0 if finite_kls else 0.0
         metrics["retain_skipped_nonfinite"] = float(retain.skipped - retain_skipped)
     metrics["updates_skipped_nonfinite"] = float(skipped)
-    metrics["updates_applied"] = float(epochs - skipped - empty)
+    metrics["updates_applied"] = float(stepped)
+    metrics["epochs_cut_short"] = float(cut_short)
     metrics["samples_excluded_nonfinite"] = float(sum(1 for it in items if it.info.get(EXCLUDED) in
                                                       (NONFINITE_LOSS, NONFINITE_GRADIENT)))
     metrics["samples_dropped_teacher_error"] = float(sum(1 for it in items if it.info.get(EXCLUDED) == TEACHER_ERROR))
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])
     metrics["samples"] = float(n)
     metrics["world_size"] = float(runner.world)
-    metrics["checkpointed_micro_batches"] = float(checkpointed) / epochs
+    metrics["checkpointed_micro_batches"] = float(checkpointed) / max(1, epochs_run)
     metrics["max_sample_tokens"] = float(max(int(it.input_ids_L.numel()) for it in items))
     metrics["tokens"] = float(sum(it.response_len for it in items))
     metrics["step_time_s"] = time.perf_counter() - t_start

@@ -205,3 +205,47 @@ def test_adam_eps_reaches_the_optimizer_and_damps_small_gradients(make_config):
     assert moved[1e-2] < 2e-5
     with pytest.raises(ConfigError, match="adam_eps"):
         make_config(adam_eps=0.0)
+
+
+def test_a_later_epoch_that_fails_ends_the_step_with_the_updates_it_made(make_config, base_model, tiny_tokenizer,
+                                                                         tmp_path):
+    """With several PPO epochs the first update is in the weights before the second epoch runs. A failure there
+    (an out-of-memory, say) must not give the batch back to be trained again: the step ends with its first
+    update, commits, and says so."""
+    config = make_config(method="rl", rollout_batch_size=2, micro_batch_size=2, steps_per_batch=2)
+    store = Store(tmp_path / "store.sqlite")
+    turn_ids = [add_sample(store, base_model, tiny_tokenizer, i, reward=(1.0, -1.0)[i]) for i in range(2)]
+    trainer = Trainer(config, store, console=None)
+    real_step, calls = trainer.optimizer.step, []
+
+    def second_update_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory (injected)")
+        return real_step(*args, **kwargs)
+
+    trainer.optimizer.step = second_update_fails
+    before = [p.detach().clone() for p in trainer.models.trainable_parameters()]
+    metrics = trainer.run_batch(*store.lease_samples(2))
+    assert metrics is not None and metrics["updates_applied"] == 1.0 and metrics["epochs_cut_short"] == 1.0
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.models.trainable_parameters()))
+    assert {s.turn_id: s.consumed_step for s in store.samples()} == {t: 1 for t in turn_ids}
+    assert store.ready_count() == 0
+    trainer.close()
+
+
+def test_a_first_epoch_that_fails_gives_the_batch_back_untrained(make_config, base_model, tiny_tokenizer, tmp_path):
+    config = make_config(method="rl", rollout_batch_size=2, micro_batch_size=2, steps_per_batch=2)
+    store = Store(tmp_path / "store.sqlite")
+    for i in range(2):
+        add_sample(store, base_model, tiny_tokenizer, i, reward=(1.0, -1.0)[i])
+    trainer = Trainer(config, store, console=None)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("out of memory (injected)")
+
+    trainer.optimizer.step = fails
+    with pytest.raises(RuntimeError, match="injected"):
+        trainer.run_batch(*store.lease_samples(2))
+    assert all(s.consumed_step is None for s in store.samples())
+    trainer.close()
