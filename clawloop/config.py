@@ -365,6 +365,11 @@ class GateSettings:
                     "never served and training returns to the last accepted weights (see gate_restore_after; "
                     "docs/publication-gate.md).")
     gate_every: int = _f(1, "Check (and publish) every N optimizer steps; the steps in between are not published.")
+    gate_fixed_reference: bool = _f(True, "Full fine-tuning: keep a frozen copy of the starting weights for the gate "
+                                    "to measure every candidate against (one more copy of the weights in memory; "
+                                    "LoRA needs none, kl_coef > 0 or retain_coef > 0 keep it anyway). Off, the "
+                                    "gate measures each candidate against the last accepted weights, so what each "
+                                    "accepted version may lose against the one before can add up over versions.")
     gate_reject_lr_scale: float = _f(1.0, "After each rejected candidate, training goes on at this multiple of the "
                                      "learning rate it had (1 = unchanged): the next candidates move the model "
                                      "less. Never below gate_min_lr_scale x lr; back to lr at a rollback or "

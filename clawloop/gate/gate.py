@@ -43,9 +43,10 @@ A check:
 5. measures KL(candidate || reference) at every position of the candidate's greedy answers (full vocabulary, nats
    per token, mean over all their tokens; sampled knowledge answers are left out); the candidate fails when it is
    above ``max_kl``. The reference is the starting weights (LoRA: the adapter switched off; full fine-tuning: the
-   frozen copy kept for ``kl_coef > 0`` or the retain term); a full fine-tuning run without that copy measures
-   against the last accepted weights instead. Against the starting weights the forward reads only the answers,
-   after the prompts' kept states (``prompt_states``, ``clawloop.gate.scoring``), as does the reading of step 6;
+   frozen copy kept for ``kl_coef > 0``, the retain term or ``gate_fixed_reference``, on by default); a full
+   fine-tuning run without that copy measures against the last accepted weights instead. Against the starting
+   weights the forward reads only the answers, after the prompts' kept states (``prompt_states``,
+   ``clawloop.gate.scoring``), as does the reading of step 6;
 6. with a hint to read (``preference_hint``: the trainer's most frequent hint), an accepted version since the
    gate started and the starting weights as the reference (``kl_to="reference"``), reads the hint's implicit
    reward of the candidate's greedy guard answers and of the last accepted version's answers to the same probes

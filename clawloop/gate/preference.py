@@ -11,9 +11,9 @@ answer by it. For an answer y to a probe x and the hint h,
 summed over the answer's tokens as the gate decoded them, and its end token where it ended before the gate's cap
 (where an answer stops is half of what a preference for length or for a closing asks): how much more likely the
 hint makes that answer under the starting weights, the hint-conditioned teacher's implicit reward. The check needs
-the starting weights as its reader (a LoRA run, or full fine-tuning that keeps a frozen copy for ``kl_coef > 0``
-or the retain term); a gate that measures against the last accepted weights instead does not read, since rewards
-read by one version and compared with the next one's would measure the readers. The check compares, over the
+the starting weights as its reader (a LoRA run, or full fine-tuning that keeps a frozen copy, by default); a gate
+that measures against the last accepted weights instead does not read, since rewards read by one version and
+compared with the next one's would measure the readers. The check compares, over the
 probes both answered (the shipped, corrected and recent prompts; not the knowledge probes, whose answers are
 facts), the mean of R per answer token of the candidate's greedy answers with that of the last accepted
 version's, and the candidate fails when its mean is lower by more than a margin

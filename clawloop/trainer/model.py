@@ -12,7 +12,8 @@ Choices:
   epoch reproduces the old-policy forward exactly (ratio 1), as the objective assumes.
 * Reference for the KL term (only when ``kl_coef > 0``): with LoRA, the same model with the adapter switched
   off (no second copy); with full fine-tuning, a frozen copy of the starting weights, which is also kept for the
-  retain term's targets (``retain_coef > 0``).
+  retain term's targets (``retain_coef > 0``) and for the publication gate's fixed bar (``gate`` with
+  ``gate_fixed_reference``, on by default).
 * Logits are computed only at the response positions: the decoder runs over prompt + response, then the
   output head is applied to the hidden states that predict response tokens. Prompt logits are never
   materialised.
@@ -49,7 +50,8 @@ class TrainModels:
     lora: bool
     model_dir: Path
     reference: torch.nn.Module | None = None
-    """Frozen copy of the starting weights (full fine-tuning with ``kl_coef > 0`` or ``retain_coef > 0``)."""
+    """Frozen copy of the starting weights (full fine-tuning with ``kl_coef > 0``, ``retain_coef > 0`` or the gate's
+    fixed reference)."""
     use_reference: bool = False
     retain_targets: Any = None
     """The retain term's targets (``clawloop.trainer.retain.RetainTargets``), built from the starting weights as
@@ -91,8 +93,9 @@ def load_train_models(config: Config, model_dir: str | Path | None = None) -> Tr
     use_reference = config.kl_coef > 0
     reference = None
     if not config.lora:
-        # The retain term's targets come from the starting weights, which full fine-tuning keeps only as this copy.
-        if use_reference or config.retain_coef > 0:
+        # The retain term's targets and the gate's fixed bar come from the starting weights, which full
+        # fine-tuning keeps only as this copy.
+        if use_reference or config.retain_coef > 0 or (config.gate and config.gate_fixed_reference):
             reference = copy.deepcopy(causal_lm).eval()
             reference.requires_grad_(False)
         causal_lm.requires_grad_(True)

@@ -4,9 +4,9 @@ A sharded model cannot answer the gate's probes on one rank, so rank 0 keeps a p
 (``load_train_models`` on its own device, never sharded) and loads each candidate's weights into it, the weights
 the loop has gathered on rank 0 anyway (to keep and publish them). ``clawloop.gate`` then checks that copy exactly
 as the in-process trainer checks its own model (``parallel.LocalGateView``), against the same reference: with
-LoRA the copy with its adapter switched off, with full fine-tuning the frozen starting copy kept for
-``kl_coef > 0``, else the last accepted weights. The price: another copy of the model on rank 0 (two with full
-fine-tuning and the KL reference).
+LoRA the copy with its adapter switched off, with full fine-tuning the frozen starting copy (kept for
+the gate by default, ``gate_fixed_reference``, and for ``kl_coef > 0``), else the last accepted weights. The price:
+another copy of the model on rank 0 (two with full fine-tuning and its frozen copy).
 """
 
 from __future__ import annotations

@@ -236,6 +236,28 @@ def test_version_numbers_stay_unique_across_restarts(make_config, base_model, ti
     assert [s["policy_version"] for s in steps] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize("fixed", [True, False])
+def test_full_fine_tuning_s_gate_measures_against_the_starting_weights_by_default(fixed, make_config, base_model,
+                                                                                 tiny_tokenizer, tmp_path):
+    """Against the last accepted weights each accepted version may lose a little more than the one before, without
+    bound; full fine-tuning keeps a frozen copy of the starting weights for the gate unless told not to."""
+    config = make_config(method="rl", lora=False, lr=1e-2, gate_probe_tokens=8, gate=True, kl_coef=0.0,
+                         retain_coef=0.0, gate_fixed_reference=fixed, gate_knowledge=False)
+    store = Store(tmp_path / "store.sqlite")
+    for i in range(2):
+        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i % 2 else -1.0)
+    trainer = Trainer(config, store, LocalVersion(), console=None)
+    assert trainer.gate_view.kl_to == ("reference" if fixed else "last_accepted")
+    assert (trainer.models.reference is not None) == fixed
+    metrics = trainer.run_batch(*store.lease_samples(2))
+    assert metrics is not None and metrics["step"] == 1
+    if fixed:  # the copy stays the starting weights while the policy moves
+        start = dict(base_model.named_parameters())
+        for name, p in trainer.models.reference.named_parameters():
+            assert torch.equal(p, start[name]), name
+    trainer.close()
+
+
 def test_a_resumed_full_fine_tuning_keeps_no_momentum_of_steps_past_its_accepted_version(make_config, base_model,
                                                                                          tiny_tokenizer, tmp_path):
     """Full fine-tuning keeps no optimizer state with its versions. A checkpoint written after an unchecked step
