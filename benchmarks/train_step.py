@@ -90,6 +90,8 @@ def child(variant: str, samples: int, tokens: int, steps: int, threads: int) -> 
     with tempfile.TemporaryDirectory() as tmp:
         config = Config.from_dict(dict(model=str(model_dir), device="cpu", run_dir=tmp, method="hybrid",
                                        lora=opts["lora"], retain_coef=opts.get("retain_coef", 0.0),
+                                       # the step's own memory: no frozen copy kept only for the gate
+                                       gate_fixed_reference=False,
                                        rollout_batch_size=samples,
                                        micro_batch_size=min(samples, 4), metrics_backends=["jsonl"]))
         store = Store(Path(tmp) / "store.sqlite")
@@ -144,7 +146,7 @@ def child_long(variant: str, approach: str, sample_tokens: int, threads: int) ->
     prompt_tokens = sample_tokens - T
     with tempfile.TemporaryDirectory() as tmp:
         config = Config.from_dict(dict(model=str(model_dir), device="cpu", run_dir=tmp, method="hybrid",
-                                       lora=VARIANTS[variant]["lora"], rollout_batch_size=1,
+                                       lora=VARIANTS[variant]["lora"], rollout_batch_size=1, gate_fixed_reference=False,
                                        metrics_backends=["jsonl"], **APPROACHES[approach]))
         store = Store(Path(tmp) / "store.sqlite")
         filler = tokenizer(FILLER * (prompt_tokens // 20 + 2), add_special_tokens=False)["input_ids"]
