@@ -305,8 +305,9 @@ def decide(outcomes: Sequence[ProbeOutcome], kl: float, *, min_guard_pass: float
       ``clawloop.gate.preference``) is more than ``max_preference_drop`` nats/token below that of the last accepted
       version's answers: it unlearnt the preference.
 
-    ``kl_measured`` is False when the check stopped after its knowledge probes, before the guard's: a candidate
-    is near-identical only by a KL measured on those."""
+    ``kl_measured`` is False when the check stopped after its knowledge probes, before the guard's, or when every
+    greedy answer ended at once (no token to measure): a candidate is near-identical only by a KL measured on
+    those answers."""
     near_identical = kl_measured and kl < NEAR_IDENTICAL_KL
     guard = [o for o in outcomes if o.source != "knowledge" and o.counted]
     regressed = [o for o in guard if not o.ok]
@@ -717,6 +718,8 @@ class PublicationGate:
             kl_tokens += len(ans)
             outcome.kl = float(kl_T.mean()) if len(ans) else 0.0
         kl = kl_sum / kl_tokens if kl_tokens else 0.0
+        # Greedy answers that all ended at once measured nothing: such a candidate is not near-identical.
+        kl_measured = kl_measured and kl_tokens > 0
         decision = decide(outcomes, kl, min_guard_pass=self.min_guard_pass, max_kl=self.max_kl,
                           max_fact_drop=self.max_fact_drop, kl_measured=kl_measured)
         preference, rewards = None, {}

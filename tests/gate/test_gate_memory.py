@@ -13,6 +13,7 @@ The models are the tiny random Llama (its own greedy answers are noise), so the 
 from __future__ import annotations
 
 import contextlib
+import copy
 
 from clawloop.gate.gate import PublicationGate, ProbeOutcome, decide
 from clawloop.gate.knowledge import KNOWLEDGE, KnowledgeProbe, knows, names_fact
@@ -604,3 +605,21 @@ def test_kept_answers_are_not_used_when_the_reference_is_the_last_accepted_versi
                         kl_to="the last accepted version")
     assert "reference_answers" in result.seconds_by_part and (id(base_model), 2) in calls
     assert path.read_bytes() == kept_before
+
+
+def test_a_candidate_whose_greedy_answers_all_end_at_once_is_not_near_identical(tiny_tokenizer, base_model):
+    """Empty answers give the KL no token to measure: the candidate is not treated as within KL 1e-3 of the
+    reference, which would allow it one more regression and forgive its broken fixes."""
+    candidate = copy.deepcopy(base_model)
+    eos = tiny_tokenizer.eos_token_id
+
+    def end_at_once(_module, _inputs, logits):
+        logits[..., eos] += 1e4
+        return logits
+
+    candidate.get_output_embeddings().register_forward_hook(end_at_once)
+    gate = PublicationGate(tiny_tokenizer, min_guard_pass=0.0, max_kl=1e6, probe_tokens=8,
+                           probes=["What is a turtle?", "What is a kettle?"])
+    result = gate.check(candidate, lambda: contextlib.nullcontext(base_model))
+    assert [p.answer for p in result.probes] == ["", ""]
+    assert not result.kl_measured
