@@ -636,7 +636,8 @@ class PublicationGate:
         whether it names it cannot change, only the text rules then see less of it); the knowledge probes are
         answered first (by the reference too, where it has not yet answered a probe); and the check stops as soon
         as what it has seen rejects the candidate whatever the rest would show (``certain_rejection``). None but
-        the third can change a decision."""
+        the third can change a rule's verdict (with greedy knowledge answers, the probes not asked also leave the
+        KL's mean, which they would enter)."""
         t0 = time.monotonic()
         enter_candidate = ((lambda: contextlib.nullcontext(candidate)) if isinstance(candidate, torch.nn.Module)
                            else candidate)
