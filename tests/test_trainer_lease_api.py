@@ -245,3 +245,31 @@ def test_the_teacher_scores_a_step_trained_on_are_kept_with_its_samples(server):
     trainer.commit_step(lease_id, 1, 0, {"loss": 0.5}, [s.turn_id for s in samples], {first: scores})
     kept = server.store.get_sample(first).targets
     assert set(kept) == set(scores) and all(torch.equal(kept[k], v) for k, v in scores.items())
+
+
+def test_a_commit_or_version_sent_again_after_its_answer_was_lost_stands(server):
+    """A remote trainer retries a POST whose answer never came (a timeout, a reset). The server may have written
+    it: the same commit again is acknowledged, not reported as a lost lease (the trainer would then keep its step
+    number and collide with the step it already recorded), and the same version record again is no error."""
+    trainer = RemoteStore(server.base_url, ADMIN_KEY)
+    lease_id, samples = trainer.lease_samples(2, min_n=2)
+    turn_ids = [s.turn_id for s in samples]
+    body = {"lease_id": lease_id, "step": 1, "policy_version": 0, "metrics": {"loss": 0.5}, "turn_ids": turn_ids}
+    version = {"version": 1, "step": 1, "status": "accepted", "evidence": {"guard_pass": 1.0}}
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as client:
+        assert client.post("/v1/trainer/commit", json=body).status_code == 200
+        again = client.post("/v1/trainer/commit", json=body)
+        assert again.status_code == 200, again.text
+        assert client.post("/v1/trainer/versions", json=version).status_code == 200
+        assert client.post("/v1/trainer/versions", json=version).status_code == 200
+        other = client.post("/v1/trainer/versions", json={**version, "step": 2})
+        assert other.status_code >= 400  # one number, one set of weights
+        # A commit naming the same samples under another step is not the same commit.
+        moved = client.post("/v1/trainer/commit", json={**body, "step": 2})
+        assert moved.status_code == 409 and moved.json()["error"]["code"] == "lease_lost"
+    assert [s["step"] for s in server.store.steps()] == [1]
+    assert {server.store.get_sample(t).consumed_step for t in turn_ids} == {1}
+    # The next batch commits as step 2: nothing was left behind to collide with.
+    lease_id, samples = trainer.lease_samples(1, min_n=1)
+    trainer.commit_step(lease_id, 2, 0, {"loss": 0.4}, [s.turn_id for s in samples])
+    assert [s["step"] for s in server.store.steps()] == [1, 2]

@@ -146,9 +146,13 @@ class History:
 
     def record_version(self, version: int, step: int, status: str, evidence: dict[str, Any], *,
                        owner: str = "") -> None:
-        """Record a version (raises if the number was recorded before: a number names one set of weights, across
-        every user's policy). ``owner``: whose policy it is (per-user policies; "" for the shared one)."""
+        """Record a version (raises if the number was recorded before for another step, status or owner: a number
+        names one set of weights, across every user's policy; the same record made again, a retry whose answer was
+        lost, stands as it is). ``owner``: whose policy it is (per-user policies; "" for the shared one)."""
         with self.db.tx() as db:
+            known = db.execute("SELECT step, status, owner FROM versions WHERE version=?", (int(version),)).fetchone()
+            if known is not None and (known["step"], known["status"], known["owner"]) == (int(step), status, owner):
+                return
             db.execute("INSERT INTO versions (version, step, created_at, status, evidence, owner) VALUES (?,?,?,?,?,?)",
                        (int(version), int(step), time.time(), status, json.dumps(evidence, default=str), owner))
 

@@ -89,6 +89,18 @@ def _held(db: sqlite3.Connection, turn_id: int, lease_id: str | None) -> bool:
     return row.fetchone() is not None
 
 
+def _committed_before(db: sqlite3.Connection, step: int, turn_ids: list[int], owner: str) -> bool:
+    """Whether step ``step`` is recorded already (for ``owner``) with exactly these samples, each still consumed
+    by it: the same commit, made before. Not so once a resume requeued them."""
+    row = db.execute("SELECT turn_ids FROM steps WHERE step=? AND owner=?", (step, owner)).fetchone()
+    if row is None or set(json.loads(row["turn_ids"])) != set(turn_ids):
+        return False
+    placeholders = ",".join("?" * len(turn_ids))
+    consumed = db.execute(f"SELECT COUNT(*) AS n FROM samples WHERE turn_id IN ({placeholders}) AND state=? "
+                          "AND consumed_step=?", (*turn_ids, TurnState.CONSUMED, step)).fetchone()["n"]
+    return consumed == len(turn_ids)
+
+
 class Samples:
     """The sample and lease half of ``Store`` (see the module docstring). Each check of a lease and the write
     that depends on it run in one ``BEGIN IMMEDIATE`` transaction, so no other writer comes between them."""
@@ -180,7 +192,10 @@ class Samples:
         trained again at the very same ids reuses them instead of asking the teacher again. ``owner``: the user whose
         policy the step trained (per-user policies; "" for the shared one)."""
         now = time.time()
+        turn_ids = list(dict.fromkeys(turn_ids))  # a sample named twice is still one sample
         with self.db.tx() as db:
+            if _committed_before(db, step, turn_ids, owner):
+                return  # a retry of this very commit whose answer was lost (over HTTP): it stands as it is
             for tid in turn_ids:
                 if not _held(db, tid, lease_id):
                     raise LeaseLost(f"sample {tid} is no longer held by lease {lease_id}")
