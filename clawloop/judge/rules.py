@@ -12,8 +12,11 @@ base model, is too weak to judge reliably, and a CPU demo still needs votes and 
 * a **user** sentence that asks for a change is a *correction*. Strong markers make a sentence a correction by
   themselves (``no,`` at the start, ``wrong``, ``I asked``, ``instead``, ``answer in``/``reply in``, ``too long``,
   ``start with``, ``don't``/``doesn't``, ``again``, ``redo``, ``should``/``must`` in a statement, ``not what``,
-  ``shorter`` ...). Weak markers (``please``, ``can you``, ``could you``) count only when the message holds no
-  approval, so "Thanks! Could you please explain tides?" is a new request, not a correction;
+  ``shorter`` ...). Weak markers (``please``, ``can you``, ``could you``, an opening ``write``, ``tell me``,
+  ``remove``, ``answer`` ...) count only when the message holds no approval, so "Thanks! Could you please explain
+  tides?" is a new request, not a correction; and a request (``please``, ``can you``, ``write``, ``tell me``,
+  ``make``, ``use`` ...) only when it points back at the answer (``it``, ``that``, ``your``, ``shorter``,
+  ``fewer``, ``a list``, ``one sentence`` ...): "Write a haiku about autumn." is a new task, 0;
 * a user sentence with thanks or approval (``thanks``, ``great``, ``perfect``, ``correct``, ``that worked`` ...;
   not negated: "not helpful" is a complaint) is *approval*.
 
@@ -54,7 +57,7 @@ from clawloop.store import TurnRecord, VoteRecord
 _STRONG = [
     (r"^\s*(no|nope|nah)\b(?!\s+(problem|worries|thanks|need|rush)\b)", "starts with 'no'"),
     (r"\b(wrong|incorrect|not right|not correct|mistake|inaccurate)\b", "says the answer is wrong"),
-    (r"(?<!exactly what )(?<!just what )(?<!that's what )\bi (asked|said|wanted|meant|told you|need(ed)?)\b",
+    (r"(?<!exactly what )(?<!just what )(?<!that's what )\bi (asked|said|wanted|meant|mean|told you|needed)\b",
      "restates what was asked"),
     (r"\binstead\b", "asks for something instead"),
     (r"\bin (plain )?(english|french|spanish|german|italian|portuguese|dutch|chinese|japanese|korean|russian"
@@ -82,13 +85,25 @@ _STATEMENT_ONLY = [
     (r"\b(forgot|forgotten|missing|left out)\b", "says something is missing"),
     (r"\b(always|from now on|every time|next time)\b", "states a standing preference"),
 ]
-# Corrections only when the message holds no approval: after a thanks they introduce the next request.
+# Corrections only when the message holds no approval: after a thanks they introduce the next request. Edits and
+# instructions about answering refer to the answer by themselves ("Remove the emojis.", "Answer briefly.").
 _WEAK = [
+    (r"^\s*(just\s+)?(fix|change|remove|delete|replace|say|keep|be|answer|reply)\b", "asks for a change"),
+]
+# A request ("Please ...", "Can you ...", "Write ...") is a correction only when it points back at the answer
+# ("Can you put that in a list?", "Make it shorter.", "Use fewer words."); without, it is a new task ("Write a
+# haiku about autumn.", "Can you also list the rivers of France?"), which is not feedback.
+_WEAK_REQUEST = [
     (r"\bplease\b", "asks politely for something else"),
     (r"^\s*(can|could|would|will) you\b", "asks for something else"),
-    (r"^\s*(just\s+)?(fix|change|remove|delete|replace|convert|make|use|add|give me|write|say|keep|be|answer"
-     r"|reply|tell me|do)\b", "asks for a change"),
+    (r"^\s*(just\s+)?(convert|make|use|add|give me|write|tell me|do)\b", "asks for a change"),
 ]
+_BACK_REFERENCE = re.compile(
+    r"\b(it|its|them|these|those|your|yours|fewer|less|shorter|longer|simpler|plainer|briefer|only|just|again"
+    r"|my question|the question|bullet points?|numbered list|a list|one (short )?sentence|one[- ](word|line)"
+    r"|(short|shorter|brief|simple|simpler|direct|one[- ]word|one[- ]line) answers?"
+    r"|the (answer|reply|response|text|list|code|summary|title|sentences?|words?|example|steps?|paragraph|last one"
+    r"|first one|previous one))\b|\b(that|this)\b(?=\s+(in|into|to|as|for|with|on|again|please)\b|\s*[,.!?]|\s*$)")
 _APPROVAL = re.compile(
     r"\b(thanks|thank you|thx|cheers|great|perfect|exactly|excellent|awesome|nice|good (answer|job|one)"
     r"|well done|correct|that's right|right on|spot on|that helps|helpful|that worked|works|it worked|worked"
@@ -165,6 +180,10 @@ def classify_sentence(sentence: str) -> SentenceVerdict:
     for pattern, why in _WEAK:
         if re.search(pattern, low):
             return SentenceVerdict(sentence, correction=why, weak=True, approval=approval)
+    if _BACK_REFERENCE.search(low):
+        for pattern, why in _WEAK_REQUEST:
+            if re.search(pattern, low):
+                return SentenceVerdict(sentence, correction=why, weak=True, approval=approval)
     return SentenceVerdict(sentence, approval=approval)
 
 

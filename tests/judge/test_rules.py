@@ -138,6 +138,28 @@ def test_no_explicit_signal_is_zero(reply):
     assert d.score == 0 and d.hint == ""
 
 
+@pytest.mark.parametrize("reply", [
+    "Write a haiku about autumn.", "Tell me about Paris.", "Please summarize the plot of Hamlet.",
+    "Can you also list the rivers of France?", "I need a recipe for pancakes.", "Write a poem that rhymes.",
+    "Tell me more about tides.", "Could you recommend a good book?",
+])
+def test_a_new_task_without_thanks_is_not_a_correction(reply):
+    """A user who moves on to another request says nothing against the answer: 0, and above all no hint, which
+    would have the teacher score the answer under an unrelated instruction."""
+    d = decide(user(reply))
+    assert d.score == 0 and d.hint == ""
+
+
+@pytest.mark.parametrize("reply, hint", [
+    ("Make it shorter.", "Answer briefly."), ("Can you put that in a list?", "Answer with a list."),
+    ("Please make it simpler.", "Make it simpler."), ("Write it as a poem.", "Write it as a poem."),
+    ("Could you explain that again?", "Explain that again."), ("Remove the emojis.", "Remove the emojis."),
+])
+def test_a_request_that_points_back_at_the_answer_is_a_correction(reply, hint):
+    d = decide(user(reply))
+    assert d.score == -1 and d.hint == hint
+
+
 def test_tool_results():
     err = decide([{"role": "tool", "content": "Traceback (most recent call last):\nFileNotFoundError: config.yml"}])
     assert err.score == -1 and err.hint == "The previous action failed with: FileNotFoundError: config.yml"
