@@ -6,7 +6,8 @@ message holding ``"[user's hint / instruction]\\n" + hint`` is added at the end)
 renderer and tools the API used when serving, and the turn's **stored response ids** are appended — the response
 is never re-tokenised from text. ``render_matches`` says whether rendering the un-hinted messages today reproduces
 the stored prompt ids (it does not when the serving template changed since the turn was recorded).
-Tool-call loops keep their later tool messages untouched: the hint goes where the user spoke last. With
+Tool-call loops keep their later tool messages untouched: the hint goes where the user spoke last (an OpenClaw
+message holding only its internal runtime context, or asking again for an answer, is not the user speaking). With
 ``hint_placement = "system_and_user"`` it also ends the system prompt (``inject_hint``'s ``system``).
 
 Scores: ``Teacher.score`` answers a trainer's ``TeacherRequest``s (``clawloop.wire``): per sample, the turn,
@@ -45,6 +46,7 @@ from clawloop.engines.model_files import end_token_ids
 from clawloop.temperature import effective_temperature
 from clawloop.judge.prompts import content_text
 from clawloop.losses import OPD_TARGETS, hinted_positions, mix_rows, mixes
+from clawloop.openclaw_format import is_ephemeral
 from clawloop.renderers import template_default_system
 from clawloop.store import TurnRecord
 from clawloop.wire import TeacherRequest, TeacherScores
@@ -103,10 +105,13 @@ def inject_hint(messages: Sequence[dict[str, Any]], hint: str, draft: str | None
         else:
             out.insert(0, {"role": "system", "content": (system + HINT_SEPARATOR if system else "") + HINT_PREFIX
                            + hint})
-    for message in reversed(out):
-        if message.get("role") == "user":
-            message["content"] = content_text(message.get("content")) + HINT_SEPARATOR + HINT_PREFIX + addition
-            return out
+    # Where the user spoke last: an OpenClaw message holding only its internal runtime context, or its request
+    # for an answer again, is not the user's words (the judge leaves them out too), so the hint goes before it.
+    users = [m for m in out if m.get("role") == "user"]
+    spoken = [m for m in users if not is_ephemeral(m)] or users
+    if spoken:
+        spoken[-1]["content"] = content_text(spoken[-1].get("content")) + HINT_SEPARATOR + HINT_PREFIX + addition
+        return out
     out.append({"role": "user", "content": HINT_PREFIX + addition})
     return out
 

@@ -1,6 +1,9 @@
 """Hint injection and the teacher's scores at given ids, checked against an independent forward pass."""
 
 import asyncio
+import gzip
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +12,8 @@ import torch
 from clawloop.renderers import ChatRenderer
 from clawloop.config import Config
 from clawloop.engines.base import SamplingParams
+from clawloop.judge.prompts import content_text
+from clawloop.openclaw_format import is_ephemeral
 from clawloop.renderers import chat_render_fn
 from clawloop.store import TurnRecord
 from clawloop.teacher import Teacher, inject_hint, train_temperature
@@ -36,6 +41,22 @@ def test_hint_goes_into_last_user_message_only():
     # everything else untouched, including the tool messages after the last user message and earlier users
     assert out[:3] == messages[:3] and out[4:] == messages[4:]
     assert messages[3]["content"] == "List the files."  # the input is not modified
+
+
+def test_hint_goes_to_the_user_s_words_not_to_openclaw_s_internal_context():
+    """OpenClaw with its default tools ends each request with a user message holding only its runtime context
+    (a real request, tests/data/openclaw): the hint goes after what the user wrote, before that block."""
+    with gzip.open(Path(__file__).parent / "data" / "openclaw" / "compacted-default-tools.json.gz", "rt",
+                   encoding="utf-8") as fh:
+        messages = json.load(fh)["requests"][0]["messages"]
+    assert is_ephemeral(messages[-1])
+    out = inject_hint(messages, "Answer in one short sentence.")
+    changed = [i for i, (a, b) in enumerate(zip(messages, out)) if a != b]
+    assert len(changed) == 1 and out[-1] == messages[-1]
+    target = out[changed[0]]
+    assert target["role"] == "user" and not is_ephemeral(messages[changed[0]])
+    assert content_text(target["content"]).endswith("[user's hint / instruction]\nAnswer in one short sentence.")
+    assert not any(not is_ephemeral(m) for m in messages[changed[0] + 1:] if m.get("role") == "user")
 
 
 def test_hint_without_user_message_adds_one():
