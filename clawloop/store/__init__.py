@@ -39,7 +39,7 @@ from typing import Any
 from clawloop.store.contexts import CONTEXT_KIND, ContextSample, Contexts
 from clawloop.store.database import SCHEMA_VERSION, STORE_FILENAME, Database, StoreInUse, find_store
 from clawloop.store.export import export_jsonl, iter_export
-from clawloop.store.forget import ForgetResult, forget_owner
+from clawloop.store.forget import ForgetResult, forget_owner, owner_hints
 from clawloop.store.history import History, mark_uncommitted_versions, put_meta
 from clawloop.store.queries import Queries
 from clawloop.store.records import LeaseLost, SampleRecord, TurnRecord, TurnState, VoteRecord
@@ -101,6 +101,12 @@ class Store(Turns, Samples, History, Queries, Contexts):
         """Delete every record of ``owner`` and leave none of their text in the file or its log
         (``clawloop.store.forget``)."""
         return forget_owner(self.db, owner, reader_wait_s=reader_wait_s, within=within)
+
+    def owner_hints(self, owner: str) -> set[str]:
+        """The hints written from ``owner``'s turns (what other records may quote of them; never stored
+        elsewhere by a forget)."""
+        with self.db.read() as db:
+            return owner_hints(db, owner)
 
     # ---- export ----------------------------------------------------------------------------------------
     def iter_export(self) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -103,6 +103,7 @@ def forget_owner(database: Database, owner: str, *, reader_wait_s: float = 30.0,
 def _delete_records(db: sqlite3.Connection, owner: str, result: ForgetResult) -> None:
     result.sessions = int(db.execute("SELECT COUNT(DISTINCT session_id) FROM turns WHERE owner=?",
                                      (owner,)).fetchone()[0])
+    hints = owner_hints(db, owner)
     # The ids go in a temporary table rather than in bound parameters: a long-time user's turns can outnumber
     # what one statement may bind.
     db.execute("CREATE TEMP TABLE IF NOT EXISTS forget_ids (id INTEGER PRIMARY KEY)")
@@ -131,14 +132,26 @@ def _delete_records(db: sqlite3.Connection, owner: str, result: ForgetResult) ->
     sources = probe_sources(ids)
     for row in db.execute("SELECT version, evidence FROM versions").fetchall():
         evidence = json.loads(row["evidence"])
-        if scrub_quotes(evidence, sources):
+        if scrub_quotes(evidence, sources, hints):
             db.execute("UPDATE versions SET evidence=? WHERE version=?", (json.dumps(evidence), row["version"]))
             result.versions_scrubbed.append(int(row["version"]))
     for row in db.execute("SELECT id, detail FROM events").fetchall():
         detail = json.loads(row["detail"])
-        if scrub_quotes(detail, sources):
+        if scrub_quotes(detail, sources, hints):
             db.execute("UPDATE events SET detail=? WHERE id=?", (json.dumps(detail), row["id"]))
             result.events_scrubbed += 1
+
+
+def owner_hints(db: sqlite3.Connection, owner: str) -> set[str]:
+    """Every hint written from ``owner``'s turns (their votes' and samples' hints): text of theirs that other
+    records quote (the gate's preference check names the hint it reads), to be cut where it is quoted."""
+    hints = {r["hint"] for r in db.execute(
+        "SELECT DISTINCT v.hint FROM votes v JOIN turns t ON t.id = v.turn_id WHERE t.owner=? AND v.hint != ''",
+        (owner,))}
+    for row in db.execute("SELECT s.hints FROM samples s JOIN turns t ON t.id = s.turn_id WHERE t.owner=?",
+                          (owner,)):
+        hints.update(h for h in json.loads(row["hints"]) if isinstance(h, str) and h)
+    return hints
 
 
 def probe_sources(turn_ids: Iterable[int]) -> set[str]:
@@ -146,9 +159,10 @@ def probe_sources(turn_ids: Iterable[int]) -> set[str]:
     return {f"{kind}:{int(turn_id)}" for kind in PROBE_SOURCES for turn_id in turn_ids}
 
 
-def scrub_quotes(record: Any, sources: set[str]) -> bool:
+def scrub_quotes(record: Any, sources: set[str], texts: Iterable[str] = ()) -> bool:
     """Blank the text fields of every probe outcome in ``record`` whose source is in ``sources``, then cut what
-    those fields held from every other string. In place; True when anything changed."""
+    those fields held, and ``texts`` (the user's hints: the gate's preference check quotes the hint it reads), from
+    every string. In place; True when anything changed."""
     quoted: set[str] = set()
 
     def blank(node: Any) -> None:
@@ -165,14 +179,18 @@ def scrub_quotes(record: Any, sources: set[str]) -> bool:
                 blank(value)
 
     blank(record)
-    if not quoted:
-        return False
-    longest_first = sorted((q for q in quoted if q != CUT), key=len, reverse=True)
+    changed = bool(quoted)
+    longest_first = sorted({q for q in quoted | set(texts) if q and q != CUT}, key=len, reverse=True)
+    if not longest_first:
+        return changed
 
     def cut(node: Any) -> Any:
+        nonlocal changed
         if isinstance(node, str):
             for text in longest_first:
-                node = node.replace(text, CUT)
+                if text in node:
+                    node = node.replace(text, CUT)
+                    changed = True
             return node
         if isinstance(node, dict):
             for key, value in node.items():
@@ -182,4 +200,4 @@ def scrub_quotes(record: Any, sources: set[str]) -> bool:
         return node
 
     cut(record)
-    return True
+    return changed

@@ -66,6 +66,13 @@ def forget_user(store: Store, run_dir: str | Path, owner: str) -> dict[str, Any]
     """Forget ``owner`` in ``store`` and ``run_dir`` (module docstring); returns the receipt."""
     run_dir = Path(run_dir)
     finish_pending_forget(store, run_dir)  # an earlier forget cut short goes first
+    # The user's hints are quoted by the gate's evidence (the preference check names the hint it reads). They are
+    # cut from the run folder's copies here, before the store forgets them, so that no journal need hold their
+    # text; the store cuts its own copies in the deleting transaction.
+    hints = store.owner_hints(owner)
+    if hints:
+        _scrub_version_records(run_dir, set(), hints)
+        _scrub_export(run_dir / EXPORT_DIR, set(), hints)
 
     def journal(db: sqlite3.Connection, result: ForgetResult) -> None:
         shared = shared_steps(db, result.steps)
@@ -154,10 +161,11 @@ def _user_folders(run_dir: Path, owner: str) -> list[Path]:
             if folder.is_dir()]
 
 
-def _scrub_version_records(run_dir: Path, turn_ids: set[int]) -> int:
-    """Cut the forgotten turns' prompts out of the gate evidence kept in every version folder left (the shared
-    policy's, every user's, the archived ones); each record rewritten atomically. Returns how many changed."""
-    if not turn_ids:
+def _scrub_version_records(run_dir: Path, turn_ids: set[int], hints: set[str] | None = None) -> int:
+    """Cut the forgotten turns' prompts (and ``hints``) out of the gate evidence kept in every version folder left
+    (the shared policy's, every user's, the archived ones); each record rewritten atomically. Returns how many
+    changed."""
+    if not turn_ids and not hints:
         return 0
     sources = probe_sources(turn_ids)
     changed = 0
@@ -166,16 +174,17 @@ def _scrub_version_records(run_dir: Path, turn_ids: set[int]) -> int:
             record = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):  # a damaged record is left for the version checks to report
             continue
-        if scrub_quotes(record, sources):
+        if scrub_quotes(record, sources, hints or ()):
             write_text_atomically(path, json.dumps(record, indent=1, default=str) + "\n")
             changed += 1
     return changed
 
 
-def _scrub_export(folder: Path, turn_ids: set[int]) -> dict[str, int]:
+def _scrub_export(folder: Path, turn_ids: set[int], hints: set[str] | None = None) -> dict[str, int]:
     """Take the forgotten turns' lines out of a records export (``clawloop records export``) and their prompts
-    out of its gate evidence; each file rewritten atomically. Returns lines removed or changed per file."""
-    if not folder.is_dir() or not turn_ids:
+    (and ``hints``) out of its gate evidence; each file rewritten atomically. Returns lines removed or changed
+    per file."""
+    if not folder.is_dir() or not (turn_ids or hints):
         return {}
     sources = probe_sources(turn_ids)
     changed: dict[str, int] = {}
@@ -189,7 +198,7 @@ def _scrub_export(folder: Path, turn_ids: set[int]) -> dict[str, int]:
             if path.name in ("turns.jsonl", "samples.jsonl") and turn in turn_ids:
                 count += 1
                 continue
-            if scrub_quotes(record, sources):
+            if scrub_quotes(record, sources, hints or ()):
                 count += 1
                 line = json.dumps(record, ensure_ascii=False, default=str)
             kept.append(line)

@@ -232,3 +232,25 @@ def test_forget_cuts_the_users_prompts_from_the_gate_evidence_kept_in_every_vers
     kept = json.loads((run_dir / "users" / BOB / "versions" / "v9" / "version.json").read_text())
     assert kept["evidence"]["probes"][1]["prompt"] == "What is 2 + 2?"  # other probes are left as they were
     assert kept["evidence"]["probes"][0]["ok"] is True and ALICE_TEXT not in kept["evidence"]["reasons"][0]
+
+
+def test_forget_cuts_the_users_hint_that_the_gate_s_preference_check_quotes(run):
+    """The gate's preference check reads the hint most often trained on and names it in its evidence: in the
+    store's version and event records, in the version folders and in an export. With the rule judge that hint is
+    the user's own words; forgetting the user cuts it from all of them."""
+    run_dir, store, _ = run
+    hint = "Answer about the Yellowstone-cabin-88 in French, never in English."
+    tid = served(store, ALICE, ALICE_TEXT, "a", 1)
+    with store.db.tx() as db:  # the judge's hint vote for that turn
+        db.execute("UPDATE samples SET hints=? WHERE turn_id=?", (json.dumps([hint]), tid))
+    evidence = {"accepted": True, "probes": [], "preference": {"hint": hint, "drop": 0.01}}
+    store.record_version(7, 7, "accepted", evidence)
+    store.record_event("gate_accepted", evidence, 7, 7)
+    # Bob's own adapter (per-user policies) was read under it: its folder stays, the shared v7 is retired.
+    save_version(run_dir / "users" / BOB, 7, 7, {"w": torch.ones(2)}, None, lora=True, keep=10, evidence=evidence)
+    store.export_jsonl(run_dir / "export")
+    assert b"Yellowstone-cabin-88" in every_byte(run_dir)
+    forget_user(store, run_dir, ALICE)
+    assert b"Yellowstone-cabin-88" not in every_byte(run_dir)
+    kept = json.loads((run_dir / "users" / BOB / "versions" / "v7" / "version.json").read_text())
+    assert kept["evidence"]["preference"]["drop"] == 0.01  # the reading stays, without the user's words
