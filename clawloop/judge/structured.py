@@ -16,6 +16,7 @@ call without it and remembers not to send it again. Which kind a request is foll
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,7 +59,9 @@ def request_fields(mode: str, kind: str) -> dict[str, Any]:
 
 def as_vote_text(kind: str, content: str) -> str:
     """A JSON vote (``SCHEMAS[kind]``) as the boxed text a free-form judge writes; other text unchanged (an endpoint
-    may ignore ``response_format``, or a regex mode already produced the text)."""
+    may ignore ``response_format``, or a regex mode already produced the text). A JSON object that breaks the
+    schema ("score": "-1", no score) is an invalid vote, its text kept without a box: read as it is, a box quoted
+    in its reason ("… \\boxed{1} would fit, but …") would count as the vote."""
     try:
         data = json.loads(content)
     except (TypeError, ValueError):
@@ -66,11 +69,11 @@ def as_vote_text(kind: str, content: str) -> str:
     if not isinstance(data, dict):
         return content
     reason = str(data.get("reason", "")).strip()
-    if kind == "eval" and data.get("score") in (1, -1, 0):
+    if kind == "eval" and type(data.get("score")) is int and data["score"] in (1, -1, 0):
         return f"{reason}\n\\boxed{{{data['score']}}}".lstrip()
-    if kind == "hint" and data.get("decision") in (1, -1):
+    if kind == "hint" and type(data.get("decision")) is int and data["decision"] in (1, -1):
         hint = str(data.get("hint", "")).strip()
         if data["decision"] == 1 and hint:
             return f"{reason}\n\\boxed{{1}} [HINT_START]{hint}[HINT_END]".lstrip()
         return f"{reason}\n\\boxed{{-1}}".lstrip()
-    return content
+    return "invalid structured vote: " + re.sub(r"\\+boxed", "boxed", content)

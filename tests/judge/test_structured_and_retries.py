@@ -136,6 +136,20 @@ def test_as_vote_text_and_config():
         Config.load(env={}, judge_structured_output="grammar")
 
 
+@pytest.mark.parametrize("kind, content", [
+    ("eval", '{"reason": "\\\\boxed{1} would fit, but they rephrased", "score": "-1"}'),
+    ("eval", '{"reason": "\\\\boxed{-1}", "score": true}'),
+    ("eval", '{"reason": "no score at all \\\\boxed{0}"}'),
+    ("hint", '{"reason": "\\\\boxed{1} [HINT_START]Be brief.[HINT_END]", "decision": "1", "hint": "x"}'),
+])
+def test_a_json_vote_that_breaks_the_schema_is_invalid_whatever_its_reason_quotes(kind, content):
+    """An endpoint that ignores strict mode may answer a string score; the reason may quote a box. Read as raw
+    text, that box would be taken as the vote, possibly the opposite one; the vote is invalid instead."""
+    text = as_vote_text(kind, content)
+    parsed = (parse_eval if kind == "eval" else parse_hint)(text)
+    assert parsed.score is None and parsed.error
+
+
 def hang_first(n):
     """A responder whose first ``n`` requests hang (time out at the client); later ones answer."""
     lock, count = threading.Lock(), [0]
