@@ -53,7 +53,7 @@ from clawloop.api.schemas import (
     validate_session_id,
     validate_turn_type,
 )
-from clawloop.api.sessions import SessionManager, TurnContext
+from clawloop.api.sessions import OwnerClosed, SessionManager, TurnContext
 from clawloop.api.streaming import DONE, ChunkMaker, GuardedStreamingResponse, sse
 from clawloop.api.token_texts import TokenTexts
 from clawloop.config import Config
@@ -77,6 +77,12 @@ POLICY_VERSION_HEADER = "X-Policy-Version"
 
 def _headers(session_id: str, policy_version: int) -> dict[str, str]:
     return {"X-Session-Id": session_id, POLICY_VERSION_HEADER: str(policy_version)}
+
+
+def being_forgotten() -> APIError:
+    """The answer to a request of an owner whose records are being forgotten right now."""
+    return APIError(409, "This key's data is being forgotten right now; send the request again in a moment.",
+                    "invalid_request_error", None, "user_being_forgotten")
 
 
 def stream_error(exc: Exception) -> dict[str, Any]:
@@ -244,20 +250,23 @@ class ChatService:
     async def chat(self, request: Request, path_session_id: str | None = None) -> Any:
         owner = require_user(request)
         if self.sessions.is_closed(owner):
-            raise APIError(409, "This key's data is being forgotten right now; send the request again in a moment.",
-                           "invalid_request_error", None, "user_being_forgotten")
-        body = await read_json_body(request, self.config.max_body_bytes)
-        # Validation, the chat template and tokenisation run off the event loop (long agent prompts).
-        prep = await asyncio.to_thread(self.prepare, body, request.headers, path_session_id)
-        adapter = self.adapter_of(owner)
-        if adapter is not None:
-            prep.params = dataclasses.replace(prep.params, adapter=adapter)
+            raise being_forgotten()
         ctx: TurnContext | None = None
-        if prep.turn_type == "main":
-            ctx = await self.sessions.begin_main(prep.session_id_given, prep.req.messages, owner=owner)
-            session_id = ctx.session_id
-        else:
-            session_id = self.sessions.resolve_side(prep.session_id_given, prep.req.messages, owner=owner)
+        with self.sessions.arriving(owner):  # a forget starting meanwhile waits for this request's session
+            body = await read_json_body(request, self.config.max_body_bytes)
+            # Validation, the chat template and tokenisation run off the event loop (long agent prompts).
+            prep = await asyncio.to_thread(self.prepare, body, request.headers, path_session_id)
+            adapter = self.adapter_of(owner)
+            if adapter is not None:
+                prep.params = dataclasses.replace(prep.params, adapter=adapter)
+            if prep.turn_type == "main":
+                try:
+                    ctx = await self.sessions.begin_main(prep.session_id_given, prep.req.messages, owner=owner)
+                except OwnerClosed:
+                    raise being_forgotten() from None
+                session_id = ctx.session_id
+            else:
+                session_id = self.sessions.resolve_side(prep.session_id_given, prep.req.messages, owner=owner)
         if prep.req.stream:
             handed_over = False
             try:

@@ -102,7 +102,7 @@ import re
 import time
 import uuid
 from collections import Counter, OrderedDict, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,6 +203,13 @@ def answer_key(answer: dict[str, Any]) -> str:
 
 def same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return canonical_message(a) == canonical_message(b)
+
+
+class OwnerClosed(RuntimeError):
+    """A main request of an owner whose records are being forgotten (``owner_closed``)."""
+
+    def __init__(self, owner: str):
+        super().__init__(f"requests of {owner!r} are closed while their records are forgotten")
 
 
 @dataclass
@@ -332,6 +339,8 @@ class SessionManager:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self.closed_owners: set[str] = set()
         """Owners who can start no request now (``owner_closed``)."""
+        self._arriving: Counter[str] = Counter()
+        """Requests per owner past the route's ``is_closed`` check that hold no session yet (``arriving``)."""
         self._live_by_owner: Counter[str] = Counter()
         self._prefix: dict[str, tuple[str, int]] = {}
         """prefix key -> (session id, turn id) of the turn that ended with that answer."""
@@ -544,6 +553,11 @@ class SessionManager:
             if session.ended:  # ended while we waited for it: start over with a fresh session
                 self._let_go(session)
                 continue
+            if self.is_closed(owner):
+                # Closed after the route's own check (the body read, the template): the owner's forget has
+                # begun and waits only for requests that held a session before, so this one stores nothing.
+                self._let_go(session)
+                raise OwnerClosed(owner)
             if how in ("prefix", "request", "again") and session.last_turn_id != matched_turn:
                 # Someone continued this session from the same point first: this request branches off.
                 self._let_go(session)
@@ -694,13 +708,28 @@ class SessionManager:
             ended += 1
         return ended
 
+    @contextlib.contextmanager
+    def arriving(self, owner: str) -> Iterator[None]:
+        """Around a request's way from the route's ``is_closed`` check to its session (the body read, the chat
+        template, ``begin_main``): ``owner_closed`` waits for such requests before it ends the owner's sessions."""
+        self._arriving[owner] += 1
+        try:
+            yield
+        finally:
+            self._arriving[owner] -= 1
+            if not self._arriving[owner]:
+                del self._arriving[owner]
+
     @contextlib.asynccontextmanager
-    async def owner_closed(self, owner: str) -> AsyncIterator[int]:
+    async def owner_closed(self, owner: str, poll_s: float = 0.01) -> AsyncIterator[int]:
         """While the block runs ``owner`` can start no request (``is_closed``; the chat route answers 409) and
-        none of their sessions is live: they are ended first (yields how many). For a forget, so that no turn of
-        theirs is stored while their records are deleted."""
+        none of their sessions is live: requests already on their way to a session get there (or are refused by
+        ``begin_main``), then every session is ended, each after its request in flight (yields how many). For a
+        forget, so that no turn of theirs is stored while their records are deleted."""
         self.closed_owners.add(owner)
         try:
+            while self._arriving.get(owner):
+                await asyncio.sleep(poll_s)
             yield await self.end_owner(owner)
         finally:
             self.closed_owners.discard(owner)

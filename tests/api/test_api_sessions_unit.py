@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from clawloop.api.sessions import SessionManager, find_next_state, is_trimmed_echo, prefix_keys
+import pytest
+
+from clawloop.api.sessions import OwnerClosed, SessionManager, find_next_state, is_trimmed_echo, prefix_keys
 from clawloop.openclaw_format import is_answer_retry, is_ephemeral
 from clawloop.store import Store, TurnRecord, TurnState
 
@@ -252,3 +254,34 @@ def test_lru_eviction_ends_the_least_recently_used_session(tmp_path):
     ids = asyncio.run(scenario())
     assert store.get_turn(ids["a"]).reason == "no_next_state"
     assert store.get_turn(ids["b"]).state == TurnState.AWAITING_NEXT
+
+
+def test_a_request_on_its_way_when_a_forget_begins_stores_nothing(tmp_path):
+    """A request past the route's check (reading its body, rendering its template) when the user's forget begins:
+    the forget waits for it to reach its session, and there it is refused, so no turn of the user is stored
+    after their records were deleted."""
+    owner = "k_" + "a" * 24
+    store = Store(tmp_path / "store.sqlite")
+
+    async def scenario() -> None:
+        sm = SessionManager(store)
+        inside, done = asyncio.Event(), asyncio.Event()
+
+        async def forget() -> None:
+            async with sm.owner_closed(owner):
+                inside.set()
+                await done.wait()
+
+        with sm.arriving(owner):
+            task = asyncio.create_task(forget())
+            await asyncio.sleep(0.05)
+            assert sm.is_closed(owner) and not inside.is_set()  # the forget waits for this request
+            with pytest.raises(OwnerClosed):
+                await sm.begin_main("s1", [U1], owner=owner)
+        await asyncio.wait_for(inside.wait(), 5)
+        assert sm.live_count(owner) == 0
+        done.set()
+        await task
+
+    asyncio.run(scenario())
+    assert [t for t in store.turns() if t.owner == owner] == []
