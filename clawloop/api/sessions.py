@@ -113,6 +113,8 @@ from clawloop.store import Store, TurnRecord, TurnState
 log = logging.getLogger("clawloop.sessions")
 
 NO_NEXT_STATE = "no_next_state"
+CLIENT_CLOSED = "client_closed_request"
+"""Drop reason of a turn whose request was cancelled (its client left) while the turn was being written."""
 REGENERATED = "regenerated"
 EMPTY_NEXT_STATE = "empty_next_state"
 
@@ -404,8 +406,8 @@ class SessionManager:
             except asyncio.CancelledError:
                 pass
             self._sweeper = None
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        while self._tasks:  # a task may start another (a write the client left, then its drop)
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def _sweep_forever(self) -> None:
         interval_s = max(0.05, min(self.idle_timeout_s / 4.0, 10.0))
@@ -610,6 +612,15 @@ class SessionManager:
         except Exception:
             log.exception("on_judgeable hook failed for turn %s", turn_id)
 
+    def _drop_abandoned(self, writing: asyncio.Future) -> None:
+        self._tasks.discard(writing)
+        if writing.cancelled() or writing.exception() is not None:
+            return  # nothing was stored
+        task = asyncio.ensure_future(asyncio.to_thread(self.store.drop_turn, writing.result(), CLIENT_CLOSED))
+        self._tasks.add(task)
+        task.add_done_callback(self._hook_done)
+        self.stats["turns_dropped_client_closed"] += 1
+
     def _hook_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
@@ -655,7 +666,16 @@ class SessionManager:
         turn.session_id = s.id
         turn.owner = s.owner
         turn.turn_index = s.turn_index
-        turn_id = await asyncio.to_thread(self.store.add_turn, turn)
+        writing = asyncio.ensure_future(asyncio.to_thread(self.store.add_turn, turn))
+        try:
+            turn_id = await asyncio.shield(writing)
+        except asyncio.CancelledError:
+            # The client left while the turn was being written (the stream is cancelled): the write goes on in its
+            # thread, but the answer never reached the client, so the stored turn is dropped, never left awaiting
+            # a next state that no session will bring.
+            self._tasks.add(writing)
+            writing.add_done_callback(self._drop_abandoned)
+            raise
         s.turn_index += 1
         s.last_turn_id = turn_id
         self._set_pending(s, PendingTurn(turn_id, turn.messages, turn.assistant_message))

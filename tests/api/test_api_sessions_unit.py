@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -285,3 +286,32 @@ def test_a_request_on_its_way_when_a_forget_begins_stores_nothing(tmp_path):
 
     asyncio.run(scenario())
     assert [t for t in store.turns() if t.owner == owner] == []
+
+
+def test_a_turn_whose_client_left_while_it_was_written_is_dropped_not_left_waiting(tmp_path):
+    """The stream is cancelled (the client disconnected) while its turn is in the store's write: the write
+    finishes in its thread, and the turn, whose answer never reached the client, is dropped with that reason
+    rather than left awaiting a next state with no session to bring one."""
+    class BusyStore(Store):
+        def add_turn(self, turn):
+            time.sleep(0.3)  # another writer holds the file
+            return super().add_turn(turn)
+
+    store = BusyStore(tmp_path / "store.sqlite")
+
+    async def scenario() -> None:
+        sm = SessionManager(store)
+        ctx = await sm.begin_main(None, [U1], owner="k_a")
+        turn = TurnRecord(session_id="", messages=[U1], prompt_ids=[1], response_ids=[2], logprobs=[-1.0],
+                          temperature=1.0, top_p=1.0, policy_version=0, assistant_message=A1)
+        commit = asyncio.ensure_future(ctx.commit(turn))
+        await asyncio.sleep(0.05)
+        commit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await commit
+        ctx.release()
+        await sm.stop()  # waits for the write and the drop
+        assert len(sm) == 0
+
+    asyncio.run(scenario())
+    assert [(t.state, t.reason) for t in store.turns()] == [(TurnState.DROPPED, "client_closed_request")]
