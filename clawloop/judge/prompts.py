@@ -55,9 +55,9 @@ Decide whether the next state reveals something that would have made the answer 
 it: a correction, a missing requirement, a preference, or an error that points to the fix.
 
 Write the hint as an instruction to the assistant, in the imperative, the way the user would have asked had \
-they said it up front: "Begin every answer with \"In short,\"." or "Answer in one short sentence." or "Answer in \
-French." Do not narrate what went wrong ("You forgot ...", "The user wanted ...", "That was too long."): state \
-what to do. Keep the user's exact words for anything quoted.
+they said it up front: "Give temperatures in Celsius." or "Put each shell command on its own line." or "Quote \
+the error message exactly." Do not narrate what went wrong ("You forgot ...", "The user wanted ...", "That was \
+too long."): state what to do. Keep the user's exact words for anything quoted.
 
 Output format (strict):
 - If yes: write \\boxed{1}, then a hint of 1 to 3 imperative sentences telling the assistant concretely what to \
