@@ -431,7 +431,9 @@ class HFEngine:
             self._inbox.put(job)
             version = self._wait_published(job, timeout_s)
             if job.model is not None:
-                self._latest_model = job.model
+                # The starting model too is only referenced by the batches still running on it from here on,
+                # so it is freed with them: at rest one model, two while a publication copies.
+                self._model = self._latest_model = job.model
         return version
 
     load_state_dict = publish_sync
@@ -814,14 +816,16 @@ class HFEngine:
         else:
             L = batch.mask_B_L.shape[1]
             width = max(L, W)
-            for old, new in zip(batch.cache.layers, cache.layers):
-                old.keys = torch.cat([_left_pad(old.keys, width - L), _left_pad(new.keys, width - W)], dim=0)
-                old.values = torch.cat([_left_pad(old.values, width - L), _left_pad(new.values, width - W)], dim=0)
-            batch.mask_B_L = torch.cat(
-                [F.pad(batch.mask_B_L, (width - L, 0)), F.pad(mask_N_W, (width - W, 0))], dim=0
-            )
-            batch.pos_B = torch.cat([batch.pos_B, pos_N])
-            batch.next_B = torch.cat([batch.next_B, next_N])
+            # Every joined tensor is built before any is assigned: an error part-way (out of memory in a
+            # ``cat``) fails only the joining group, and leaves the running batch as it was.
+            joined = [(torch.cat([_left_pad(old.keys, width - L), _left_pad(new.keys, width - W)], dim=0),
+                       torch.cat([_left_pad(old.values, width - L), _left_pad(new.values, width - W)], dim=0))
+                      for old, new in zip(batch.cache.layers, cache.layers)]
+            mask_B_L = torch.cat([F.pad(batch.mask_B_L, (width - L, 0)), F.pad(mask_N_W, (width - W, 0))], dim=0)
+            pos_B, next_B = torch.cat([batch.pos_B, pos_N]), torch.cat([batch.next_B, next_N])
+            for old, (keys, values) in zip(batch.cache.layers, joined):
+                old.keys, old.values = keys, values
+            batch.mask_B_L, batch.pos_B, batch.next_B = mask_B_L, pos_B, next_B
         batch.seqs.extend(seqs[i] for i in keep)
         batch.mask_B_L = trim_padding(batch.cache, batch.mask_B_L)
 

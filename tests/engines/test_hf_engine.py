@@ -6,7 +6,9 @@ References are computed independently with plain full forwards of the same model
 from __future__ import annotations
 
 import asyncio
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -370,6 +372,51 @@ def test_publish_bumps_the_version_and_changes_outputs(own_engine, chat_ids):
     assert gen(own_engine, prompt).token_ids == after.token_ids
     (scored,) = run(own_engine.score([ScoreRequest(prompt, after.token_ids)]))
     assert scored.policy_version == 1
+
+
+def test_a_group_that_fails_to_join_the_running_batch_fails_alone(tiny_model_path, monkeypatch):
+    """Joining a new group extends every layer's cache; an error part-way (out of memory in a ``cat``) must fail
+    that group only, never the requests already decoding (whose cache it would leave with mismatched rows)."""
+    from clawloop.engines import hf
+
+    engine = HFEngine(tiny_model_path, device="cpu", num_threads=1, eos_token_ids=[])
+    real_pad, calls = hf._left_pad, {"armed": False, "n": 0}
+
+    def fails_midway(x, n):
+        if calls["armed"]:
+            calls["n"] += 1
+            if calls["n"] == 5:  # the second layer's keys
+                raise torch.OutOfMemoryError("out of memory (injected)")
+        return real_pad(x, n)
+
+    monkeypatch.setattr(hf, "_left_pad", fails_midway)
+
+    async def scenario():
+        running = asyncio.ensure_future(engine.generate([1, 5, 6, 7], SamplingParams(temperature=0.0,
+                                                                                     max_tokens=200)))
+        await asyncio.sleep(0.05)
+        calls["armed"] = True
+        with pytest.raises(EngineError):
+            await engine.generate([1, 9, 9], SamplingParams(temperature=0.0, max_tokens=5))
+        return await running
+
+    try:
+        assert len(run(scenario()).token_ids) == 200
+    finally:
+        engine.close_sync()
+
+
+def test_after_publications_no_earlier_model_stays_in_memory(own_engine, chat_ids):
+    """Double-buffer publication runs new requests on a copy; once nothing runs on an older model it is freed,
+    the starting one included: at rest the engine holds one model."""
+    prompt = chat_ids("Hello there")
+    models = [weakref.ref(own_engine.model)]
+    for _ in range(2):
+        run(own_engine.publish(perturbed(own_engine.model)))
+        models.append(weakref.ref(own_engine.model))
+        gen(own_engine, prompt)  # a request on the new model: the worker has swapped
+    gc.collect()
+    assert [m() is not None for m in models] == [False, False, True]
 
 
 @pytest.mark.parametrize("own_engine", ["double_buffer", "drain"], indirect=True)
