@@ -75,9 +75,12 @@ class Component(Protocol):
 
 @runtime_checkable
 class ConnectableEngine(Protocol):
-    """A remote engine, checked before serving: it serves the model; its context length is learned."""
+    """A remote engine, checked before serving: it serves the model; its context length is learned; the log-probs
+    it reports are those of the distribution it samples from."""
 
     async def connect(self) -> Any: ...
+
+    async def check_logprobs_mode(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,12 @@ class Assembly:
         """Around serving: connect a remote engine, rebuild the live sessions, run the components."""
         if isinstance(self.engine, ConnectableEngine):
             await self.engine.connect()
+            # A server attached by URL may run with vLLM's default raw log-probs: every answer sampled at T != 1
+            # would be stored, and trained on, with log-probs of another distribution than it was drawn from.
+            # One the fleet started itself was given --logprobs-mode processed_logprobs.
+            policy = self.fleet.policy if self.fleet is not None else None
+            if policy is None or not policy.managed:
+                await self.engine.check_logprobs_mode()
         restored = await self.sessions.restore()
         if restored:
             log.warning("rebuilt %d live sessions from turns awaiting their next state", restored)

@@ -4,15 +4,20 @@ test_fleet.py's ``FAKE_VLLM``) listening on a real port; the tokenizer and train
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import socket
+import subprocess
 import sys
+import textwrap
 import time
 
 import httpx
 import pytest
 
 from clawloop.config import Config
+from clawloop.engines.base import EngineError
 from clawloop.fleet import FleetSupervisor
 from clawloop.pipeline import Pipeline
 from clawloop.runtime import build_runtime
@@ -75,3 +80,64 @@ def test_with_training_off_the_supervisor_still_runs_and_nothing_learns(tmp_path
         assert server.parts.pipeline is None and server.parts.trainer is None and server.parts.judge is None
     finally:
         server.stop()
+
+
+RAW_LOGPROBS_VLLM = FAKE_VLLM.replace("ThreadingHTTPServer((", textwrap.dedent('''
+    def do_POST(self):  # completions whose log-probs ignore the temperature, as vLLM's default raw mode
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        choice = {"text": "", "token_ids": [0], "finish_reason": "length",
+                  "logprobs": {"token_logprobs": [-1.0], "tokens": ["token_id:0"],
+                               "top_logprobs": [{"token_id:0": -1.0, "token_id:1": -2.0}]}}
+        body = json.dumps({"choices": [choice]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    Handler.do_POST = do_POST
+''') + "ThreadingHTTPServer((")
+assert RAW_LOGPROBS_VLLM != FAKE_VLLM
+
+
+def test_an_attached_server_reporting_untempered_log_probs_is_refused_at_start(tmp_path):
+    """A vLLM server attached by URL but started without --logprobs-mode processed_logprobs reports the model's raw
+    log-probs whatever the temperature: every answer would be trained on with the log-probs of another
+    distribution than it was drawn from. Serving does not start, and says what to change."""
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(RAW_LOGPROBS_VLLM)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, script, "-m", "vllm", "--port", str(port), "--served-model-name",
+                                "policy"])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _answers(url + "/health"), what="the fake server")
+        server = Server(Config.load(env={}, model="tiny", port=0, run_dir=str(tmp_path / "run"), engine="vllm",
+                                    method="rl", judge_backend="rules", lora=True, num_threads=2, max_batch_size=4,
+                                    train=False, policy_url=url, policy_model="policy"))
+        server.build()
+        try:
+            with pytest.raises(RuntimeError, match="failed to start"):
+                server.start()
+
+            async def serving_starts() -> None:  # the same start-up, where its error can be read
+                async with server.parts.lifespan(server.app):
+                    pass
+
+            with pytest.raises(EngineError, match="untempered log-probs; start vLLM with --logprobs-mode "
+                                                  "processed_logprobs"):
+                asyncio.run(serving_starts())
+        finally:
+            server.stop()
+    finally:
+        process.kill()
+        process.wait(10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -7,7 +7,8 @@ What it asks vLLM for, and why the numbers mean what the interface promises:
   log-probs keyed by id). The server must run with ``--logprobs-mode processed_logprobs``: then each reported
   log-prob is read from the distribution the token was drawn from (after temperature and top-p), exactly the
   embedded engine's convention; at temperature 0 it is the plain log-softmax. (vLLM's default, ``raw_logprobs``,
-  reports the un-tempered model distribution instead; ``check_logprobs_mode`` detects it.) Every request pins
+  reports the un-tempered model distribution instead; ``check_logprobs_mode`` detects it, and serving runs it at
+  start-up, after ``connect``.) Every request pins
   the sampling knobs clawloop does not use (top_k, min_p, penalties) so server-side defaults cannot change the
   distribution, sends the EOS ids as ``stop_token_ids`` and keeps special tokens in the text. Stop handling then
   matches the embedded engine: an EOS/stop token ends generation and stays the last id; a stop string cuts the
