@@ -23,9 +23,8 @@ Every response to a chat request carries ``X-Session-Id`` and ``X-Policy-Version
 field (``session_id``, ``turn_id`` (None for side turns), ``policy_version``, ``turn_type``, and for main turns
 ``paired_turn_id``); in a stream the field rides on the ``finish_reason`` chunk, and its ``policy_version`` is the
 writer's while the header, sent before the engine takes the request, names the version served on arrival. Turn
-ids are the store's own
-(one sequence for the whole run) in the shared namespace; a per-user key is given opaque ids instead
-(``auth.TurnIdMask``), which do not count other keys' turns.
+ids are the store's own (one sequence for the whole run) in the shared namespace; a per-user key is given opaque
+ids instead (``auth.TurnIdMask``), which do not count other keys' turns.
 """
 
 from __future__ import annotations
