@@ -310,8 +310,9 @@ class TrainerSettings:
                            "per_user (every per-user key gets a LoRA adapter of its own on the one base model, "
                            "trained only on that key's conversations and served only to it; needs lora, the "
                            "embedded trainer and per-user keys; docs/per-user.md).")
-    user_adapter_slots: int = _f(16, "per_user, embedded engine: most users' adapters held at once; beyond it the "
-                                 "least recently used leaves its slot and is loaded again when its user next asks. "
+    user_adapter_slots: int = _f(16, "per_user, embedded engine: most users' adapters held at once, at least "
+                                 "max_batch_size; beyond it the least recently used adapter no answer runs on "
+                                 "leaves its slot and is loaded again when its user next asks. "
                                  "(On vLLM the bound is the server's own: vllm_policy's max_loras per batch and "
                                  "its cache of adapters.)")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
@@ -612,6 +613,11 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
                               f"teacher={self.teacher!r} is not supported with it")
         if self.user_adapter_slots < 1:
             raise ConfigError(f"user_adapter_slots={self.user_adapter_slots!r} must be >= 1")
+        if self.engine == "embedded" and self.user_adapter_slots < self.max_batch_size:
+            # A batch of max_batch_size rows can hold that many users' adapters in use at once; with fewer slots a
+            # request arriving then finds no slot to free, and its whole admission group would fail.
+            raise ConfigError(f"user_adapter_slots={self.user_adapter_slots!r} must be at least max_batch_size="
+                              f"{self.max_batch_size!r}: every row of a batch may need an adapter of its own")
 
     def _validate_context(self) -> None:
         choice = ("sft", "objective")

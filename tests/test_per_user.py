@@ -170,6 +170,10 @@ def test_per_user_needs_lora_keys_and_the_embedded_engine(tiny_model_path, tmp_p
         per_user_config(tiny_model_path, tmp_path, api_keys=[])
     with pytest.raises(ConfigError, match="teacher"):
         per_user_config(tiny_model_path, tmp_path, teacher="policy")
+    # Fewer adapter slots than batch rows: a request could find every slot in use, failing its admission group.
+    with pytest.raises(ConfigError, match="user_adapter_slots"):
+        per_user_config(tiny_model_path, tmp_path, user_adapter_slots=2, max_batch_size=4)
+    assert per_user_config(tiny_model_path, tmp_path, user_adapter_slots=4, max_batch_size=4).user_adapter_slots == 4
 
 
 def test_a_user_forgotten_on_the_running_server_is_served_the_base_model_and_leaves_nothing(tiny_model_path,
