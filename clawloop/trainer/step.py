@@ -297,7 +297,6 @@ def _train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: li
     empty = 0
     checkpointed = 0
     stepped = 0  # optimizer updates applied
-    cut_short = 0
     for epoch in range(epochs):
         try:
             optimizer.zero_grad(set_to_none=True)
@@ -381,7 +380,6 @@ def _train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: li
             log.exception("train_step: epoch %d of %d failed after %d update(s); the step ends with those",
                           epoch + 1, epochs, stepped)
             optimizer.zero_grad(set_to_none=True)
-            cut_short = epochs - epoch
             break
     epochs_run = len(epoch_parts)
 
@@ -402,7 +400,7 @@ def _train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: li
         metrics["retain_skipped_nonfinite"] = float(retain.skipped - retain_skipped)
     metrics["updates_skipped_nonfinite"] = float(skipped)
     metrics["updates_applied"] = float(stepped)
-    metrics["epochs_cut_short"] = float(cut_short)
+    metrics["epochs_cut_short"] = float(epochs - epochs_run)
     metrics["samples_excluded_nonfinite"] = float(sum(1 for it in items if it.info.get(EXCLUDED) in
                                                       (NONFINITE_LOSS, NONFINITE_GRADIENT)))
     metrics["samples_dropped_teacher_error"] = float(sum(1 for it in items if it.info.get(EXCLUDED) == TEACHER_ERROR))
