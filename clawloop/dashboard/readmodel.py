@@ -256,8 +256,9 @@ class RunView:
     def sessions(self, limit: int = 200) -> dict[str, Any]:
         return self._read(lambda store: {"sessions": store.session_summaries(limit)})
 
-    def session(self, session_id: str) -> dict[str, Any] | None:
-        return self._read(self._session, session_id)
+    def session(self, session_id: str, owner: str = "") -> dict[str, Any] | None:
+        """One session of ``owner`` (the API key's name; "" without per-user keys)."""
+        return self._read(self._session, session_id, owner)
 
     def sample_tokens(self, turn_id: int) -> dict[str, Any] | None:
         return self._read(self._sample_tokens, int(turn_id))
@@ -350,8 +351,8 @@ class RunView:
                 "version": e["version"], "detail": brief}
 
     # ---- conversations ----------------------------------------------------------------------------------
-    def _session(self, store: Store, session_id: str) -> dict[str, Any] | None:
-        turns = store.turns(session_id=session_id)
+    def _session(self, store: Store, session_id: str, owner: str) -> dict[str, Any] | None:
+        turns = store.turns(session_id=session_id, owner=owner)
         if not turns:
             return None
         fates = self._step_fates(store)
@@ -382,7 +383,7 @@ class RunView:
                                       if k in sample.info}},
                 "fate": fate_of(turn.state, turn.reason, sample, fates),
             })
-        return {"session_id": session_id, "turns": out}
+        return {"session_id": session_id, "owner": owner, "turns": out}
 
     def _h_star(self, targets: dict[str, torch.Tensor]) -> torch.Tensor:
         overlap_C_T = topk_overlap(targets["student_ids_T_K"], targets["teacher_ids_C_T_K"])
@@ -428,7 +429,8 @@ class RunView:
             tokens.append(tok)
         clip = self.adv_diff_clip
         return {
-            "turn_id": turn.id, "session_id": turn.session_id, "policy_version": turn.policy_version,
+            "turn_id": turn.id, "session_id": turn.session_id, "owner": turn.owner,
+            "policy_version": turn.policy_version,
             "answer": turn.response_text, "response_tokens": len(ids), "shown_tokens": shown,
             "tokens": tokens, "adv_clip": clip if clip > 0 else None, "hint_selection": self.hint_selection,
             "hints": sample.hints if sample is not None else [],

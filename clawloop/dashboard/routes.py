@@ -5,6 +5,7 @@
     GET /dashboard/api/overview             version, steps, samples waiting, turns, judge, gate, throughput
     GET /dashboard/api/sessions             sessions, newest first
     GET /dashboard/api/sessions/{id}        one session's turns: answer, next state, votes, hints, fate
+                                            (``?owner=NAME``: that key's session; none: the keyless one)
     GET /dashboard/api/samples/latest       the newest sample with teacher targets, token by token (null: none)
     GET /dashboard/api/samples/{turn_id}    one sample token by token
     GET /dashboard/api/training             per-step metric series and the demo's evaluations
@@ -32,17 +33,22 @@ from clawloop.dashboard.readmodel import RunView
 STATIC_DIR = Path(__file__).parent / "static"
 PREFIX = "/dashboard"
 NO_STORE = {"Cache-Control": "no-store"}
+MAX_TURN_ID = 2**63 - 1
+"""The largest row id SQLite stores; a larger number in a sample's address names no turn."""
 
 
 def install(app: FastAPI, view: RunView, config: Any) -> None:
     """Add the dashboard routes to ``app`` (the app keeps its middlewares: BrowserGuard still sees every request)."""
 
-    async def read(request: Request, method: Any, *args: Any) -> JSONResponse:
-        require_admin(request, config)
+    async def fetch(method: Any, *args: Any) -> Any:
         try:
-            result = await asyncio.to_thread(method, *args)
+            return await asyncio.to_thread(method, *args)
         except FileNotFoundError as exc:
             raise APIError(503, f"The run has no records yet: {exc}", "server_error", None, "no_records") from None
+
+    async def read(request: Request, method: Any, *args: Any) -> JSONResponse:
+        require_admin(request, config)
+        result = await fetch(method, *args)
         if result is None:
             raise APIError(404, "Not found in this run.", "invalid_request_error", None, "not_found")
         return JSONResponse(result, headers=NO_STORE)
@@ -60,16 +66,19 @@ def install(app: FastAPI, view: RunView, config: Any) -> None:
         return await read(request, view.sessions)
 
     async def session(request: Request, session_id: str) -> Any:
-        return await read(request, view.session, session_id)
+        return await read(request, view.session, session_id, request.query_params.get("owner", ""))
 
     async def latest_sample(request: Request) -> Any:
         require_admin(request, config)
-        turn_id = await asyncio.to_thread(view.latest_sample_turn)
+        turn_id = await fetch(view.latest_sample_turn)
         if turn_id is None:  # not an error: the page says that no sample exists yet
             return JSONResponse(None, headers=NO_STORE)
         return await read(request, view.sample_tokens, turn_id)
 
     async def sample(request: Request, turn_id: int) -> Any:
+        if turn_id > MAX_TURN_ID:  # no such row, and SQLite cannot even take the number
+            require_admin(request, config)
+            raise APIError(404, "Not found in this run.", "invalid_request_error", None, "not_found")
         return await read(request, view.sample_tokens, turn_id)
 
     async def training(request: Request) -> Any:

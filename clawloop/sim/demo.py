@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -420,8 +420,8 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
                 score("during")
                 eval_time += time.monotonic() - t
                 next_eval += options.eval_every
-            elif options.eval_each_version and version not in scored_versions \
-                    and state.interactions < options.interactions:
+            elif options.eval_each_version and version not in scored_versions:
+                # The last session too: a version served only there may be replaced while the trainer catches up.
                 t = time.monotonic()
                 score("version")
                 eval_time += time.monotonic() - t
@@ -472,7 +472,7 @@ def run_loop(config: Config, options: LoopOptions, *, out: Callable[[str], None]
                          for st in steps],
         "trained_terms": steps_per_term(st["metrics"] for st in steps),
         "curve": [asdict(p) for p in state.curve],
-        "served_guard": served_guard(state.curve),
+        "served_guard": served_guard(state.curve, state.sessions),
         "sessions": state.sessions,
         **served_summary(state.sessions),
         "samples_by_kind": dict(samples),
@@ -523,14 +523,20 @@ def gate_summary(config: Config, events: list[dict[str, Any]]) -> dict[str, Any]
             "decisions": decisions}
 
 
-def served_guard(curve: list[CurvePoint]) -> dict[str, Any]:
-    """The held-out guard rate of each served version that was scored (its lowest score when scored more than
-    once) and the lowest of them: the number that says whether users were ever served a degenerate policy."""
+def served_guard(curve: list[CurvePoint], sessions: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """The held-out guard rate of each version that was scored (its lowest score when scored more than once) and
+    the lowest of them: the number that says whether users were ever served a degenerate policy. Every version is
+    scored when it starts being served, and the last one after the trainer has caught up, whether or not the
+    simulated user met it, since the next user would (``unserved``: those no session's answer came from). A
+    version published and replaced within one session cannot be scored (``served_unscored``)."""
     by_version: dict[int, float] = {}
     for p in curve:
         by_version[p.policy_version] = min(p.guard_pass_rate, by_version.get(p.policy_version, 1.0))
+    served = {int(v) for s in sessions for v in s.get("answer_versions") or ()}
     return {"by_version": {str(v): g for v, g in sorted(by_version.items())},
-            "lowest": min(by_version.values()) if by_version else None}
+            "lowest": min(by_version.values()) if by_version else None,
+            "unserved": sorted(v for v in by_version if sessions and v not in served),
+            "served_unscored": sorted(served - set(by_version))}
 
 
 def _point_summary(p: CurvePoint) -> dict[str, Any]:

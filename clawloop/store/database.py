@@ -193,6 +193,7 @@ class Database:
                                               check_same_thread=False, isolation_level=None, timeout=busy_timeout_s)
             self.connection.row_factory = sqlite3.Row
             self._stand_in_for_missing_tables()
+            self._stand_in_for_missing_columns()
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(lock_path(self.path), os.O_RDWR | os.O_CREAT, 0o600)
@@ -226,6 +227,17 @@ class Database:
             head = statement.split("(", 1)[0].split()
             if head[:5] == ["CREATE", "TABLE", "IF", "NOT", "EXISTS"] and head[5] not in have:
                 self.connection.execute(statement.replace("CREATE TABLE", "CREATE TEMP TABLE", 1))
+
+    def _stand_in_for_missing_columns(self) -> None:
+        """Read-only handle on a store written before a column of ``ADDED_COLUMNS`` existed: the table reads through
+        a connection-local TEMP view that adds the column with its default (SQLite looks a name up in ``temp``
+        before ``main``), so every query reads the old file as a writer would after adding the column."""
+        for table, column, decl in ADDED_COLUMNS:
+            have = {r["name"] for r in self.connection.execute(f"PRAGMA main.table_info({table})").fetchall()}
+            if have and column not in have:
+                default = decl.split(" DEFAULT ", 1)[1]
+                self.connection.execute(f"CREATE TEMP VIEW {table} AS SELECT *, {default} AS {column} "
+                                        f"FROM main.{table}")
 
     def _add_missing_columns(self) -> None:
         with self.tx() as db:

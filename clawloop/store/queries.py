@@ -44,18 +44,20 @@ class Queries:
                 "top_errors": {r["e"]: r["n"] for r in errors}}
 
     def session_summaries(self, limit: int = 200) -> list[dict[str, Any]]:
-        """The most recently active sessions, newest first: turn count, time span and turns by state."""
+        """The most recently active sessions, newest first: whose (``owner``), turn count, time span and turns by
+        state. A session is its owner's: two users who both name theirs ``main`` have two sessions, as serving
+        keeps them apart."""
         with self.db.read() as db:
             rows = db.execute(
-                "SELECT session_id, COUNT(*) AS turns, MIN(created_at) AS started_at, MAX(updated_at) AS updated_at,"
-                " MAX(id) AS last_turn_id, GROUP_CONCAT(state) AS states FROM turns GROUP BY session_id"
-                " ORDER BY last_turn_id DESC LIMIT ?", (int(limit),)).fetchall()
+                "SELECT session_id, owner, COUNT(*) AS turns, MIN(created_at) AS started_at, MAX(updated_at) AS "
+                "updated_at, MAX(id) AS last_turn_id, GROUP_CONCAT(state) AS states FROM turns GROUP BY owner, "
+                "session_id ORDER BY last_turn_id DESC LIMIT ?", (int(limit),)).fetchall()
         out = []
         for r in rows:
             states: dict[str, int] = {}
             for s in (r["states"] or "").split(","):
                 states[s] = states.get(s, 0) + 1
-            out.append({"session_id": r["session_id"], "turns": r["turns"], "started_at": r["started_at"],
+            out.append({"session_id": r["session_id"], "owner": r["owner"], "turns": r["turns"], "started_at": r["started_at"],
                         "updated_at": r["updated_at"], "last_turn_id": r["last_turn_id"], "states": states})
         return out
 

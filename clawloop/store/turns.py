@@ -79,7 +79,9 @@ class Turns:
         return turn_from_row(row)
 
     def turns(self, state: str | None = None, session_id: str | None = None, limit: int = 1_000_000,
-              after_id: int = 0) -> list[TurnRecord]:
+              after_id: int = 0, owner: str | None = None) -> list[TurnRecord]:
+        """Stored turns in order, those in ``state``, of ``session_id`` or of ``owner`` only when given (a session
+        id names a session only together with its owner: users choose their ids)."""
         query, args = TURN_SELECT + " WHERE t.id > ?", [after_id]
         if state is not None:
             query += " AND t.state=?"
@@ -87,6 +89,9 @@ class Turns:
         if session_id is not None:
             query += " AND t.session_id=?"
             args.append(session_id)
+        if owner is not None:
+            query += " AND t.owner=?"
+            args.append(owner)
         query += " ORDER BY t.id LIMIT ?"
         args.append(limit)
         with self.db.read() as db:

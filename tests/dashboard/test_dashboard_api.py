@@ -84,6 +84,7 @@ def test_views_show_the_known_run(make_server, known):
         unjudged = c.get(f"samples/{ids['t3']}").json()
         assert unjudged["grpo"] is None and not unjudged["has_targets"] and "advantage" not in unjudged["tokens"][0]
         assert c.get("samples/999").status_code == 404
+        assert c.get("samples/99999999999999999999").status_code == 404  # past SQLite's row ids: no 500
 
         training = c.get("training").json()
         assert training["steps"] == [1] and training["series"]["loss"] == [0.5]
@@ -285,6 +286,45 @@ def test_a_store_older_than_the_code_is_shown_as_it_is(known):
     assert view.training()["steps"] == [1]
     tables = {r[0] for r in sqlite3.connect(run_dir / "store.sqlite").execute("SELECT name FROM sqlite_master")}
     assert "events" not in tables and digest(run_dir / "store.sqlite") == before
+
+
+def test_a_store_older_than_its_owner_columns_is_shown_as_it_is(known):
+    """The tables are all there but were written before the per-user ``owner`` column: every view reads them."""
+    run_dir, _ = known
+    db = sqlite3.connect(run_dir / "store.sqlite")
+    db.executescript("ALTER TABLE turns DROP COLUMN owner; ALTER TABLE steps DROP COLUMN owner; "
+                     "ALTER TABLE versions DROP COLUMN owner;")
+    db.close()
+    before = digest(run_dir / "store.sqlite")
+    view = view_for_run_dir(run_dir)
+    assert view.overview()["rollbacks"] == 1
+    assert [(v["version"], v["status"]) for v in view.versions()["versions"]] == [(1, "accepted"), (2, "rolled_back")]
+    assert view.session("s1")["turns"][0]["fate"]["text"] == "trained at step 1, published in v1"
+    assert view.sessions()["sessions"][0]["owner"] == ""
+    assert digest(run_dir / "store.sqlite") == before
+
+
+def test_two_users_sessions_of_the_same_name_stay_apart(make_server, known):
+    """Per-user keys: users choose their session ids, so alice's "main" and bob's "main" are two sessions, each
+    shown with its own turns and its owner."""
+    run_dir, _ = known
+    store = Store(run_dir / "store.sqlite")
+    try:
+        for owner in ("alice", "bob"):
+            record = turn("main", 0, f"answer to {owner}")
+            record.owner = owner
+            store.add_turn(record)
+    finally:
+        store.close()
+    srv = make_server(run_dir=run_dir)
+    with httpx.Client(base_url=srv.base_url + "/dashboard/api", timeout=60) as c:
+        listed = [(s["session_id"], s["owner"], s["turns"]) for s in c.get("sessions").json()["sessions"]]
+        assert listed[:2] == [("main", "bob", 1), ("main", "alice", 1)]
+        for owner in ("alice", "bob"):
+            shown = c.get("sessions/main", params={"owner": owner}).json()
+            assert shown["owner"] == owner and [t["answer"] for t in shown["turns"]] == [f"answer to {owner}"]
+        assert c.get("sessions/main").status_code == 404  # no keyless session of that name
+        assert c.get("sessions/s1").json()["owner"] == ""
 
 
 def test_a_fresh_server_shows_an_empty_run(make_server):

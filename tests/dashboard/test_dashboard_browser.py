@@ -9,9 +9,11 @@ import re
 import httpx
 import pytest
 
+from clawloop.store import Store
+
 from browser_support import chromium_path
 from dashboard_support import QUESTIONS, converse, run_config, start_run, wait_for
-from known_run import LONG_SYSTEM_PROMPT, add_rejected_step, write_known_run
+from known_run import LONG_SYSTEM_PROMPT, add_rejected_step, turn, write_known_run
 
 pytestmark = pytest.mark.browser
 ADMIN_KEY = "browser-admin-77d3"
@@ -185,6 +187,48 @@ def test_a_rejected_steps_turns_and_the_version_list(browser, make_server, tmp_p
         assert "trained by step 1 on 1 sample" in pg.inner_text("#version-list [data-version='1']")
         assert pg.locator("#no-version li").count() == 1
         assert "step 2, rejected by the gate" in pg.inner_text("#no-version li[data-step='2']")
+        assert errors == [], errors
+    finally:
+        context.close()
+
+
+def test_two_users_sessions_of_one_name_open_apart(browser, make_server, tmp_path):
+    """alice and bob both call their session "main": the list shows two, each opens its owner's turns, and an
+    assistant message that only called a tool shows the call, not "null"."""
+    run_dir = tmp_path / "run"
+    write_known_run(run_dir)
+    store = Store(run_dir / "store.sqlite")
+    try:
+        for owner in ("alice", "bob"):
+            record = turn("main", 0, f"answer to {owner}")
+            record.owner = owner
+            if owner == "bob":
+                record.messages += [{"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "web_search", "arguments": '{"q":"tides"}'}}]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "High tide at 6."}]
+            store.add_turn(record)
+    finally:
+        store.close()
+    srv = make_server(run_dir=run_dir)
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+    try:
+        pg.goto(f"{srv.base_url}/dashboard/#conversations")
+        items = pg.locator("#session-list li[data-session='main']")
+        items.nth(1).wait_for(timeout=15000)
+        assert sorted(items.all_inner_texts())[0].startswith("main · alice")
+        pg.locator("#session-list li[data-session='main']", has_text="alice").click()
+        pg.wait_for_selector("#session-detail h3:has-text('Session main of alice')", timeout=10000)
+        assert "answer to alice" in pg.inner_text("#session-detail")
+        assert "answer to bob" not in pg.inner_text("#session-detail")
+        assert pg.evaluate("location.hash") == "#conversations/main/alice"
+        pg.locator("#session-list li[data-session='main']", has_text="bob").click()
+        pg.wait_for_selector("#session-detail h3:has-text('Session main of bob')", timeout=10000)
+        shown = pg.inner_text("#session-detail")
+        assert "answer to bob" in shown and "answer to alice" not in shown
+        assert 'web_search({"q":"tides"})' in shown and "null" not in shown
         assert errors == [], errors
     finally:
         context.close()

@@ -39,8 +39,10 @@ def test_demo_runs_trains_and_writes_its_report(tmp_path, tiny_model_path, capsy
     assert summary["persona"] == "brief" and summary["seed"] == 1 and summary["interactions"] == 6
     for phase in ("before", "after"):
         assert 0.0 <= summary[phase]["score"] <= 1.0 and 0.0 <= summary[phase]["guard_pass_rate"] <= 1.0
-    assert [p["phase"] for p in summary["curve"]] == ["before", "during", "after"]
-    assert [p["interactions"] for p in summary["curve"]] == [0, 3, 6]
+    phases = [(p["phase"], p["interactions"]) for p in summary["curve"]]
+    assert phases[:2] == [("before", 0), ("during", 3)] and phases[-1] == ("after", 6)
+    # Every version that answered a session was scored, the one served in the last session too.
+    assert summary["served_guard"]["served_unscored"] == []
     # Every answer got thanks or a correction, so every one became a sample; 6 samples in batches of 2.
     assert summary["steps"] == 3 and summary["caught_up"]
     assert summary["before"]["policy_version"] == 0 and summary["after"]["policy_version"] == 3
@@ -212,8 +214,12 @@ def test_lowest_served_guard_counts_every_scored_version():
 
     curve = [point(0, 0, 1.0, "before"), point(8, 1, 0.79, "version"), point(24, 2, 0.93, "during"),
              point(40, 2, 1.0, "version"), point(72, 3, 1.0, "after")]
-    served = served_guard(curve)
-    assert served == {"by_version": {"0": 1.0, "1": 0.79, "2": 0.93, "3": 1.0}, "lowest": 0.79}
+    sessions = [{"answer_versions": [0, 0, 1]}, {"answer_versions": [1, 2, 2]}, {"answer_versions": [2, 4]}]
+    served = served_guard(curve, sessions)
+    # v3, published after the user left, is scored (the next user would get it) and said to be unserved; v4
+    # answered one turn and was replaced within the session, so nothing could score it.
+    assert served == {"by_version": {"0": 1.0, "1": 0.79, "2": 0.93, "3": 1.0}, "lowest": 0.79,
+                      "unserved": [3], "served_unscored": [4]}
 
     # The comparison table reports it, with each seed's gate rejections and the rollbacks.
     cells = [{**_fake_summary("hybrid", "brief", seed, [0.0, 0.6]), "served_guard": served if seed else None,

@@ -139,19 +139,26 @@
   }
 
   // ---- conversations -------------------------------------------------------------------------------------
+  function sessionHash(id, owner) {
+    return `#conversations/${encodeURIComponent(id)}${owner ? `/${encodeURIComponent(owner)}` : ""}`;
+  }
   function renderSessions(d) {
     const list = d.sessions || [];
-    if (!state.session && list.length) state.session = list[0].session_id;
+    if (!state.session && list.length) state.session = { id: list[0].session_id, owner: list[0].owner || "" };
+    const current = (s) => state.session && s.session_id === state.session.id && (s.owner || "") === state.session.owner;
     fill("session-list", list.length ? list.map((s) => el("li", {
-      class: s.session_id === state.session ? "active" : "", "data-session": s.session_id,
-      onclick: () => { location.hash = `#conversations/${encodeURIComponent(s.session_id)}`; },
-    }, el("div", { class: "sid", text: s.session_id }),
+      class: current(s) ? "active" : "", "data-session": s.session_id,
+      onclick: () => { location.hash = sessionHash(s.session_id, s.owner); },
+    }, el("div", { class: "sid", text: s.owner ? `${s.session_id} · ${s.owner}` : s.session_id }),
       el("div", { class: "small muted", text: `${s.turns} turn${s.turns === 1 ? "" : "s"} · ${ago(s.updated_at)}` }),
       el("div", {}, Object.entries(s.states).map(([k, v]) => chip(`${k} ${v}`, k))))) :
       el("li", { class: "muted", text: "No conversation yet." }));
   }
   function message(m, key) {
-    const content = (typeof m.content === "string" ? m.content : JSON.stringify(m.content)) || "";
+    // An assistant message that only calls tools has null content: show its calls rather than "null".
+    const text = typeof m.content === "string" ? m.content : m.content == null ? "" : JSON.stringify(m.content);
+    const calls = (m.tool_calls || []).map((c) => `→ ${(c.function || {}).name || "tool"}(${(c.function || {}).arguments || ""})`);
+    const content = [text, ...calls].filter((x) => x).join("\n");
     const limit = m.role === "system" ? FOLD_CHARS.system : FOLD_CHARS.other;
     if (content.length <= limit) {
       return el("div", { class: `msg role-${m.role}` }, el("span", { class: "role", text: m.role }), el("span", { text: content }));
@@ -167,7 +174,7 @@
   }
   function renderSession(d) {
     if (!d) { fill("session-detail", el("p", { class: "muted", text: "Unknown session." })); return; }
-    fill("session-detail", el("h3", { text: `Session ${d.session_id}` }), d.turns.map((t) => {
+    fill("session-detail", el("h3", { text: `Session ${d.session_id}${d.owner ? ` of ${d.owner}` : ""}` }), d.turns.map((t) => {
       const votes = t.votes || [];
       const smp = t.sample;
       const chosen = smp && smp.chosen_hint ? smp.chosen_hint.index : null;
@@ -215,7 +222,7 @@
     $("sample-title").textContent = `Sample of turn ${d.turn_id}`;
     $("sample-clip").textContent = d.adv_clip ? `advantage = teacher − student log-prob, clipped to ±${d.adv_clip}` : "advantage = teacher − student log-prob";
     const ch = d.chosen_hint;
-    fill("sample-meta", kv([["session", el("a", { href: `#conversations/${encodeURIComponent(d.session_id)}`, text: d.session_id })],
+    fill("sample-meta", kv([["session", el("a", { href: sessionHash(d.session_id, d.owner), text: d.owner ? `${d.session_id} · ${d.owner}` : d.session_id })],
       ["served by", `v${d.policy_version}`], ["tokens", `${d.shown_tokens} of ${d.response_tokens}`],
       ["chosen hint", ch ? `#${ch.index} (${ch.selection}): ${ch.hint}` : d.has_targets ? "anchor (no hint)" : "no teacher targets"],
       ["fate", d.fate.text]]));
@@ -327,8 +334,9 @@
   function parseHash() {
     const [view, ...rest] = location.hash.replace(/^#/, "").split("/");
     state.view = VIEWS.includes(view) ? view : "overview";
-    state.arg = rest.length ? decodeURIComponent(rest.join("/")) : null;
-    if (state.view === "conversations" && state.arg) state.session = state.arg;
+    state.arg = rest.length ? decodeURIComponent(rest[0]) : null;
+    // A session is named by its id and its owner (two users may both call theirs "main"): #conversations/ID/OWNER.
+    if (state.view === "conversations" && state.arg) state.session = { id: state.arg, owner: rest.length > 1 ? decodeURIComponent(rest[1]) : "" };
     document.querySelectorAll("#tabs a").forEach((a) => a.classList.toggle("active", a.dataset.view === state.view));
     document.querySelectorAll(".view").forEach((s) => { s.hidden = s.id !== `view-${state.view}`; });
     state.last = {};
@@ -344,7 +352,7 @@
       if (state.view === "overview") { const sig = JSON.stringify(ov); if (state.last.overview !== sig) { state.last.overview = sig; renderOverview(ov); } }
       else if (state.view === "conversations") {
         await load("sessions", renderSessions);
-        if (state.session) await load(`sessions/${encodeURIComponent(state.session)}`, renderSession);
+        if (state.session) await load(`sessions/${encodeURIComponent(state.session.id)}${state.session.owner ? `?owner=${encodeURIComponent(state.session.owner)}` : ""}`, renderSession);
       } else if (state.view === "sample") {
         await load(state.arg ? `samples/${encodeURIComponent(state.arg)}` : "samples/latest", renderSample);
       } else if (state.view === "training") await load("training", renderTraining);
