@@ -44,6 +44,7 @@ from fastapi import FastAPI
 
 from clawloop.api.admin_routes import mount_admin_routes
 from clawloop.api.app import ChatService, create_app
+from clawloop.api.auth import check_keys_file
 from clawloop.api.forget_routes import mount_forget_route
 from clawloop.api.metrics import ServingMetrics
 from clawloop.api.sessions import JudgeableHook, SessionManager
@@ -58,7 +59,7 @@ from clawloop.judge.factory import build_judge, load_base_engine
 from clawloop.judge.votes import Judge
 from clawloop.pipeline import Pipeline
 from clawloop.renderers import chat_render_fn
-from clawloop.run_folder import open_run_store, prepare_training_state
+from clawloop.run_folder import TrainedWith, open_run_store, prepare_training_state
 from clawloop.store import Store
 from clawloop.teacher import Teacher
 from clawloop.trainer.forget import finish_pending_forget
@@ -180,7 +181,8 @@ def assemble(config: Config, *, learning: Learning | None = None, engine: Any = 
     fleet: Fleet | None = None
     owned: list[Any] = []
     try:
-        # 0. run folder
+        # 0. run folder (and the users' keys: both stop start-up before any model loads)
+        check_keys_file(config)
         if store is None:
             store = open_run_store(config.run_dir)
             recovered = store.recover()
@@ -192,7 +194,10 @@ def assemble(config: Config, *, learning: Learning | None = None, engine: Any = 
                             finished["receipt_path"])
         if trains_here:
             assert learning is not None
-            prepare_training_state(store, config.run_dir, resume=learning.resume, fresh=learning.fresh)
+            from clawloop.engines.model_files import resolve_model
+
+            prepare_training_state(store, config.run_dir, resume=learning.resume, fresh=learning.fresh,
+                                   trained_with=TrainedWith(resolve_model(config.model), config.lora))
 
         # 1. fleet
         if engine is None:

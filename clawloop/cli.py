@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sqlite3
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,9 +44,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if given and not config.train:
             print(f"clawloop serve: {flag} needs training on (drop --no-train)", file=sys.stderr)
             return 2
+        if given and config.trainer != "embedded":  # this process then keeps no checkpoints of its own
+            print(f"clawloop serve: {flag} is for the embedded trainer; with trainer={config.trainer} the trainer "
+                  "processes resume from the checkpoints they write themselves", file=sys.stderr)
+            return 2
+    from clawloop.serve import stop_on_termination
+
+    stop_on_termination()
     try:
         run(config, log_level=args.log_level, **kwargs)
-    except KeyboardInterrupt:  # Ctrl-C / SIGINT after a clean shutdown: not an error
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP, after a clean shutdown: not an error
         pass
     except (RunFolderError, JudgeEndpointError) as exc:  # a known start-up problem: its own paragraph
         print(f"clawloop serve: {exc}", file=sys.stderr)
@@ -66,11 +74,15 @@ def cmd_records_export(args: argparse.Namespace) -> int:
         print(f"clawloop: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else run_dir / "export"
-    store = Store(path)
-    try:
-        counts = store.export_jsonl(out)
-    finally:
-        store.close()
+    try:  # read-only: an export changes nothing in the run, and runs beside a server writing it
+        store = Store(path, readonly=True)
+        try:
+            counts = store.export_jsonl(out)
+        finally:
+            store.close()
+    except sqlite3.DatabaseError as exc:
+        print(f"clawloop: the store {path} cannot be read (SQLite: {exc})", file=sys.stderr)
+        return 2
     print(json.dumps({"store": str(path), "out": str(out), "lines_appended": counts}))
     return 0
 
@@ -129,24 +141,36 @@ def cmd_eval_users(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from clawloop.run_folder import RunFolderError, check_resumable, open_run_store
+    from clawloop.engines.model_files import resolve_model
+    from clawloop.run_folder import RunFolderError, TrainedWith, check_resumable, open_run_store
     from clawloop.trainer.offline import train_offline
 
-    run_dir = Path(args.run_dir)
+    run_dir = Path(args.folder)
+    if args.run_dir and Path(args.run_dir).resolve() != run_dir.resolve():
+        print(f"clawloop train: RUN_DIR is {run_dir} and --run-dir {args.run_dir}: name the run once",
+              file=sys.stderr)
+        return 2
     if not (run_dir / STORE_FILENAME).exists():
         print(f"clawloop train: {run_dir} holds no run ({STORE_FILENAME} missing)", file=sys.stderr)
         return 2
     config = config_from_args(args).replace(run_dir=str(run_dir))
     try:  # the checks `clawloop serve --resume` makes, before any model is loaded
-        open_run_store(run_dir).close()
-        check_resumable(run_dir)
+        held = open_run_store(run_dir)  # kept open: the run folder is this process's until training ends
     except RunFolderError as exc:
         print(f"clawloop train: {exc}", file=sys.stderr)
         return 2
-    from clawloop.assemble import offline_teacher
+    try:
+        try:
+            check_resumable(run_dir, TrainedWith(resolve_model(config.model), config.lora))
+        except RunFolderError as exc:
+            print(f"clawloop train: {exc}", file=sys.stderr)
+            return 2
+        from clawloop.assemble import offline_teacher
 
-    with offline_teacher(config) as teacher:
-        summary = train_offline(config, run_dir, args.max_steps, teacher=teacher)
+        with offline_teacher(config) as teacher:
+            summary = train_offline(config, run_dir, args.max_steps, teacher=teacher)
+    finally:
+        held.close()
     print(json.dumps(summary, default=str))
     return 0
 
@@ -205,12 +229,14 @@ def cmd_openclaw(args: argparse.Namespace) -> int:
     from clawloop.judge.endpoint_check import JudgeEndpointError
     from clawloop.openclaw_launch import OpenClawSetupError, bring_up
     from clawloop.run_folder import RunFolderError
+    from clawloop.serve import stop_on_termination
 
+    stop_on_termination()
     try:
         bring_up(config_from_args(args), openclaw_dir=args.openclaw_dir, plugin=args.plugin,
                  max_tokens=args.max_tokens, full=args.full, openclaw=args.openclaw_bin, resume=args.resume,
                  fresh=args.fresh, log_level=args.log_level)
-    except KeyboardInterrupt:  # Ctrl-C after a clean shutdown: not an error
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP, after a clean shutdown: not an error
         pass
     except (OpenClawSetupError, OpenClawConfigError, RunFolderError, JudgeEndpointError) as exc:
         print(f"clawloop openclaw: {exc}", file=sys.stderr)
@@ -433,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="Train offline on the ready samples of a stored run (resumes from its "
                            "latest checkpoint).")
     add_cli_arguments(train)
-    train.add_argument("run_dir", metavar="RUN_DIR", help="The run folder (holding store.sqlite).")
+    train.add_argument("folder", metavar="RUN_DIR", help="The run folder (holding store.sqlite).")
     train.add_argument("--max-steps", type=int, default=None, help="Stop after this many optimizer steps.")
     train.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                        help="Log level.")
@@ -491,9 +517,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = getattr(args, "log_level", "info").upper()
     logging.basicConfig(level=getattr(logging, level, logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from clawloop.engines.model_files import ModelFilesError
+
     try:
         return int(args.func(args) or 0)
-    except ConfigError as exc:
+    except (ConfigError, ModelFilesError) as exc:  # a setting, or the model files it names: the user's to fix
         print(f"clawloop: {exc}", file=sys.stderr)
         return 2
 

@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import tomllib
 import types
 import typing
@@ -534,6 +535,10 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
         self._validate_vllm()
         choice("default_turn_type", ("main", "side"))
         choice("dtype", ("float32", "bfloat16", "float16"))
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"device={self.device!r} is not one of: auto, cpu, cuda, cuda:N")
+        if self.lora and not [m for m in self.lora_target_modules if m.strip()]:
+            raise ConfigError("lora=true needs at least one module in lora_target_modules (e.g. q_proj, v_proj)")
         choice("gradient_checkpointing", ("auto", "on", "off"))
         choice("attn_implementation", ("sdpa", "eager"))
         for name in ("topk", "max_candidates", "prm_m", "rollout_batch_size", "max_batch_size",
@@ -746,9 +751,10 @@ ENV_ALIASES: dict[str, str] = {
     "SERVED_MODEL_NAME": "served_model_name",
 }
 ENV_PREFIX = "CLAWLOOP_"
-ENV_NOT_SETTINGS = ("cache", "vllm_python", "chromium", "full_disk_mode")
+ENV_NOT_SETTINGS = ("cache", "vllm_python", "chromium", "full_disk_mode", "fuzz_n", "fuzz_seed")
 """``CLAWLOOP_*`` variables that are not settings, so not an error: the model cache folder (read by the engines),
-the vLLM interpreter for servers clawloop starts, the browser and the disk-fault mode of the test tools."""
+the vLLM interpreter for servers clawloop starts, the browser, and the test tools' disk-fault mode and fuzzing
+rounds and seed."""
 
 
 def values_from_env(env: Mapping[str, str]) -> dict[str, Any]:

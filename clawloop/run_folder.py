@@ -4,8 +4,10 @@ Checked before any model is loaded, so that a folder that cannot be started stop
 ``RunFolderError``: one paragraph for the person at the command line naming the file or folder at fault and what
 to do about it.
 
-* ``open_run_store``: the run's store (``RUN_DIR/store.sqlite``), opened for writing; a folder this process cannot
-  write, or a store that does not read, is a ``RunFolderError``.
+* ``open_run_store``: the run's store (``RUN_DIR/store.sqlite``), opened for writing, and the run folder held by
+  this process alone until the store is closed (``clawloop.store.run_lock``: two servers or trainers in one
+  folder would both commit steps, write versions and recover each other's work in flight); a folder this process
+  cannot write, a folder another process holds, or a store that does not read, is a ``RunFolderError``.
 * ``prepare_training_state``: a folder that already holds training (checkpoints, or versions past the starting
   weights) is started only as asked:
 
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clawloop.store import STORE_FILENAME, Store
+from clawloop.store.run_lock import RunInUse, hold_run
 from clawloop.trainer import checkpoint as ckpt
 from clawloop.engines.vllm_publish import USER_ADAPTERS_DIR
 from clawloop.trainer import versions as history
@@ -63,10 +66,29 @@ def ensure_writable(folder: Path) -> None:
 
 
 def open_run_store(run_dir: str | Path) -> Store:
-    """The run's store, opened for writing; see ``RunFolderError`` for what stops it."""
+    """The run's store, opened for writing, with the run folder held until it is closed (``hold_run``);
+    see ``RunFolderError`` for what stops it."""
     folder = Path(run_dir)
     ensure_writable(folder)
-    path = store_path(folder)
+    try:
+        held = hold_run(folder)
+    except RunInUse as exc:
+        raise RunFolderError(
+            f"Another clawloop process{f' (pid {exc.holder})' if exc.holder is not None else ''} is serving or "
+            f"training in {folder}. Two processes in one run would both commit steps and write versions, and each "
+            "would take the other's work in flight for work cut short by a crash. Stop it first, or give another "
+            "folder with --run-dir (a running run can still be watched with clawloop dashboard RUN_DIR and rolled "
+            "back with clawloop rollback --url).") from None
+    try:
+        store = _open_store(store_path(folder))
+    except BaseException:
+        held.release()
+        raise
+    store.release_on_close(held.release)
+    return store
+
+
+def _open_store(path: Path) -> Store:
     try:
         if path.exists():
             with open(path, "ab"):  # a store file that cannot be written (the folder could be)
@@ -76,6 +98,11 @@ def open_run_store(run_dir: str | Path) -> Store:
         raise RunFolderError(
             f"clawloop cannot write the run's store {path} ({exc.strerror}). Make it writable (e.g. chmod u+w "
             f"{path}), or give another folder with --run-dir.") from None
+    except sqlite3.OperationalError as exc:  # locked, or its -wal / -shm file not writable: not damage
+        raise RunFolderError(
+            f"The run's store {path} could not be opened: SQLite says \"{exc}\". Another program may hold it "
+            f"locked (an open sqlite3 shell, a backup in progress), or its -wal or -shm file beside it may not be "
+            "writable by this user. Close that program or fix the files' permissions, then start again.") from None
     except sqlite3.DatabaseError as exc:
         raise RunFolderError(
             f"The run's store {path} cannot be read: SQLite says \"{exc}\". It is the record of every turn, "
@@ -123,9 +150,20 @@ def training_state(store: Store, run_dir: Path) -> TrainingState:
     return TrainingState(checkpoints, versions, int(pending) if pending else None, users)
 
 
-def prepare_training_state(store: Store, run_dir: str | Path, *, resume: bool, fresh: bool) -> None:
+@dataclass(frozen=True)
+class TrainedWith:
+    """What this start trains with, for a resume to compare with what its checkpoint was written with: the model
+    folder (``engines.model_files.resolve_model``) and whether it trains a LoRA adapter."""
+
+    model_dir: Path
+    lora: bool
+
+
+def prepare_training_state(store: Store, run_dir: str | Path, *, resume: bool, fresh: bool,
+                           trained_with: TrainedWith | None = None) -> None:
     """Check (and with ``fresh``, set aside) what ``run_dir`` holds of earlier training before the trainer starts;
-    ``RunFolderError`` names what stops it (module docstring)."""
+    ``RunFolderError`` names what stops it (module docstring). ``trained_with``: a resume whose checkpoint was
+    written for another model or another ``lora`` setting is refused here, before any model loads."""
     run_dir = Path(run_dir)
     if resume and fresh:
         raise RunFolderError(f"--resume continues the run in {run_dir} and --fresh starts it over: give one.")
@@ -142,7 +180,7 @@ def prepare_training_state(store: Store, run_dir: str | Path, *, resume: bool, f
     if state.pending_rollback is not None:
         check_rollback_target(store, run_dir, state.pending_rollback)
     if resume:
-        check_resumable(run_dir)
+        check_resumable(run_dir, trained_with)
     elif state.exists and state.pending_rollback is None:
         raise RunFolderError(
             f"{run_dir} holds an earlier run's training: {state.describe()}. Started as it is, this run would "
@@ -152,14 +190,44 @@ def prepare_training_state(store: Store, run_dir: str | Path, *, resume: bool, f
             "deleted, and the store's record is kept). For an unrelated run, give another folder with --run-dir.")
 
 
-def check_resumable(run_dir: Path) -> None:
-    """A resume needs an intact checkpoint (when there are any) and the version folder it serves: the shared
-    policy's, and every user's own (per-user policies)."""
+def check_resumable(run_dir: Path, trained_with: TrainedWith | None = None) -> None:
+    """A resume needs an intact checkpoint (when there are any), written for the same model and ``lora`` setting
+    when ``trained_with`` says them, and the version folder it serves: the shared policy's, and every user's own
+    (per-user policies)."""
     for folder in [run_dir, *(user_dir(run_dir, owner) for owner in known_users(run_dir))]:
-        check_resumable_folder(folder)
+        check_resumable_folder(folder, trained_with)
 
 
-def check_resumable_folder(run_dir: Path) -> None:
+def _model_config(model_dir: Path) -> dict | None:
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_written_with(checkpoint: Path, trained_with: TrainedWith) -> None:
+    """A checkpoint holds weights of one model, trained one way: loaded into another model (even one of the same
+    shapes) or as the other kind (full weights against an adapter) it would serve nonsense or fail late. The model
+    is compared by its ``config.json``: a folder moved or copied since is the same model; a recorded folder that
+    is gone cannot be compared and passes."""
+    state = json.loads((checkpoint / "state.json").read_text())
+    if "lora" in state and bool(state["lora"]) != trained_with.lora:
+        raise RunFolderError(
+            f"Checkpoint {checkpoint} was written with lora={str(bool(state['lora'])).lower()}, and this start has "
+            f"lora={str(trained_with.lora).lower()}. Start with the setting the run was trained with, or over from "
+            "the starting weights with --fresh.")
+    recorded = Path(state["model_dir"]) if state.get("model_dir") else None
+    if recorded is None or recorded.resolve() == trained_with.model_dir.resolve():
+        return
+    before, now = _model_config(recorded), _model_config(trained_with.model_dir)
+    if before is not None and now is not None and before != now:
+        raise RunFolderError(
+            f"Checkpoint {checkpoint} was trained on the model in {recorded}, and this start loads another one, "
+            f"{trained_with.model_dir} (their config.json differ). Start with the run's model (--model "
+            f"{recorded}), or over from the starting weights with --fresh, or give another folder with --run-dir.")
+
+
+def check_resumable_folder(run_dir: Path, trained_with: TrainedWith | None = None) -> None:
     found, skipped = ckpt.newest_intact_checkpoint(run_dir)
     root = ckpt.checkpoints_dir(run_dir)
     if found is None and skipped:
@@ -171,6 +239,8 @@ def check_resumable_folder(run_dir: Path) -> None:
             f"weights instead, move {root} elsewhere and restart with --resume.")
     if found is None:
         return
+    if trained_with is not None:
+        check_written_with(found, trained_with)
     version = int(json.loads((found / "state.json").read_text())["policy_version"])
     problem = history.version_problem(run_dir, version)
     if problem is not None:

@@ -44,6 +44,22 @@ def test_records_export_of_a_folder_without_a_store_fails_cleanly(tmp_path, caps
     assert main(["records", "export", str(tmp_path)]) == 2
     assert "no store" in capsys.readouterr().err
     assert main(["records", "export", str(tmp_path / "missing")]) == 2
+    (tmp_path / "store.sqlite").write_bytes(b"not a database, " * 512)
+    assert main(["records", "export", str(tmp_path)]) == 2
+    assert "cannot be read" in capsys.readouterr().err
+
+
+def test_records_export_runs_beside_the_process_that_holds_the_run(tmp_path, capsys):
+    """An export only reads: it does not wait for the store's writer, nor take the run from it."""
+    from clawloop.run_folder import open_run_store
+
+    _store_with_turns(tmp_path, 1)
+    writer = open_run_store(tmp_path)
+    try:
+        assert main(["records", "export", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+        assert json.loads(capsys.readouterr().out)["lines_appended"] == {"turns.jsonl": 1}
+    finally:
+        writer.close()
 
 
 @pytest.mark.parametrize("command", ["train", "demo", "eval", "serve"])
@@ -76,6 +92,9 @@ def test_every_command_prints_its_help(capsys):
 def test_train_on_a_folder_without_a_run_fails_cleanly(tmp_path, capsys):
     assert main(["train", str(tmp_path), "--model", "tiny"]) == 2
     assert "holds no run" in capsys.readouterr().err
+    _store_with_turns(tmp_path / "a", 1)
+    assert main(["train", str(tmp_path / "a"), "--run-dir", str(tmp_path / "b"), "--model", "tiny"]) == 2
+    assert "name the run once" in capsys.readouterr().err
 
 
 def test_train_with_nothing_ready_takes_no_step(tmp_path, capsys):
@@ -83,6 +102,25 @@ def test_train_with_nothing_ready_takes_no_step(tmp_path, capsys):
     assert main(["train", str(tmp_path), "--model", "tiny", "--device", "cpu", "--num-threads", "2"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 0
+
+
+@pytest.mark.parametrize("keys_file_text,words", [(None, "cannot be read"), ("# no key yet\n\n", "holds no key")])
+def test_serve_refuses_a_keys_file_without_keys_before_loading_a_model(tmp_path, capsys, keys_file_text, words):
+    """An empty keys file would serve everyone without a key; a missing one used to fail after the models loaded."""
+    keys_file = tmp_path / "keys.txt"
+    if keys_file_text is not None:
+        keys_file.write_text(keys_file_text)
+    started = time.monotonic()
+    assert main(["serve", "--model", "tiny", "--run-dir", str(tmp_path / "run"), "--api-keys-file",
+                 str(keys_file)]) == 2
+    assert words in capsys.readouterr().err and time.monotonic() - started < 30
+    assert not (tmp_path / "run" / "store.sqlite").exists()  # stopped before the run folder was touched
+
+
+def test_model_files_problems_are_one_line_not_a_traceback(tmp_path, capsys):
+    assert main(["serve", "--model", str(tmp_path / "no-such-model"), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("clawloop: ") and "Traceback" not in err
 
 
 def test_serve_has_a_flag_for_every_setting():
@@ -119,6 +157,14 @@ def test_clawloop_serve_runs_as_a_process(tmp_path):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
                        json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+        # A second server or an offline trainer in the same run folder is refused before it loads anything.
+        run_dir = str(tmp_path / "run")
+        for command in (["serve", "--run-dir", run_dir, "--model", "tiny", "--port", str(free_port())],
+                        ["train", run_dir, "--model", "tiny"]):
+            second = subprocess.run([sys.executable, "-m", "clawloop.cli", *command], env=env, capture_output=True,
+                                    text=True, timeout=120)
+            assert second.returncode == 2, second.stderr
+            assert f"Another clawloop process (pid {proc.pid}) is serving or training in" in second.stderr
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -130,6 +176,34 @@ def test_clawloop_serve_runs_as_a_process(tmp_path):
     store = Store(tmp_path / "run" / "store.sqlite")
     assert len(store.turns()) == 1  # still awaiting: shutdown keeps it for the next start
     assert store.turns()[0].state == "awaiting_next"
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_service_manager_or_a_closed_terminal_stops_serve_cleanly(tmp_path, stop_signal):
+    """SIGTERM and SIGHUP end `clawloop serve` through its own shutdown (exit 0, the run folder closed), not by
+    the signal's default, which would leave the vLLM servers it started running."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clawloop.cli", "serve", "--model", "tiny", "--port", str(port), "--run-dir",
+         str(tmp_path / "run"), "--num-threads", "2", "--log-level", "warning"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "serve did not come up"
+            time.sleep(0.2)
+        proc.send_signal(stop_signal)
+        assert proc.wait(timeout=60) == 0, proc.stdout.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_train_asks_the_base_teacher_for_hinted_samples(tiny_tokenizer, tmp_path, capsys):

@@ -77,6 +77,8 @@ def test_json_file(tmp_path):
     ({"gate_reference_dice": 0}, ["gate_reference_dice", "at least 1"]),
     ({"gate_max_preference_drop": -0.5}, ["gate_max_preference_drop", ">= 0"]),
     ({"gate_prompt_state_tokens": -1}, ["gate_prompt_state_tokens", ">= 0"]),
+    ({"device": "gpu"}, ["device='gpu'", "auto, cpu, cuda, cuda:N"]),
+    ({"lora": True, "lora_target_modules": [""]}, ["lora_target_modules"]),
 ])
 def test_invalid_values_fail_naming_the_setting(bad, words):
     with pytest.raises(ConfigError) as err:
@@ -92,7 +94,8 @@ def test_unknown_settings_fail_loudly(tmp_path):
         Config.load(env={"CLAWLOOP_TOPKK": "3"})
     # Variables the README names for other tools (the vLLM interpreter, the model cache) are not settings but
     # must not stop a server that inherits them.
-    for name in ("CLAWLOOP_VLLM_PYTHON", "CLAWLOOP_CACHE", "CLAWLOOP_CHROMIUM", "CLAWLOOP_FULL_DISK_MODE"):
+    for name in ("CLAWLOOP_VLLM_PYTHON", "CLAWLOOP_CACHE", "CLAWLOOP_CHROMIUM", "CLAWLOOP_FULL_DISK_MODE",
+                 "CLAWLOOP_FUZZ_N", "CLAWLOOP_FUZZ_SEED"):
         assert Config.load(env={name: "/somewhere"}).topk == Config().topk
     with pytest.raises(ConfigError, match="does not exist"):
         Config.load(file=tmp_path / "missing.toml", env={})

@@ -1,10 +1,12 @@
 """The durable store: state transitions, exactly-once samples, leases, resume accounting, append-only export."""
 
 import json
+import os
 import sqlite3
 import threading
 import time
 
+import pytest
 import torch
 
 from clawloop.store import LeaseLost, SampleRecord, Store, TurnRecord, TurnState, VoteRecord
@@ -236,3 +238,21 @@ def test_the_sample_kind_has_its_own_place_and_old_stores_move_it_there(tmp_path
     store = Store(path)
     assert [(t.sample_kind, t.reason) for t in store.turns()] == [("rl", ""), ("rl", "too_long")]
     assert store.drop_reasons() == {"too_long": 1}
+
+
+def test_one_process_at_a_time_holds_a_run_folder(tmp_path):
+    """The run lock: a second holder is refused with the first one's pid until the first lets go; a writable
+    store opened through the run folder holds it until the store is closed."""
+    from clawloop.run_folder import RunFolderError, open_run_store
+    from clawloop.store.run_lock import RunInUse, hold_run
+
+    first = hold_run(tmp_path)
+    with pytest.raises(RunInUse) as refused:
+        hold_run(tmp_path)
+    assert refused.value.holder == os.getpid()
+    first.release()
+    store = open_run_store(tmp_path)
+    with pytest.raises(RunFolderError, match=f"pid {os.getpid()}"):
+        open_run_store(tmp_path)
+    store.close()
+    open_run_store(tmp_path).close()  # free again once the store is closed

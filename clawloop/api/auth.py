@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 from starlette.requests import Request
 
 from clawloop.api.errors import APIError
-from clawloop.config import ServingSettings
+from clawloop.config import ConfigError, ServingSettings
 
 
 def bearer_token(request: Request) -> str | None:
@@ -78,6 +78,24 @@ def read_keys_file(path: str | Path) -> list[str]:
         if line and not line.startswith("#"):
             keys.append(line)
     return keys
+
+
+def check_keys_file(config: ServingSettings) -> None:
+    """Before a server loads anything: ``api_keys_file``, when set, must read and hold at least one key. A file
+    that is missing would otherwise fail start-up only after the models have loaded, and an empty one would serve
+    everyone without a key (and, under per-user policies, give no user a policy of their own)."""
+    path = config.api_keys_file
+    if not path:
+        return
+    try:
+        keys = read_keys_file(path)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"api_keys_file {path} cannot be read ({getattr(exc, 'strerror', None) or exc}); it "
+                          "holds the users' API keys, one per line") from None
+    if not keys:
+        raise ConfigError(f"api_keys_file {path} holds no key (one per line; blank lines and # comments are "
+                          "skipped): a server given a keys file would then answer anyone without a key. Add the "
+                          "users' keys, or drop api_keys_file to serve without keys")
 
 
 @dataclass(frozen=True)

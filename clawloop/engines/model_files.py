@@ -287,7 +287,14 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     """``auto``/None -> cuda when present, else cpu."""
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelFilesError(f"device {str(device)!r} was asked for, but this torch sees no CUDA device (a CPU "
+                              "build, or no GPU visible to this process); set device to cpu or auto")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ModelFilesError(f"device {str(device)!r} was asked for, but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s)")
+    return resolved
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:

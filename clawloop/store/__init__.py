@@ -60,9 +60,18 @@ class Store(Turns, Samples, History, Queries, Contexts):
         self.db = Database(path, readonly=readonly, busy_timeout_s=busy_timeout_s)
         self.path = self.db.path
         self._recovered = False
+        self._on_close: list[Callable[[], None]] = []
+
+    def release_on_close(self, release: Callable[[], None]) -> None:
+        """Call ``release`` once the store is closed (a lock that is held as long as the store is open)."""
+        self._on_close.append(release)
 
     def close(self) -> None:
-        self.db.close()
+        try:
+            self.db.close()
+        finally:
+            while self._on_close:
+                self._on_close.pop()()
 
     # ---- meta ------------------------------------------------------------------------------------------
     def get_meta(self, key: str, default: str | None = None) -> str | None:

@@ -75,6 +75,7 @@ import torch.distributed as dist
 
 from clawloop.config import Config, ConfigError
 from clawloop.store import LeaseLost, SampleRecord, Store, TurnRecord
+from clawloop.store.run_lock import RunInUse, hold_run
 from clawloop.trainer import checkpoint as ckpt
 from clawloop.trainer.contracts import SampleSource, WeightSink
 from clawloop.trainer.core import Trainer, prepare_ahead
@@ -337,7 +338,14 @@ def main(argv: list[str] | None = None) -> int:
 
             store = api = RemoteStore(args.api, args.admin_key)
         else:
+            try:  # this process writes the run's store: it must be the run's only writer
+                held = hold_run(Path(args.store).parent)
+            except RunInUse as exc:  # torchrun ends the other ranks when this one fails
+                print(f"clawloop.trainer.distributed: {exc}; stop it first, or train through its API with --api",
+                      file=sys.stderr)
+                return 2
             store = Store(args.store)
+            store.release_on_close(held.release)
     teacher = None
     if args.api and not args.no_teacher:  # every rank asks for its own samples
         from clawloop.trainer.teacher_client import RemoteTeacher

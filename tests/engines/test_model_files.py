@@ -104,3 +104,9 @@ def test_cache_location_follows_clawloop_cache(monkeypatch, tmp_path):
     assert model_files.cache_root() == tmp_path
     monkeypatch.delenv("CLAWLOOP_CACHE")
     assert model_files.cache_root().parts[-2:] == (".cache", "clawloop")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gives")
+def test_a_cuda_device_on_a_machine_without_one_is_a_clear_error():
+    with pytest.raises(model_files.ModelFilesError, match="sees no CUDA device"):
+        model_files.resolve_device("cuda")
