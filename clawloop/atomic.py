@@ -2,14 +2,18 @@
 
 Everything is written under a hidden temporary name beside its final place (``.tmp-<name>-<random>``), flushed
 to disk (files, then their folders) and renamed into place with ``os.replace``, which is atomic on one file
-system. A folder that already exists under the final name is first renamed aside (``.old-<name>-<random>``) and
-then deleted, so readers see the old folder or the new one, never a mix. A failed write removes its temporary;
+system. A folder that already exists under the final name is swapped with the new one in one step (Linux's
+``renameat2`` with ``RENAME_EXCHANGE``; elsewhere renamed aside to ``.old-<name>-<random>`` just before) and
+deleted only once the new one is in place, so readers see the old folder or the new one, never a mix, and a crash
+while the old one is deleted leaves the new one. A failed write removes its temporary;
 a crash may leave ``.tmp-``/``.old-`` leftovers, which readers never mistake for the real thing (checkpoint
 pruning deletes them).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
 import uuid
@@ -49,6 +53,38 @@ def fsync_tree(folder: Path) -> None:
         fsync_dir(Path(root))
 
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` in one atomic step (``renameat2(..., RENAME_EXCHANGE)``); False where the
+    system or its file system cannot, and nothing moved."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _replace_folder(tmp: Path, final: Path) -> None:
+    """Put folder ``tmp`` in the place of folder ``final``; the old one is deleted once the new one is there."""
+    if exchange(tmp, final):
+        old = tmp  # the swap left the old folder under the temporary name
+    else:
+        old = hidden_sibling(final, "old")
+        os.replace(final, old)
+        os.replace(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def write_folder_atomically(final: Path, write: Callable[[Path], None], *, mode: int | None = None) -> Path:
     """Create folder ``final`` all at once: ``write(tmp)`` fills a hidden sibling folder, everything in it is
     flushed, and it is renamed into place (replacing an older folder of the same name). ``mode``: the finished
@@ -63,11 +99,10 @@ def write_folder_atomically(final: Path, write: Callable[[Path], None], *, mode:
             os.chmod(tmp, mode)
         fsync_tree(tmp)
         if final.exists():  # e.g. the same step number again after a resume: the new one wins
-            old = hidden_sibling(final, "old")
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, final)
-        fsync_dir(root)
+            _replace_folder(tmp, final)
+        else:
+            os.replace(tmp, final)
+            fsync_dir(root)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -43,6 +43,26 @@ def test_a_failed_folder_write_keeps_the_old_folder_and_leaves_nothing(tmp_path)
     assert hidden(tmp_path) == []
 
 
+@pytest.mark.parametrize("swap", [True, False], ids=["exchange", "renamed-aside"])
+def test_a_crash_while_the_old_folder_is_deleted_leaves_the_new_one(tmp_path, monkeypatch, swap):
+    """The old folder is deleted only once the new one holds its name (swapped in one step where the system can,
+    else renamed aside just before)."""
+    import clawloop.atomic as atomic
+
+    final = tmp_path / "v1"
+    write_folder_atomically(final, lambda tmp: (tmp / "weights.bin").write_bytes(b"old"))
+    if not swap:
+        monkeypatch.setattr(atomic, "exchange", lambda a, b: False)
+
+    def crash(path, **_):
+        raise KeyboardInterrupt  # the process dies while deleting
+
+    monkeypatch.setattr(atomic.shutil, "rmtree", crash)
+    with pytest.raises(KeyboardInterrupt):
+        write_folder_atomically(final, lambda tmp: (tmp / "weights.bin").write_bytes(b"new"))
+    assert (final / "weights.bin").read_bytes() == b"new"
+
+
 def test_a_file_is_replaced_whole_or_not_at_all(tmp_path):
     path = tmp_path / "conf" / "openclaw.json"
     write_text_atomically(path, "one\n")
