@@ -130,7 +130,8 @@ def _thresholds(mode: tuple[int, int]) -> Iterator[None]:
         yield
     finally:
         with _lock:
-            _open.remove(entry)
+            # By identity: ``list.remove`` compares by value, and an outer block of the same mode is an equal list.
+            del _open[next(i for i, e in enumerate(_open) if e is entry)]
             now = _open[-1][0] if _open else DECODING
             _set_thresholds(now)
         if now == TRAINING or not _open:

@@ -94,3 +94,19 @@ def test_overlapping_blocks_on_two_threads_the_newest_decides_until_it_ends():
         print(seen)
     ''')
     assert out == "[True, False, True, False]"
+
+
+def test_the_block_that_ends_is_the_one_taken_away_when_equal_modes_nest():
+    """training → decoding → training: the inner step ending leaves the decoding block deciding, not the outer
+    step (an equal entry of the same mode)."""
+    out = _run('''
+        seen = []
+        with training_allocations():
+            with decoding_allocations():
+                with training_allocations():
+                    seen.append(mapped())
+                seen.append(mapped())  # back inside the decoding block
+            seen.append(mapped())      # back inside the outer step
+        print(seen)
+    ''')
+    assert out == "[True, False, True]"
