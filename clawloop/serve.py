@@ -21,6 +21,7 @@ server created them.
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import threading
 from collections.abc import Sequence
@@ -152,13 +153,17 @@ class Server:
         self._thread = threading.Thread(target=target, name="clawloop-api", daemon=True)
         self._thread.start()
         waited = 0.0
-        while not self._uvicorn.started:
-            if not self._thread.is_alive() or self._startup_error is not None:
-                raise RuntimeError(f"the API failed to start on {self.base_url}: {self._startup_error!r}")
-            if waited > timeout_s:
-                raise TimeoutError(f"the API did not start within {timeout_s} s")
-            threading.Event().wait(0.02)
-            waited += 0.02
+        try:
+            while not self._uvicorn.started:
+                if not self._thread.is_alive() or self._startup_error is not None:
+                    raise RuntimeError(f"the API failed to start on {self.base_url}: {self._startup_error!r}")
+                if waited > timeout_s:
+                    raise TimeoutError(f"the API did not start within {timeout_s} s")
+                threading.Event().wait(0.02)
+                waited += 0.02
+        except BaseException:
+            self.stop()  # the store, the vLLM servers and a thread still starting must not outlive a failed start
+            raise
         return self
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -185,6 +190,23 @@ class Server:
             server.run()
         finally:
             self.close()
+
+
+def stop_on_termination() -> None:
+    """SIGTERM (a service manager, ``docker stop``) and SIGHUP (a closed terminal) stop ``clawloop serve`` as
+    Ctrl-C does: a ``KeyboardInterrupt`` in the main thread, so the process leaves through its ``finally`` blocks
+    and closes what it opened, the vLLM servers above all (they run in sessions of their own and would outlive a
+    process the signal killed). While serving, uvicorn answers SIGTERM with a graceful shutdown and then raises it
+    again under the handler it found, this one; before that (minutes of model loading), this handler is the one
+    that answers. Main thread only."""
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    def hang_up(signum: int, frame: Any) -> None:
+        signal.raise_signal(signal.SIGTERM)  # uvicorn's handler while it serves, else ``stop``
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, hang_up)
 
 
 def run(config: Config, **kwargs: Any) -> None:
