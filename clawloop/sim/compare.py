@@ -6,6 +6,9 @@ summary is cached there as ``result.json``. A cell with a result is never run ag
 (``--methods hybrid --seeds 0`` now, the rest later). The settings shared by all cells (everything but the method,
 persona, seed and run folder) are written to ``OUT/settings.json`` on the first run; a later run with different
 settings stops instead of mixing incomparable cells (``--force`` overrides, ``--table-only`` just re-aggregates).
+A setting recorded only by later versions (the branch weights, ``--eval-each-version``) is read, for a folder whose
+settings.json lacks it, from what its finished cells ran with. The persona names and every method's config are checked
+before anything is written, and a cell that fails leaves the table of the cells that finished.
 
 Per (method, persona), over the seeds that have results:
 
@@ -35,12 +38,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from clawloop.config import ConfigError
 from clawloop.sim.demo import DEMO_EVAL_EVERY, DEMO_INTERACTIONS, DEMO_MAX_LAG, DEMO_PRESET, LoopOptions, demo_config, \
     run_loop
-from clawloop.sim.persona_file import load_persona_file, read_persona_file
+from clawloop.sim.persona_file import PersonaFileError, load_persona_file, read_persona_file
+from clawloop.sim.personas import PERSONAS
 from clawloop.sim.sessions import STABLE_RUN, sessions_to_stable_effect
 
 DEFAULT_METHODS = ("rl", "opd", "hybrid")
@@ -50,7 +56,14 @@ DEFAULT_INTERACTIONS = DEMO_INTERACTIONS
 DEFAULT_TARGET = 0.5
 DEFAULT_MAX_LAG = DEMO_MAX_LAG
 # Settings that differ between cells by design, or that do not change what a cell measures.
-_PER_CELL = {"method", "seed", "run_dir", "port", "num_threads", "host", "w_rl", "w_opd"}
+_PER_CELL = {"method", "seed", "run_dir", "port", "num_threads", "host"}
+# Settings a folder's settings.json did not record before some version; for such a folder, every finished cell's
+# result says what it ran with: (the part of the result holding it, its value where the result lacks it too).
+_RECORDED_BY_CELLS: dict[str, tuple[str, Any]] = {
+    "w_rl": ("settings", None),
+    "w_opd": ("settings", None),
+    "eval_each_version": ("options", False),  # cells run before the option existed scored no served version
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -247,67 +260,163 @@ def check_persona_records(out_dir: Path, persona_files: Mapping[str, str], *, fo
     return None
 
 
+@dataclass
+class Grid:
+    """The cells a run asks for, checked before anything is written."""
+
+    methods: list[str]
+    built_in: list[str]
+    persona_files: dict[str, str]
+    """Persona name -> the file that defines it."""
+    seeds: list[int]
+
+    @property
+    def personas(self) -> list[str]:
+        return [*self.built_in, *self.persona_files]
+
+
+def check_grid(args: argparse.Namespace, cli: Mapping[str, Any]) -> Grid:
+    """The grid ``args`` ask for; a ``ConfigError`` for an unknown persona, a seed that is not a number or a method
+    whose config is invalid, so that a mistake stops the run before its first cell, not hours into it."""
+    persona_files = _persona_files(args.persona_file or [])
+    built_in = _split(args.personas) if args.personas is not None else ([] if persona_files else
+                                                                       list(DEFAULT_PERSONAS))
+    unknown = [name for name in built_in if name not in PERSONAS]
+    if unknown:
+        raise ConfigError(f"--personas: no built-in persona {unknown[0]!r} (known: {', '.join(PERSONAS)}; others "
+                          "come from --persona-file)")
+    try:
+        seeds = [int(s) for s in _split(args.seeds)]
+    except ValueError:
+        raise ConfigError(f"--seeds must be comma-separated whole numbers, got {args.seeds!r}") from None
+    methods = _split(args.methods)
+    for method in methods:  # a setting that contradicts one method's preset fails here, not when its cell starts
+        try:
+            demo_config({**cli, "method": method, "run_dir": str(Path(args.out) / "cells"), "port": 0},
+                        file=args.config)
+        except ConfigError as exc:
+            raise ConfigError(f"method {method!r}: {exc}") from None
+    return Grid(methods=methods, built_in=built_in, persona_files=persona_files, seeds=seeds)
+
+
+def _persona_files(paths: Iterable[str]) -> dict[str, str]:
+    try:
+        return {load_persona_file(path).name: str(path) for path in paths}
+    except PersonaFileError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def changed_settings(out_dir: Path, recorded: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
+    """The settings in ``wanted`` that differ from those the folder's cells ran with (``recorded``: its
+    settings.json)."""
+    defaults = shared_settings(demo_config({"run_dir": str(out_dir / "cells"), "port": 0}).to_dict(redact=True))
+    cells = load_cells(out_dir)
+    return sorted(key for key in set(recorded) | set(wanted)
+                  if not _same_setting(key, recorded, wanted, defaults, cells))
+
+
+def _same_setting(key: str, recorded: Mapping[str, Any], wanted: Mapping[str, Any], defaults: Mapping[str, Any],
+                  cells: list[dict[str, Any]]) -> bool:
+    if key in recorded:
+        return recorded[key] == wanted.get(key)
+    if key in _RECORDED_BY_CELLS:  # each cell's result says what it ran with; a folder without cells mixes nothing
+        part, absent = _RECORDED_BY_CELLS[key]
+        return all((cell.get(part) or {}).get(key, absent) == wanted.get(key) for cell in cells)
+    # Any other setting the folder does not record did not exist when its cells ran; at its default it changes
+    # nothing those cells did, so the folder can be continued.
+    return wanted.get(key) is None or (key in defaults and wanted.get(key) == defaults[key])
+
+
+def _wanted_settings(args: argparse.Namespace, cli: Mapping[str, Any], out_dir: Path) -> dict[str, Any]:
+    """The settings every cell of this run shares, as settings.json records them."""
+    probe = demo_config({**cli, "run_dir": str(out_dir / "cells"), "port": 0}, file=args.config)
+    shared = shared_settings(probe.to_dict(redact=True))
+    shared["interactions"], shared["eval_every"], shared["heldout_n"] = (args.interactions, args.eval_every,
+                                                                          args.heldout_n)
+    shared["eval_each_version"] = args.eval_each_version
+    if args.user_url:  # only when given, so folders made before these flags existed still match
+        shared["user_url"], shared["user_model"] = args.user_url, args.user_model
+    if args.max_lag:  # a folder made before pacing existed is continued with --max-lag 0
+        shared["max_lag"] = args.max_lag
+    return shared
+
+
+def _settings_problem(out_dir: Path, args: argparse.Namespace, cli: Mapping[str, Any]) -> str | None:
+    """Why this run may not add cells to ``out_dir`` (and not ``--force``); records the settings of a new folder."""
+    wanted = _wanted_settings(args, cli, out_dir)
+    settings_path = out_dir / "settings.json"
+    if not settings_path.exists():
+        settings_path.write_text(json.dumps(wanted, indent=1, default=str))
+        return None
+    diff = changed_settings(out_dir, json.loads(settings_path.read_text()), wanted)
+    if diff and not args.force:
+        return (f"{out_dir} holds cells run with other settings ({', '.join(diff)}); use another --out, the same "
+                "settings, or --force")
+    return None
+
+
+def _run_cells(out_dir: Path, grid: Grid, args: argparse.Namespace, cli: dict[str, Any],
+               out: Callable[[str], None]) -> None:
+    options = LoopOptions(interactions=args.interactions, eval_every=args.eval_every, heldout_n=args.heldout_n,
+                          eval_each_version=args.eval_each_version, user_url=args.user_url,
+                          user_model=args.user_model,
+                          user_api_key_env=args.user_api_key_env, max_lag=args.max_lag)
+    ran = 0
+    for persona in grid.personas:
+        for seed in grid.seeds:
+            for method in grid.methods:
+                name = cell_name(method, persona, seed)
+                if (out_dir / "cells" / name / "result.json").exists():
+                    out(f"[eval] {name}: cached")
+                    continue
+                if args.max_cells and ran >= args.max_cells:
+                    out(f"[eval] {name}: left for a later run (--max-cells {args.max_cells})")
+                    continue
+                t0 = time.monotonic()
+                out(f"[eval] {name}: running")
+                r = run_cell(out_dir, method, persona, seed, cli=cli, options=options, file=args.config,
+                             out=out, persona_file=grid.persona_files.get(persona, ""))
+                ran += 1
+                stable = stable_effect(r)
+                out(f"[eval] {name}: score {r['before']['score']:.2f} -> {r['after']['score']:.2f}, guard "
+                    f"{r['before']['guard_pass_rate']:.2f} -> {r['after']['guard_pass_rate']:.2f}, stable "
+                    f"effect {'from session ' + str(stable) if stable is not None else 'not reached'} "
+                    f"({(time.monotonic() - t0) / 60:.1f} min)")
+
+
+def _write_table_after_failure(out_dir: Path, target: float, command: str, out: Callable[[str], None]) -> None:
+    """The table of the cells that finished before a cell failed. The failure is raised again afterwards rather
+    than skipped: what breaks one cell (the model, the machine, a setting) usually breaks the next ones too, each
+    after minutes of work, and Ctrl-C must stop the grid."""
+    cells = load_cells(out_dir)
+    if not cells:
+        return
+    try:
+        write_outputs(out_dir, cells, target, command)
+    except Exception as exc:  # noqa: BLE001 - the cell's error is the one to report
+        out(f"[eval] the table of the finished cells was not written either: {type(exc).__name__}: {exc}")
+        return
+    out(f"[eval] stopped by a failing cell; wrote the table of the {len(cells)} finished cells to "
+        f"{out_dir / 'table.md'}")
+
+
 def main_from_args(args: argparse.Namespace, cli: dict[str, Any], out: Callable[[str], None] = print) -> int:
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     command = "clawloop eval " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 1 else \
         "clawloop eval"
-    if not args.table_only:
-        probe = demo_config({**cli, "run_dir": str(out_dir / "cells"), "port": 0}, file=args.config)
-        shared = shared_settings(probe.to_dict(redact=True))
-        shared["interactions"], shared["eval_every"], shared["heldout_n"] = (args.interactions, args.eval_every,
-                                                                              args.heldout_n)
-        if args.user_url:  # only when given, so folders made before these flags existed still match
-            shared["user_url"], shared["user_model"] = args.user_url, args.user_model
-        if args.max_lag:  # a folder made before pacing existed is continued with --max-lag 0
-            shared["max_lag"] = args.max_lag
-        settings_path = out_dir / "settings.json"
-        if settings_path.exists():
-            before = json.loads(settings_path.read_text())
-            # A setting the folder does not record did not exist when its cells ran; at its default it changes
-            # nothing those cells did, so the folder can be continued.
-            defaults = shared_settings(demo_config({"run_dir": str(out_dir / "cells"), "port": 0})
-                                       .to_dict(redact=True))
-            diff = sorted(k for k in set(before) | set(shared) if before.get(k) != shared.get(k)
-                          and not (k not in before and k in defaults and shared.get(k) == defaults[k]))
-            if diff and not args.force:
-                out(f"clawloop eval: {out_dir} holds cells run with other settings ({', '.join(diff)}); use another "
-                    "--out, the same settings, or --force")
-                return 2
-        else:
-            settings_path.write_text(json.dumps(shared, indent=1, default=str))
-        options = LoopOptions(interactions=args.interactions, eval_every=args.eval_every, heldout_n=args.heldout_n,
-                              eval_each_version=args.eval_each_version, user_url=args.user_url,
-                              user_model=args.user_model,
-                              user_api_key_env=args.user_api_key_env, max_lag=args.max_lag)
-        persona_files = {load_persona_file(path).name: str(path) for path in args.persona_file or []}
-        problem = check_persona_records(out_dir, persona_files, force=args.force)
+    grid = None if args.table_only else check_grid(args, cli)  # before the folder is made or written to
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if grid is not None:
+        problem = _settings_problem(out_dir, args, cli) or check_persona_records(out_dir, grid.persona_files,
+                                                                                 force=args.force)
         if problem:
             out(f"clawloop eval: {problem}")
             return 2
-        built_in = _split(args.personas) if args.personas is not None else ([] if persona_files else
-                                                                           list(DEFAULT_PERSONAS))
-        ran = 0
-        for persona in [*built_in, *persona_files]:
-            for seed in [int(s) for s in _split(args.seeds)]:
-                for method in _split(args.methods):
-                    name = cell_name(method, persona, seed)
-                    if (out_dir / "cells" / name / "result.json").exists():
-                        out(f"[eval] {name}: cached")
-                        continue
-                    if args.max_cells and ran >= args.max_cells:
-                        out(f"[eval] {name}: left for a later run (--max-cells {args.max_cells})")
-                        continue
-                    t0 = time.monotonic()
-                    out(f"[eval] {name}: running")
-                    r = run_cell(out_dir, method, persona, seed, cli=cli, options=options, file=args.config,
-                                 out=out, persona_file=persona_files.get(persona, ""))
-                    ran += 1
-                    stable = stable_effect(r)
-                    out(f"[eval] {name}: score {r['before']['score']:.2f} -> {r['after']['score']:.2f}, guard "
-                        f"{r['before']['guard_pass_rate']:.2f} -> {r['after']['guard_pass_rate']:.2f}, stable "
-                        f"effect {'from session ' + str(stable) if stable is not None else 'not reached'} "
-                        f"({(time.monotonic() - t0) / 60:.1f} min)")
+        try:
+            _run_cells(out_dir, grid, args, cli, out)
+        except BaseException:
+            _write_table_after_failure(out_dir, args.target, command, out)
+            raise
     cells = load_cells(out_dir)
     rows = write_outputs(out_dir, cells, args.target, command)
     out("")
@@ -316,5 +425,6 @@ def main_from_args(args: argparse.Namespace, cli: dict[str, Any], out: Callable[
     return 0
 
 
-__all__ = ["DEMO_PRESET", "add_arguments", "aggregate", "check_persona_records", "interactions_to_target",
-           "load_cells", "main_from_args", "markdown_table", "run_cell", "stable_effect", "write_outputs"]
+__all__ = ["DEMO_PRESET", "Grid", "add_arguments", "aggregate", "changed_settings", "check_grid",
+           "check_persona_records", "interactions_to_target", "load_cells", "main_from_args", "markdown_table",
+           "run_cell", "stable_effect", "write_outputs"]

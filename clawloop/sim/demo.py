@@ -37,7 +37,7 @@ import httpx
 from clawloop.config import Config, read_config_file, values_from_env
 from clawloop.sim.driver import EvalResult, Simulation, SimSession, evaluate
 from clawloop.sim.persona_file import PersonaFileError, load_persona_file, resolve_persona
-from clawloop.sim.personas import Persona
+from clawloop.sim.personas import PERSONAS, Persona
 from clawloop.sim.sessions import STABLE_RUN, served_summary, session_record
 from clawloop.sim.trained_terms import branch_metrics, steps_per_term, term_label
 
@@ -205,7 +205,11 @@ def add_user_arguments(parser: Any) -> None:
 
 
 def check_user_arguments(args: Any) -> str | None:
-    """An error message for inconsistent user flags, else None."""
+    """An error message for inconsistent user flags, a demo's unknown persona or a negative held-out count, else
+    None: checked before anything is written or run."""
+    problem = heldout_n_problem(getattr(args, "heldout_n", 0))
+    if problem:
+        return problem
     if args.user_model and not args.user_url:
         return "--user-model needs --user-url"
     if args.user_url and not args.user_model:
@@ -215,6 +219,9 @@ def check_user_arguments(args: Any) -> str | None:
     files = list(getattr(args, "persona_file", None) or [])
     if getattr(args, "command", "") == "demo" and len(files) > 1:
         return "a demo runs one persona: give --persona-file once"
+    if getattr(args, "command", "") == "demo" and not files and args.persona not in PERSONAS:
+        return (f"--persona: no built-in persona {args.persona!r} (known: {', '.join(PERSONAS)}; others come from "
+                "--persona-file)")
     names: dict[str, str] = {}
     for path in files:
         try:
@@ -224,6 +231,13 @@ def check_user_arguments(args: Any) -> str | None:
         if persona.name in names:
             return f"persona files {names[persona.name]} and {path} both define a persona named {persona.name!r}"
         names[persona.name] = path
+    return None
+
+
+def heldout_n_problem(heldout_n: int) -> str | None:
+    """Why ``--heldout-n`` is unusable, else None: a negative count would slice questions off the end."""
+    if heldout_n < 0:
+        return f"--heldout-n must be 0 (all the held-out questions) or more, got {heldout_n}"
     return None
 
 

@@ -8,7 +8,8 @@ Fields (``examples/personas/one_sentence_cook.toml`` is a complete example):
 * ``corrections``: the user's replies to an answer that ignores the preference (one or more);
 * ``checker``: a table with ``kind`` (one of ``checkers.CHECKER_KINDS``) and that checker's arguments;
 * the questions: ``pool`` (a pool of ``clawloop/sim/data/questions.py``), or both ``train_questions`` and
-  ``heldout_questions`` (no question in both lists: held-out questions are never trained on);
+  ``heldout_questions`` (no question in both lists: held-out questions are never trained on; questions that
+  differ only in case or spacing count as the same question, for this and for the lists' minimum lengths);
 * optional: ``description`` (who the user is, for an LLM-written user), ``thanks`` (each with ``{question}``),
   ``farewells``, ``check_topic`` (default true: an answer must mention what was asked), ``session_turns``.
 
@@ -45,11 +46,17 @@ _ARGUMENT_RULES: dict[str, tuple[Any, str]] = {
     "min_hits": (lambda v: v >= 1, "at least 1"),
     "min_share": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
     "max_words": (lambda v: v >= 1, "at least 1"),
+    "min_sentences": (lambda v: v >= 1, "at least 1"),
+    "max_sentences": (lambda v: v >= 1, "at least 1"),
+    "min_items": (lambda v: v >= 1, "at least 1"),
     "word": (lambda v: bool(v.strip()), "not empty"),
     "phrase": (lambda v: bool(v.strip()), "not empty"),
     "min_words_after": (lambda v: v >= 0, "0 or more"),
     "min_words_before": (lambda v: v >= 0, "0 or more"),
 }
+# Checker arguments whose first may not exceed the second (either one given or the checker's default), else no
+# answer could pass.
+_ORDERED_ARGUMENTS = (("min_sentences", "max_sentences"),)
 
 
 class PersonaFileError(ValueError):
@@ -104,6 +111,14 @@ def persona_from_fields(data: dict[str, Any], source: str) -> Persona:
             raise fail(key, f"has {len(value)}, needs at least {minimum}")
         return tuple(v.strip() for v in value)
 
+    def questions(key: str, minimum: int) -> tuple[str, ...]:
+        # The same question asked twice is one question: it neither varies the sessions nor adds a score step.
+        listed = texts(key)
+        distinct = len({_question_key(q) for q in listed})
+        if distinct < minimum:
+            raise fail(key, f"has {distinct} different question(s), needs at least {minimum}")
+        return listed
+
     name = text("name")
     if not _NAME_RE.match(name):
         raise fail("name", f"{name!r} may hold only letters, digits, '-' and '_' (it names folders and sessions)")
@@ -115,8 +130,10 @@ def persona_from_fields(data: dict[str, Any], source: str) -> Persona:
         options["description"] = text("description")
     if "thanks" in data:
         options["thanks"] = texts("thanks")
-        if not all("{question}" in t for t in options["thanks"]):
-            raise fail("thanks", "every reply must hold {question} (where the next question goes)")
+        for template in options["thanks"]:
+            problem = _thanks_problem(template)
+            if problem:
+                raise fail("thanks", f"{template!r}: {problem}")
     if "farewells" in data:
         options["farewells"] = texts("farewells")
     if "check_topic" in data:
@@ -141,9 +158,10 @@ def persona_from_fields(data: dict[str, Any], source: str) -> Persona:
             if key not in data:
                 raise fail(key, "missing (train_questions and heldout_questions go together)")
         pool_name = ""
-        options["own_train_questions"] = texts("train_questions", MIN_TRAIN_QUESTIONS)
-        options["own_heldout_questions"] = texts("heldout_questions", MIN_HELDOUT_QUESTIONS)
-        shared = sorted(set(options["own_train_questions"]) & set(options["own_heldout_questions"]))
+        options["own_train_questions"] = questions("train_questions", MIN_TRAIN_QUESTIONS)
+        options["own_heldout_questions"] = questions("heldout_questions", MIN_HELDOUT_QUESTIONS)
+        held_out = {_question_key(q) for q in options["own_heldout_questions"]}
+        shared = [q for q in options["own_train_questions"] if _question_key(q) in held_out]
         if shared:
             raise fail("heldout_questions", f"{len(shared)} question(s) also in train_questions, e.g. {shared[0]!r}; "
                        "a held-out question must never be trained on")
@@ -162,6 +180,25 @@ def persona_from_fields(data: dict[str, Any], source: str) -> Persona:
         source=source,
         **options,
     )
+
+
+def _question_key(question: str) -> str:
+    """What makes two questions the same one: their words, whatever the case and spacing."""
+    return " ".join(question.casefold().split())
+
+
+def _thanks_problem(template: str) -> str | None:
+    """Why a thanks reply cannot be filled in with the next question, else None (checked here, since the reply is
+    only formatted mid-run, after the persona's first good answer)."""
+    marker = "\x00question\x00"
+    try:
+        filled = template.format(question=marker)
+    except (KeyError, IndexError, AttributeError, ValueError) as exc:
+        return (f"only {{question}} may stand in braces (write {{{{ and }}}} for literal ones): "
+                f"{type(exc).__name__}: {exc}")
+    if marker not in filled:
+        return "must hold {question} (where the next question goes)"
+    return None
 
 
 def checker_from_table(table: Any, fail: Any) -> Any:
@@ -190,7 +227,13 @@ def checker_from_table(table: Any, fail: Any) -> Any:
         rule = _ARGUMENT_RULES.get(key)
         if rule is not None and not rule[0](value):
             raise fail(f"checker.{key}", f"must be {rule[1]}, got {value!r}")
-    return cls(**{k: float(v) if _PYTHON_TYPES[str(fields[k].type)] is float else v for k, v in arguments.items()})
+    checker = cls(**{k: float(v) if _PYTHON_TYPES[str(fields[k].type)] is float else v
+                     for k, v in arguments.items()})
+    for low, high in _ORDERED_ARGUMENTS:
+        if hasattr(checker, low) and getattr(checker, low) > getattr(checker, high):
+            raise fail(f"checker.{low}", f"must be at most {high} ({getattr(checker, high)}), got "
+                       f"{getattr(checker, low)}")
+    return checker
 
 
 def resolve_persona(name: str, persona_file: str = "") -> Persona:

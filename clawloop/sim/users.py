@@ -31,7 +31,7 @@ from typing import Any
 
 from clawloop.api.auth import owner_of
 from clawloop.config import Config
-from clawloop.sim.demo import DEMO_INTERACTIONS, DEMO_MAX_LAG, demo_config, wait_for_training
+from clawloop.sim.demo import DEMO_INTERACTIONS, DEMO_MAX_LAG, demo_config, heldout_n_problem, wait_for_training
 from clawloop.sim.driver import EvalResult, Simulation, evaluate
 from clawloop.sim.persona_file import PersonaFileError, load_persona_file
 from clawloop.sim.personas import Persona, get_persona
@@ -181,6 +181,10 @@ def summary_table(summary: dict[str, Any]) -> str:
 
 
 def cmd_eval_users(args: argparse.Namespace, cli_settings: dict[str, Any]) -> int:
+    problem = heldout_n_problem(args.heldout_n)
+    if problem:
+        print(f"clawloop eval-users: {problem}", file=sys.stderr)
+        return 2
     given = args.personas if args.personas is not None else ("" if args.persona_file else ",".join(DEFAULT_PERSONAS))
     try:
         personas = [get_persona(n.strip()) for n in given.split(",") if n.strip()]

@@ -80,8 +80,9 @@ def test_a_json_persona_with_a_pool_and_checker_arguments(tmp_path):
     ({"train_questions": ["a?"] * 6, "heldout_questions": ["b?"] * 5}, "pool", "not both"),
     ({"pool": None, "train_questions": ["a?"] * 6}, "heldout_questions", "missing"),
     ({"pool": None, "train_questions": ["a?", "b?"], "heldout_questions": ["c?"] * 5}, "train_questions",
-     "has 2, needs at least 6"),
-    ({"pool": None, "train_questions": [f"q{i}?" for i in range(6)], "heldout_questions": ["q1?"] + ["c?"] * 4},
+     "has 2 different question(s), needs at least 6"),
+    ({"pool": None, "train_questions": [f"q{i}?" for i in range(6)],
+      "heldout_questions": ["q1?"] + [f"c{i}?" for i in range(4)]},
      "heldout_questions", "also in train_questions"),
     ({"name": "brief"}, "name", "built-in persona"),
     ({"name": "my persona"}, "name", "only letters"),
@@ -95,6 +96,56 @@ def test_a_broken_file_is_refused_naming_the_file_and_the_field(tmp_path, change
         load_persona_file(path)
     message = str(info.value)
     assert str(path) in message and f"field '{field}'" in message and words in message
+
+
+def _refusal(tmp_path, change):
+    """The message loading ``BASE`` with ``change`` raises."""
+    fields = {k: v for k, v in {**BASE, **change}.items() if v is not None}
+    with pytest.raises(PersonaFileError) as info:
+        load_persona_file(_write(tmp_path, fields))
+    return str(info.value)
+
+
+@pytest.mark.parametrize("thanks", ["Thanks {question} {x}", "Thanks {} {question}", "Thanks {0} {question}",
+                                    "Thanks {question.upper()}", "Thanks {question:d}", "Thanks {{question}}"])
+def test_a_thanks_reply_that_cannot_be_filled_in_is_refused_when_the_file_loads(tmp_path, thanks):
+    # Formatted only after the persona's first good answer, it would otherwise stop a run midway.
+    assert "field 'thanks'" in _refusal(tmp_path, {"thanks": ["Thanks! {question}", thanks]})
+
+
+def test_a_thanks_reply_with_escaped_braces_loads(tmp_path):
+    persona = load_persona_file(_write(tmp_path, {**BASE, "thanks": ["Thanks {{really}}! {question}"]}))
+    assert persona.thanks[0].format(question="Why?") == "Thanks {really}! Why?"
+
+
+@pytest.mark.parametrize("checker, field, words", [
+    ({"kind": "numbered_list", "min_items": 0}, "checker.min_items", "at least 1"),
+    ({"kind": "paragraph", "min_sentences": 0}, "checker.min_sentences", "at least 1"),
+    ({"kind": "paragraph", "max_sentences": 0, "min_sentences": 0}, "checker.max_sentences", "at least 1"),
+    ({"kind": "paragraph", "min_sentences": 3, "max_sentences": 2}, "checker.min_sentences",
+     "at most max_sentences (2), got 3"),
+    ({"kind": "paragraph", "min_sentences": 5}, "checker.min_sentences", "at most max_sentences (4), got 5"),
+])
+def test_checker_arguments_that_every_or_no_answer_would_pass_are_refused(tmp_path, checker, field, words):
+    message = _refusal(tmp_path, {"checker": checker})
+    assert f"field '{field}'" in message and words in message
+
+
+OWN_QUESTIONS = {"pool": None, "train_questions": [f"How do I cook dish {i}?" for i in range(6)],
+                 "heldout_questions": [f"What is dish {i}?" for i in range(5)]}
+
+
+def test_questions_differing_only_in_case_or_spacing_are_one_question(tmp_path):
+    fields = {k: v for k, v in {**BASE, **OWN_QUESTIONS}.items() if v is not None}
+    assert load_persona_file(_write(tmp_path, fields)).heldout_questions == \
+        tuple(OWN_QUESTIONS["heldout_questions"])
+    repeated = {**OWN_QUESTIONS, "train_questions": ["How do I cook rice?", "how do I cook  rice?"] * 3}
+    message = _refusal(tmp_path, repeated)
+    assert "field 'train_questions'" in message and "has 1 different question(s), needs at least 6" in message
+    leaked = {**OWN_QUESTIONS, "heldout_questions": ["what is DISH 9?", *OWN_QUESTIONS["heldout_questions"][1:]]}
+    leaked["train_questions"] = [*OWN_QUESTIONS["train_questions"][:5], "What is  dish 9?"]
+    message = _refusal(tmp_path, leaked)
+    assert "field 'heldout_questions'" in message and "also in train_questions" in message
 
 
 def test_unreadable_files_are_refused_with_the_reason(tmp_path):
