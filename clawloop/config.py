@@ -527,8 +527,9 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
         if self.policy_scope == "per_user":
             self._validate_per_user()
         choice("judge_structured_output", ("auto", "json_schema", "regex", "off"))
-        if self.judge_backend == "http" and not self.judge_url:
-            raise ConfigError("judge_backend='http' needs judge_url (the judge's OpenAI-compatible base URL)")
+        if self.judge_backend == "http" and not self.judge_url and not self.vllm_judge:
+            raise ConfigError("judge_backend='http' needs judge_url (the judge's OpenAI-compatible base URL), or "
+                              "vllm_judge for a judge server clawloop starts")
         choice("staleness_mode", STALENESS_MODES)
         choice("engine", ENGINES)
         choice("trainer", TRAINERS)
@@ -777,21 +778,28 @@ def values_from_env(env: Mapping[str, str]) -> dict[str, Any]:
 def read_config_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
+    kind = "JSON" if path.suffix == ".json" else "TOML"
     try:
-        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text) if kind == "JSON" else tomllib.loads(text)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"config file {path} is not valid {path.suffix.lstrip('.') or 'TOML'}: {exc}") from exc
+        raise ConfigError(f"config file {path} is not valid {kind}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} holds a {type(data).__name__}, not an object of settings")
     # Allow [sections] in a file for readability: their keys are flattened, except for the settings that are
-    # tables themselves ([vllm_policy] ...).
+    # tables themselves ([vllm_policy] ...). A setting given in two places is refused: which one won would depend
+    # on the order of the sections.
     flat: dict[str, Any] = {}
     dict_settings = {f.name for f in dataclasses.fields(Config) if _base_type(typing.get_type_hints(Config)[f.name])
                      is dict}
     for key, value in data.items():
-        if isinstance(value, dict) and key not in dict_settings:
-            flat.update(value)
-        else:
-            flat[key] = value
+        entries = value.items() if isinstance(value, dict) and key not in dict_settings else [(key, value)]
+        for name, setting in entries:
+            if name in flat:
+                raise ConfigError(f"config file {path} sets {name} twice (in different sections); keep one")
+            flat[name] = setting
     return flat
 
 
@@ -840,6 +848,8 @@ def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
         if base is list:
             (item_tp,) = typing.get_args(typing.get_args(tp)[0] if optional else tp) or (str,)
             items = value if isinstance(value, (list, tuple)) else [v for v in str(value).split(",") if v.strip()]
+            if item_tp is str and not all(isinstance(v, str) for v in items):
+                raise ValueError(value)  # a list of keys or module names written as numbers is a mistake
             return [item_tp(v.strip() if isinstance(v, str) else v) for v in items]
         if base is str:
             if not isinstance(value, str):

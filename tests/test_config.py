@@ -78,6 +78,7 @@ def test_json_file(tmp_path):
     ({"gate_max_preference_drop": -0.5}, ["gate_max_preference_drop", ">= 0"]),
     ({"gate_prompt_state_tokens": -1}, ["gate_prompt_state_tokens", ">= 0"]),
     ({"device": "gpu"}, ["device='gpu'", "auto, cpu, cuda, cuda:N"]),
+    ({"api_keys": [1, 2]}, ["api_keys", "not a valid list"]),
     ({"lora": True, "lora_target_modules": [""]}, ["lora_target_modules"]),
 ])
 def test_invalid_values_fail_naming_the_setting(bad, words):
@@ -85,6 +86,18 @@ def test_invalid_values_fail_naming_the_setting(bad, words):
         Config.load(env={}, **bad)
     for w in words:
         assert w in str(err.value)
+
+
+@pytest.mark.parametrize("name,content,words", [
+    ("list.json", b"[1, 2]", "holds a list"),
+    ("latin.toml", "topk = 4 # caf\xe9\n".encode("latin-1"), "not UTF-8"),
+    ("twice.toml", b"[method]\nlr = 1e-4\n[trainer]\nlr = 2e-4\n", "sets lr twice"),
+])
+def test_config_files_that_cannot_be_read_as_settings_fail_naming_why(tmp_path, name, content, words):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=words):
+        Config.load(file=path, env={})
 
 
 def test_unknown_settings_fail_loudly(tmp_path):
@@ -151,6 +164,13 @@ def test_vllm_server_table_from_env_is_json():
 def test_inconsistent_vllm_and_role_settings_fail(overrides, words):
     with pytest.raises(ConfigError, match=words):
         Config.load(env={}, **overrides)
+
+
+def test_an_http_judge_may_be_the_judge_server_clawloop_starts():
+    config = Config.load(env={}, engine="vllm", judge_backend="http", vllm_judge={"port": 8003})
+    assert config.judge_backend == "http" and config.vllm_judge == {"port": 8003}
+    with pytest.raises(ConfigError, match="judge_url"):
+        Config.load(env={}, judge_backend="http")
 
 
 def test_remote_trainer_with_admin_key_is_valid():
