@@ -29,9 +29,14 @@ def encode_tensors(tensors: dict[str, torch.Tensor] | None) -> str | None:
 
 
 def decode_tensors(text: str | None) -> dict[str, torch.Tensor] | None:
+    """Tensors sent as base64 safetensors; a ``ValueError`` for text that is neither (a caller's mistake, which
+    the routes answer 400, not a server failure)."""
     if text is None:
         return None
-    return st_load(base64.b64decode(text))
+    try:
+        return st_load(base64.b64decode(text, validate=True))
+    except Exception as exc:  # noqa: BLE001 - binascii.Error, safetensors' own error, a non-string: all bad input
+        raise ValueError(f"not base64 safetensors ({type(exc).__name__}: {exc})") from None
 
 
 @dataclass

@@ -167,6 +167,11 @@ def test_remote_teacher_over_http_gives_the_in_process_tensors(make_config, base
     response = httpx.post(srv.base_url + "/v1/trainer/teacher", json={"requests": [{"hints": 3}]},
                           headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
     assert response.status_code == 400
+    garbled = {"messages": [{"role": "user", "content": "hi"}], "prompt_ids": [1], "response_ids": [2],
+               "temperature": 1.0, "hints": [], "student_ids": "bm90IHNhZmV0ZW5zb3Jz"}  # base64, not safetensors
+    response = httpx.post(srv.base_url + "/v1/trainer/teacher", json={"requests": [garbled]},
+                          headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
+    assert response.status_code == 400 and "safetensors" in response.json()["error"]["message"]
 
 
 def test_a_failing_teacher_costs_the_opd_branch_only(make_config, base_model, tiny_tokenizer, tmp_path):
