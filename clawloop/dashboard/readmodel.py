@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sqlite3
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -70,6 +71,34 @@ def recorded_judge_setup(store: Store) -> dict[str, Any] | None:
     except ValueError:
         return None
     return data if isinstance(data, dict) else None
+
+
+VIEW_META = "dashboard_settings"
+"""Store meta key under which the serving process keeps what the dashboard reads a run with: the model (for its
+tokenizer), ``hint_selection`` and ``adv_diff_clip``."""
+
+
+def record_view_settings(store: Store, settings: dict[str, Any]) -> None:
+    """Keep the settings a run's tokens and hints are shown with, so that ``clawloop dashboard RUN_DIR`` of a run
+    that no demo summarised (``clawloop serve``, ``clawloop openclaw``) reads it as its server did."""
+    store.set_meta(VIEW_META, json.dumps(settings, sort_keys=True))
+
+
+def recorded_view_settings(store_path: str | Path) -> dict[str, Any]:
+    """The settings ``record_view_settings`` kept ({} for a run recorded before they were, or no store)."""
+    try:
+        store = Store(store_path, readonly=True)
+    except sqlite3.Error:
+        return {}
+    try:
+        raw = store.get_meta(VIEW_META)
+    finally:
+        store.close()
+    try:
+        data = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 # ---- which weights a step's update ended up in ----------------------------------------------------------------

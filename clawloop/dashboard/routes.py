@@ -104,7 +104,7 @@ def install_for_service(app: FastAPI, service: Any) -> RunView:
     judge set-up is also written to the store's meta here, at start-up, so that the run's folder still names its
     judge once the server is gone (``clawloop dashboard RUN_DIR``)."""
     from clawloop.api.token_texts import TokenTexts
-    from clawloop.dashboard.readmodel import latency_summary, record_judge_setup
+    from clawloop.dashboard.readmodel import latency_summary, record_judge_setup, record_view_settings
 
     config = service.config
     texts = TokenTexts(service.tokenizer)
@@ -117,6 +117,8 @@ def install_for_service(app: FastAPI, service: Any) -> RunView:
 
     judge = service.judge_setup()
     record_judge_setup(service.store, judge)
+    record_view_settings(service.store, {"model": config.model, "hint_selection": config.hint_selection,
+                                         "adv_diff_clip": config.adv_diff_clip})
     view = RunView(config.run_dir, store_path=service.store.path, token_text=lambda i: texts.get(i)[0],
                    hint_selection=config.hint_selection, adv_diff_clip=config.adv_diff_clip, judge=judge, live=live)
     install(app, view, config)

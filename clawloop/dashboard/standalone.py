@@ -17,7 +17,8 @@ from clawloop.api.auth import KeyRing
 from clawloop.api.errors import install_error_handlers
 from clawloop.api.guard import BrowserGuard, CatchAll
 from clawloop.config import Config
-from clawloop.dashboard.readmodel import RunView, view_for_run_dir
+from clawloop.store import find_store
+from clawloop.dashboard.readmodel import RunView, recorded_view_settings, view_for_run_dir
 from clawloop.dashboard.routes import PREFIX, install
 
 log = logging.getLogger("clawloop.dashboard")
@@ -47,9 +48,11 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
 
 
 def build_app(run_dir: str | Path, config: Config, *, model: str | None = None) -> tuple[FastAPI, RunView]:
+    """The dashboard app of ``run_dir``. Its tokens and hints are shown with the settings its server recorded in
+    the store, else those of the demo's summary, else ``config``'s; ``model`` names the tokenizer instead."""
     run_dir = Path(run_dir)
     summary = run_summary(run_dir)
-    settings = summary.get("settings") or {}
+    settings = {**(summary.get("settings") or {}), **recorded_view_settings(find_store(run_dir))}
     judge = summary.get("judge") if isinstance(summary.get("judge"), dict) else None
     view = view_for_run_dir(
         run_dir, token_text=token_text_for(model or settings.get("model") or "default"),

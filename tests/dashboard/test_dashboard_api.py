@@ -327,6 +327,19 @@ def test_two_users_sessions_of_the_same_name_stay_apart(make_server, known):
         assert c.get("sessions/s1").json()["owner"] == ""
 
 
+def test_a_served_run_read_from_its_folder_shows_its_tokens_and_hints_as_its_server_did(make_server, known):
+    """A run no demo summarised (clawloop serve): its server keeps the model and hint settings in the store, and
+    `clawloop dashboard RUN_DIR` reads them from there instead of its own defaults."""
+    from clawloop.config import Config
+    from clawloop.dashboard.standalone import build_app
+
+    run_dir, _ = known
+    make_server(run_dir=run_dir, hint_selection="shortest", adv_diff_clip=0.5).stop()
+    _, view = build_app(run_dir, Config.load(env={}, admin_key=ADMIN_KEY))
+    assert (view.hint_selection, view.adv_diff_clip) == ("shortest", 0.5)
+    assert view.sample_tokens(1)["chosen_hint"]["selection"] == "shortest"
+
+
 def test_a_fresh_server_shows_an_empty_run(make_server):
     srv = make_server()
     with httpx.Client(base_url=srv.base_url + "/dashboard/api", timeout=60) as c:
