@@ -12,7 +12,6 @@ import json
 import math
 import sqlite3
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -314,9 +313,10 @@ class RunView:
         turns = store.count_turns()
         samples = store.count_samples()
         by_kind = store.count_samples_by_kind()
-        steps = store.steps()
-        versions = store.versions()
-        events = store.events()
+        # Counts and the newest rows only: the page polls this every 2 s, and gate events hold a check's evidence.
+        step_count, last = store.step_count_and_last()
+        event_counts = store.event_counts()
+        recent_events = store.recent_events(8)
         now = time.time()
         # Context samples are stored as turns of their own that nobody was served: left out of what was served.
         recent = store.turn_activity(now - 300.0)
@@ -327,18 +327,16 @@ class RunView:
         if "policy_version" in live:
             version, version_from = live["policy_version"], "served now"
         else:
-            accepted = [v["version"] for v in versions if v["status"] == "accepted"]
-            version = max(accepted) if accepted else (steps[-1]["policy_version"] if steps else 0)
+            accepted = store.latest_accepted_version()
+            version = accepted if accepted is not None else (last["policy_version"] if last else 0)
             version_from = "latest accepted version in the records"
-        gate = Counter(e["kind"] for e in events)
-        last = steps[-1] if steps else None
         return {
             "run_dir": str(self.run_dir),
             "live": self.live is not None,
             "time": now,
             "policy_version": version,
             "policy_version_from": version_from,
-            "steps": len(steps),
+            "steps": step_count,
             "last_step": None if last is None else {"step": last["step"], "created_at": last["created_at"],
                                                     "loss": last["metrics"].get("loss")},
             "samples_waiting": int(samples.get(TurnState.READY, 0)),
@@ -350,9 +348,9 @@ class RunView:
             "context_turns": context_turns,
             "drop_reasons": store.drop_reasons(),
             "judge": {**self._judge_setup(store), **store.vote_stats()},
-            "gate": {"events_by_kind": dict(gate),
-                     "recent": [self._event(e) for e in events[-8:]][::-1]},
-            "rollbacks": sum(1 for e in events if e["kind"] == "rollback"),
+            "gate": {"events_by_kind": event_counts,
+                     "recent": [self._event(e) for e in recent_events][::-1]},
+            "rollbacks": event_counts.get("rollback", 0),
             "throughput": {"window_s": 300, "turns": recent["turns"],
                            "turns_per_min": round(recent["turns"] / 5.0, 2),
                            "response_tokens_per_s": round(recent["response_tokens"] / 300.0, 3)},

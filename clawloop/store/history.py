@@ -102,6 +102,11 @@ def _step_row(r: sqlite3.Row) -> dict[str, Any]:
             **({"owner": r["owner"]} if "owner" in r.keys() else {})}
 
 
+def _event_row(r: sqlite3.Row) -> dict[str, Any]:
+    return {"id": r["id"], "created_at": r["created_at"], "kind": r["kind"], "step": r["step"],
+            "version": r["version"], "detail": json.loads(r["detail"])}
+
+
 class History:
     """The history half of ``Store`` (see the module docstring)."""
 
@@ -124,6 +129,13 @@ class History:
                 "s.created_at) AS requeued FROM steps s ORDER BY s.step").fetchall()
         return [{**_step_row(r), "requeued": bool(r["requeued"])} for r in rows
                 if not (in_weights_only and r["requeued"])]
+
+    def step_count_and_last(self) -> tuple[int, dict[str, Any] | None]:
+        """How many steps are recorded and the last one (what a status line needs, without reading every row)."""
+        with self.db.read() as db:
+            count = int(db.execute("SELECT COUNT(*) FROM steps").fetchone()[0])
+            row = db.execute("SELECT * FROM steps ORDER BY step DESC LIMIT 1").fetchone()
+        return count, None if row is None else _step_row(row)
 
     def requeued_steps(self) -> list[dict[str, Any]]:
         """Steps whose weights were lost in a crash and whose samples were trained again after a resume (a copy
@@ -204,11 +216,28 @@ class History:
                          version=int(to_version))
         return later
 
+    def latest_accepted_version(self) -> int | None:
+        """The highest version whose status is ``accepted`` (None: none is)."""
+        with self.db.read() as db:
+            row = db.execute("SELECT MAX(version) FROM versions WHERE status='accepted'").fetchone()
+        return None if row[0] is None else int(row[0])
+
+    def event_counts(self) -> dict[str, int]:
+        """Events by kind (their details, which hold the gate's evidence, are not read)."""
+        with self.db.read() as db:
+            rows = db.execute("SELECT kind, COUNT(*) AS n FROM events GROUP BY kind").fetchall()
+        return {r["kind"]: int(r["n"]) for r in rows}
+
+    def recent_events(self, n: int) -> list[dict[str, Any]]:
+        """The ``n`` newest events, oldest first, as ``events`` gives them."""
+        with self.db.read() as db:
+            rows = db.execute("SELECT * FROM events ORDER BY id DESC LIMIT ?", (int(n),)).fetchall()
+        return [_event_row(r) for r in reversed(rows)]
+
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         with self.db.read() as db:
             if kind is None:
                 rows = db.execute("SELECT * FROM events ORDER BY id").fetchall()
             else:
                 rows = db.execute("SELECT * FROM events WHERE kind=? ORDER BY id", (kind,)).fetchall()
-        return [{"id": r["id"], "created_at": r["created_at"], "kind": r["kind"], "step": r["step"],
-                 "version": r["version"], "detail": json.loads(r["detail"])} for r in rows]
+        return [_event_row(r) for r in rows]
