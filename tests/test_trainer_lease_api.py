@@ -151,6 +151,32 @@ def test_without_admin_key_routes_answer_only_on_loopback(tmp_path):
     store.close()
 
 
+class LoseFirstLeaseAnswer(httpx.HTTPTransport):
+    """The server leases, then the answer is lost on the way back (a read timeout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if request.url.path == "/v1/trainer/lease" and not self.lost:
+            self.lost += 1
+            response.read()
+            raise httpx.ReadTimeout("the answer was lost", request=request)
+        return response
+
+
+def test_a_lease_retried_after_its_answer_was_lost_gets_the_samples_the_first_try_leased(server):
+    transport = LoseFirstLeaseAnswer()
+    trainer = RemoteStore(server.base_url, ADMIN_KEY, backoff_s=0.01, transport=transport)
+    lease_id, samples = trainer.lease_samples(3, lease_s=600, min_n=3)
+    assert transport.lost == 1 and len(samples) == 3  # not an empty second lease while the first holds all three
+    assert server.store.count_samples() == {"leased": 3}
+    trainer.commit_step(lease_id, 1, 0, {"loss": 0.5}, [s.turn_id for s in samples])
+    assert server.store.count_samples() == {"consumed": 3}
+
+
 def test_heartbeat_keeps_a_lease_past_its_first_expiry(server):
     trainer = RemoteStore(server.base_url, ADMIN_KEY)
     other = RemoteStore(server.base_url, ADMIN_KEY)

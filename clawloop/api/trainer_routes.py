@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -60,6 +61,7 @@ T = TypeVar("T")
 MAX_LEASE_S = 24 * 3600.0
 MAX_RECENT_PROMPTS = 1000
 MAX_INT = 2**31 - 1
+LEASE_ID_RE = re.compile(r"[0-9a-f]{8,64}")
 """Largest count, step, turn id or policy version a route accepts."""
 
 
@@ -147,9 +149,13 @@ def mount_trainer_routes(app: FastAPI, store: Store, engine: Any, config: Any) -
         min_n = body.get("min_n")
         min_n = None if min_n is None else _integer(body, "min_n", minimum=0)
         lease_s = min(_number(body, "lease_s", 600.0, minimum=0.001), MAX_LEASE_S)
+        asked_id = body.get("lease_id")  # the trainer's own id: a retried lease gets what the first attempt did
+        if asked_id is not None and not (isinstance(asked_id, str) and LEASE_ID_RE.fullmatch(asked_id)):
+            raise APIError(400, "'lease_id' must be 8 to 64 hex digits.", "invalid_request_error", "lease_id",
+                           "invalid_value")
 
         def work() -> dict[str, Any]:
-            lease_id, samples = store.lease_samples(n, lease_s=lease_s, min_n=min_n)
+            lease_id, samples = store.lease_samples(n, lease_s=lease_s, min_n=min_n, lease_id=asked_id)
             return {"lease_id": lease_id, "lease_s": lease_s,
                     "samples": [sample_to_json(s, store.get_turn(s.turn_id)) for s in samples],
                     "waiting": store.ready_count()}

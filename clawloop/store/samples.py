@@ -137,14 +137,20 @@ class Samples:
         return None if row is None else sample_from_row(row)
 
     def lease_samples(self, n: int, lease_s: float = 3600.0, min_n: int | None = None, *,
-                      owner: str | None = None) -> tuple[str, list[SampleRecord]]:
+                      owner: str | None = None, lease_id: str | None = None) -> tuple[str, list[SampleRecord]]:
         """Lease up to ``n`` ready samples (oldest first) under a new lease id. With ``min_n``, lease nothing
         unless at least that many are ready; with ``owner``, only that owner's samples (per-user policies).
-        Expired leases are returned to ready first."""
-        lease_id = uuid.uuid4().hex
+        Expired leases are returned to ready first. ``lease_id``: the caller's own id for the lease, so that a
+        request retried after its answer was lost gets the samples its first attempt leased, not a second lease
+        (the first one's samples would otherwise wait for it to expire)."""
+        lease_id = lease_id or uuid.uuid4().hex
         now = time.time()
         where, args = owned_samples(owner)
         with self.db.tx() as db:
+            held = db.execute("SELECT * FROM samples WHERE lease_id=? AND state=? ORDER BY created_at, turn_id",
+                              (lease_id, TurnState.LEASED)).fetchall()
+            if held:
+                return lease_id, [sample_from_row(r) for r in held]
             _expire_leases(db, now)
             rows = db.execute(f"SELECT turn_id FROM samples WHERE state=?{where} ORDER BY created_at, turn_id LIMIT ?",
                               (TurnState.READY, *args, n)).fetchall()

@@ -15,6 +15,7 @@ own (``trainer.contracts.SampleSource``), and the gate's recent prompts come fro
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import httpx
@@ -33,9 +34,11 @@ class StoreUnavailable(RuntimeError):
 
 class RemoteStore:
     def __init__(self, api_url: str, admin_key: str = "", *, timeout_s: float = 60.0, retries: int = 3,
-                 backoff_s: float = 0.5):
+                 backoff_s: float = 0.5, transport: httpx.BaseTransport | None = None):
+        """``transport``: httpx's, for a network path of one's own (a proxy, a test that loses answers)."""
         headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-        self._client = httpx.Client(base_url=api_url.rstrip("/"), headers=headers, timeout=timeout_s)
+        self._client = httpx.Client(base_url=api_url.rstrip("/"), headers=headers, timeout=timeout_s,
+                                    transport=transport)
         self.retries = retries
         self.backoff_s = backoff_s
         self._turns: dict[int, TurnRecord] = {}
@@ -59,7 +62,9 @@ class RemoteStore:
     # ---- the Store subset ---------------------------------------------------------------------------
     def lease_samples(self, n: int, lease_s: float = 3600.0,
                       min_n: int | None = None) -> tuple[str, list[SampleRecord]]:
-        out = self._call("POST", "/v1/trainer/lease", {"n": n, "min_n": min_n, "lease_s": lease_s})
+        # Our own lease id: a retry after a lost answer (a read timeout) gets the same samples, not a second lease.
+        out = self._call("POST", "/v1/trainer/lease", {"n": n, "min_n": min_n, "lease_s": lease_s,
+                                                      "lease_id": uuid.uuid4().hex})
         lease_id = out["lease_id"]
         samples = []
         for d in out["samples"]:
