@@ -3,9 +3,11 @@ new weights over authenticated HTTP, so the trainer can run as its own process (
 
 Routes (all ``POST`` with a JSON body, except ``GET /v1/trainer/state``):
 
-* ``/v1/trainer/lease {n, min_n, lease_s}`` → ``{lease_id, samples: [...], waiting}``; each sample carries its
-  turn (prompt/response ids exactly as generated, behaviour log-probs, temperature, policy version, messages)
-  and its judge/teacher outcome (reward, kind, hints, targets as base64 safetensors).
+* ``/v1/trainer/lease {n, min_n, lease_s, lease_id?}`` → ``{lease_id, samples: [...], waiting}``; each sample
+  carries its turn (prompt/response ids exactly as generated, behaviour log-probs, temperature, policy version,
+  messages) and its judge/teacher outcome (reward, kind, hints, targets as base64 safetensors). A ``lease_id``
+  chosen by the trainer makes the call safe to retry: a lease that still holds samples under it is answered
+  again instead of leasing more.
 * ``/v1/trainer/heartbeat {lease_id, lease_s}`` extends the lease; 409 when it was lost.
 * ``/v1/trainer/commit {lease_id, step, policy_version, metrics, turn_ids}`` → ``store.commit_step``; 409 only
   when the lease was lost (its samples expired and went to another trainer), so a step is acknowledged at most
