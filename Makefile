@@ -1,4 +1,4 @@
-# Entry points for a fresh machine: `make demo`, `make test` and `make openclaw`.
+# Entry points for a fresh machine: `make demo` and `make test` (and `make openclaw` to serve OpenClaw).
 # Each creates .venv when missing and installs what it needs.
 PY      := .venv/bin/python
 PIP     := .venv/bin/pip
