@@ -245,3 +245,29 @@ def test_hint_min_chars_is_respected():
     out = asyncio.run(judge.judge(turn(user("Please answer in French."))))
     assert out.reward == -1 and out.candidates == []
     assert out.hint_votes[0].score == -1 and parse_hint(out.hint_votes[0].raw_text).score == -1
+
+
+def test_a_line_without_a_full_stop_is_a_sentence_of_its_own():
+    """A line break ends a sentence: a correction on a line of its own is read, not swallowed by the next line."""
+    from clawloop.judge.rules import split_sentences
+
+    assert split_sentences("too long\nthanks for trying") == ["too long", "thanks for trying"]
+    assert split_sentences('Wrong: It was Austen. "Yes." ok?!) x') == ["Wrong:", "It was Austen.", '"Yes."', "ok?!)",
+                                                                        "x"]
+    verdict = decide([{"role": "user", "content": "Way too long\nAnswer in one short sentence next time"}])
+    assert verdict.score == -1 and "one short sentence" in verdict.hint
+
+
+def test_a_message_of_hundreds_of_thousands_of_characters_is_judged_at_once():
+    """One user's message must not hold the judge (and the event loop every user shares) for minutes: a line of
+    dashes without a sentence end made a backtracking pattern quadratic (16,000 characters took seconds, a full
+    context about an hour). Run apart, with a deadline far above the linear reading's fraction of a second."""
+    import subprocess
+    import sys
+
+    script = ("from clawloop.judge.rules import decide\n"
+              "for text in ['-' * 500_000 + '\\nx', 'a:' * 200_000, 'make it shorter and ' * 25_000]:\n"
+              "    decide([{'role': 'user', 'content': text}])\n"
+              "    decide([{'role': 'tool', 'content': text, 'tool_call_id': 'c'}])\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
