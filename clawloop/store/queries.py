@@ -73,8 +73,10 @@ class Queries:
         """Up to ``n`` distinct recent prompts, spread across users and sessions: ``(turn id, prompt ids, request
         messages)``.
 
-        The rule (``spread_prompts``): the ``scan`` newest turns are read (newest first) and a prompt equal to a
-        newer one (a retried request, the same question asked again) is skipped. The rest are grouped by owner (the
+        The rule (``spread_prompts``): the ``scan`` newest turns of each of the ``n`` most recently active owners
+        are read (newest first; per owner, so that one owner's flood of requests cannot push the others out of
+        what is read) and a prompt equal to a newer one (a retried request, the same question asked again) is
+        skipped. The rest are grouped by owner (the
         API key's name) and, within an owner, by session. Owners take turns, the owner with the newest turn first;
         each turn of an owner takes that owner's next session in the same way (sessions by their newest turn, a
         session's prompts newest first), so one user or one session cannot fill the slots while others have
@@ -97,10 +99,17 @@ class Queries:
                  " WHERE e.kind = 'gate_rejected' AND j.value = s.consumed_step)") if corrected else ""
         if mine:
             where += (" AND" if where else " WHERE") + " t.owner = ?"
+        chosen = where + (" AND" if where else " WHERE") + " t.owner IN (SELECT owner FROM active)"
+        owned = (owner,) if mine else ()
         with self.db.read() as db:
-            rows = db.execute(f"SELECT t.id AS id, t.owner AS owner, t.session_id AS session_id, t.prompt_ids AS"
-                              f" prompt_ids FROM turns t {where} ORDER BY t.id DESC LIMIT ?",
-                              ((owner,) if mine else ()) + (max(int(n), int(scan)),)).fetchall()
+            rows = db.execute(
+                f"WITH active AS (SELECT t.owner AS owner FROM turns t {where} GROUP BY t.owner"
+                f" ORDER BY MAX(t.id) DESC LIMIT ?),"
+                f" ranked AS (SELECT t.id AS id, t.owner AS owner, t.session_id AS session_id, t.prompt_ids AS"
+                f" prompt_ids, ROW_NUMBER() OVER (PARTITION BY t.owner ORDER BY t.id DESC) AS newest FROM turns t"
+                f" {chosen})"
+                f" SELECT id, owner, session_id, prompt_ids FROM ranked WHERE newest <= ? ORDER BY id DESC",
+                owned + (int(n),) + owned + (max(int(n), int(scan)),)).fetchall()
             distinct: list[Any] = []
             seen: set[bytes] = set()
             for r in rows:

@@ -40,6 +40,18 @@ def test_one_user_cannot_fill_the_recent_prompts(tmp_path, tiny_tokenizer):
                      "Question 14 from Alice?"]
 
 
+def test_one_user_flooding_one_prompt_cannot_push_the_others_out(tmp_path, tiny_tokenizer):
+    """Hundreds of copies of one prompt from one key: the others' prompts are still among those read, and the
+    copies count once."""
+    store = Store(tmp_path / "store.sqlite")
+    for text in ("What is a lake?", "What is a whale?", "What is a cave?"):
+        _add(store, tiny_tokenizer, text, owner="bob", session=text)
+    for i in range(250):
+        _add(store, tiny_tokenizer, "x", owner="alice", session=f"a{i}")
+    assert sorted(_asked(store.recent_prompts(8))) == ["What is a cave?", "What is a lake?", "What is a whale?", "x"]
+    assert _asked(store.recent_prompts(8, owner="bob")) == ["What is a cave?", "What is a whale?", "What is a lake?"]
+
+
 def test_one_session_cannot_fill_a_users_share(tmp_path, tiny_tokenizer):
     store = Store(tmp_path / "store.sqlite")
     _add(store, tiny_tokenizer, "What is a lake?", session="quiet")

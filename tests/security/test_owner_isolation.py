@@ -175,5 +175,6 @@ def test_turn_ids_given_to_a_user_do_not_count_other_users_turns(make_server, tm
         ended = c.post("/v1/sessions/alice/end", headers={"Authorization": f"Bearer {ALICE}"}).json()
         assert ended["dropped_turn_id"] == third.json()["clawloop"]["turn_id"]
         # The admin's views keep the store's own ids.
-        turns = c.get("/dashboard/api/sessions/alice", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+        turns = c.get("/dashboard/api/sessions/alice", params={"owner": owner_of(ALICE)},
+                      headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
         assert [t["turn_id"] for t in turns["turns"]] == [1, 7, 8]
