@@ -13,32 +13,38 @@ Roles (docs/method.md, section 5), each its own server:
   LoRA enabled: prompt log-probs on a LoRA-enabled vLLM 0.32 CPU server crash its engine.
 * **judge** (``vllm_judge``): a separate judge server, any model folder; judged over HTTP (chat completions).
 
+Access: a managed server without an ``api_key`` in its section gets a random one, which every client here
+sends (the engines and publishers, the judge through ``judge_api_key``, the readiness checks); the server asks for
+it on every path but ``/health`` (``clawloop.engines.vllm_server``).
+
 Starting: every managed server is launched first and then waited for, so their (minutes-long) start-ups
-overlap. Logs go to ``RUN_DIR/logs/vllm-<role>.log``, the process id to ``vllm-<role>.pid`` beside it: a server
-left running by a run that was killed with -9 (nothing could stop it) is stopped when the folder's next run
-starts, instead of holding its memory and port forever. Supervision: ``FleetSupervisor`` (a server component the
+overlap. Logs go to ``RUN_DIR/logs/vllm-<role>.log``, the process id and the launch id to ``vllm-<role>.pid``
+beside it, rewritten at every (re)start: a server left running by a run that was killed with -9 (nothing could
+stop it) is stopped when the folder's next run starts, instead of holding its memory and port forever; only
+processes carrying that launch id are touched. Supervision: ``FleetSupervisor`` (a server component the
 composition root, ``clawloop.assemble``, runs whenever a fleet does, training on or off) checks the servers every
 ``interval_s``, restarts a dead managed one (``VLLMServer.ensure_running``, at most ``max_restarts`` times) and,
 for the policy server, loads the current weights again (``publisher.restore()``), since a restarted vLLM comes
 back with the base model only; an attached policy server that stops answering and comes back (restarted by
 whoever runs it) gets its weights restored the same way. Stopping stops the managed servers and leaves attached
-ones alone.
+ones alone. A policy restore that fails is tried again every interval until it succeeds, and one role's failure
+does not keep the others from being checked.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-import os
-import signal
-import time
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from clawloop.config import Config
+from clawloop.engines.base import EngineError
 from clawloop.engines.model_files import resolve_model
-from clawloop.engines.vllm_server import VLLMServer, VLLMServerSettings
+from clawloop.engines.vllm_server import VLLMServer, VLLMServerSettings, end_launch
 
 log = logging.getLogger("clawloop.fleet")
 
@@ -73,7 +79,10 @@ def server_settings(config: Config, role: str, model_dir: Path) -> VLLMServerSet
                         dev_mode=not config.lora)
     if config.num_threads and role != "judge":
         defaults["env"] = {"OMP_NUM_THREADS": str(config.num_threads)}
-    return VLLMServerSettings.from_mapping({**defaults, **section})
+    settings = {**defaults, **section}
+    # Dev mode lets any caller swap the served weights: no server of ours runs without a key.
+    settings["api_key"] = settings.get("api_key") or secrets.token_urlsafe(32)
+    return VLLMServerSettings.from_mapping(settings)
 
 
 @dataclass
@@ -110,13 +119,10 @@ class Fleet:
         try:
             for role, server in self.servers.items():
                 if server.managed:
-                    pid_file = _pid_file(server)
-                    stop_leftover(pid_file)
+                    server.pid_file = _pid_file(server)  # rewritten at every start, restarts included
+                    stop_leftover(server.pid_file)
                     log.warning("starting the vLLM %s server (log %s)", role, server.settings.log_file)
-                    server.launch()
-                    pid_file.write_text(str(server.process.pid))
-                else:
-                    server.launch()
+                server.launch()
                 self._started.append(server)
             for server in self.servers.values():
                 server.wait_ready()
@@ -142,9 +148,11 @@ class Fleet:
                            vllm_teacher={})
             if config.judge_backend == "auto" and not config.judge_url and not config.vllm_judge:
                 # The judge falls to the frozen model: over HTTP (chat completions), like any judge endpoint.
-                changes.update(judge_url=self.teacher.url + "/v1", judge_model=self.teacher.served_model_name)
+                changes.update(judge_url=self.teacher.url + "/v1", judge_model=self.teacher.served_model_name,
+                               judge_api_key=self.teacher.api_key or config.judge_api_key)
         if self.judge is not None:
-            changes.update(judge_url=self.judge.url + "/v1", judge_model=self.judge.served_model_name, vllm_judge={})
+            changes.update(judge_url=self.judge.url + "/v1", judge_model=self.judge.served_model_name, vllm_judge={},
+                           judge_api_key=self.judge.api_key or config.judge_api_key)
         return config.replace(**changes) if changes else config
 
     # ---- engines ------------------------------------------------------------------------------------------
@@ -178,36 +186,18 @@ def _pid_file(server: VLLMServer) -> Path:
     return Path(server.settings.log_file).with_suffix(".pid")
 
 
-def stop_leftover(pid_file: Path) -> bool:
+def stop_leftover(pid_file: Path, grace_s: float = 10.0) -> bool:
     """Stop the vLLM server an earlier run of this folder started and could not stop (it was killed with -9):
-    it holds memory and its port. Only a process that is still a vLLM server is touched. True if one was."""
+    it holds memory and its port. Only processes that carry the launch id the pid file records are touched (not
+    whatever now has the recorded process id, nor another run's server). True if any was found."""
     try:
-        pid = int(pid_file.read_text().strip())
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except (OSError, ValueError):
+        launch_id = str(json.loads(pid_file.read_text())["launch"])
+    except (OSError, ValueError, TypeError, KeyError):  # none, or written by an older version: nothing to match
         return False
-    if "vllm.entrypoints" not in cmdline:
-        return False
-    log.warning("stopping vLLM server %d left running by an earlier run (%s)", pid, pid_file)
-    try:
-        os.killpg(pid, signal.SIGTERM)  # the server leads its own process group
-        for _ in range(100):
-            if not _running(pid):
-                return True
-            time.sleep(0.1)
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return True
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an exited child nobody has reaped yet)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+    found = bool(launch_id) and end_launch(launch_id, grace_s)
+    if found:
+        log.warning("stopped the vLLM server left running by an earlier run (%s)", pid_file)
+    return found
 
 
 def _server(config: Config, role: str, url: str, model: str) -> VLLMServer:
@@ -235,6 +225,8 @@ class FleetSupervisor:
         self.interval_s = interval_s
         self.restarted: list[str] = []
         self._down: set[str] = set()
+        self._restore_due = False
+        """The policy server came back with the base weights and the current ones are not loaded yet."""
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -250,33 +242,55 @@ class FleetSupervisor:
             self._task = None
 
     async def check_once(self) -> list[str]:
-        """Restart what died; returns the roles restarted (or, attached, seen coming back)."""
-        restarted = []
+        """Restart what died and load the policy's weights again where due; returns the roles restarted (or,
+        attached, seen coming back). Every role is checked even when another one fails; the failures are raised
+        together afterwards (EngineError). A failed restore stays due and is tried again at the next check."""
+        restarted: list[str] = []
+        failures: dict[str, str] = {}
         for role, server in self.fleet.servers.items():
-            if server.managed:
-                back = await asyncio.to_thread(server.ensure_running)
-            else:
-                # Restarted by someone else: it comes back with the base weights, so watch for down -> up.
-                alive = await asyncio.to_thread(server.is_alive)
-                back = alive and role in self._down
-                if alive:
-                    self._down.discard(role)
-                else:
-                    if role not in self._down:
-                        log.warning("the vLLM %s server at %s does not answer", role, server.url)
-                    self._down.add(role)
+            try:
+                back = await self._came_back(role, server)
+            except Exception as exc:  # noqa: BLE001 - reported below, once the other roles were checked
+                failures[role] = str(exc)
+                continue
             if back:
                 restarted.append(role)
                 log.warning("the vLLM %s server was restarted", role)
-                if role == "policy" and self.fleet.publisher is not None:
-                    await self.fleet.publisher.restore()
+                if role == "policy":  # it came back with the base weights
+                    self._restore_due = True
         self.restarted.extend(restarted)
+        if self._restore_due and "policy" not in failures:
+            try:
+                await self._restore()
+            except Exception as exc:  # noqa: BLE001 - still due: tried again at the next check
+                failures["policy"] = f"loading the current weights again failed: {exc}"
+        if failures:
+            raise EngineError("; ".join(f"vLLM {role} server: {failure}" for role, failure in failures.items()))
         return restarted
+
+    async def _came_back(self, role: str, server: VLLMServer) -> bool:
+        if server.managed:
+            return await asyncio.to_thread(server.ensure_running)
+        # Restarted by someone else: it comes back with the base weights, so watch for down -> up.
+        alive = await asyncio.to_thread(server.is_alive)
+        back = alive and role in self._down
+        if alive:
+            self._down.discard(role)
+        else:
+            if role not in self._down:
+                log.warning("the vLLM %s server at %s does not answer", role, server.url)
+            self._down.add(role)
+        return back
+
+    async def _restore(self) -> None:
+        if self.fleet.publisher is not None:
+            await self.fleet.publisher.restore()
+        self._restore_due = False
 
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.check_once()
-            except Exception:  # noqa: BLE001 - a server beyond its restarts: say so every interval, keep serving
+            except Exception:  # noqa: BLE001 - a server beyond its restarts, a failed restore: say so every interval
                 log.exception("vLLM server supervision failed")

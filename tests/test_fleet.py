@@ -1,19 +1,28 @@
-"""Which vLLM servers a config asks for, with what settings, and their supervision (a fake vLLM process)."""
+"""Which vLLM servers a config asks for, with what settings, how they are guarded, and their supervision (a fake
+vLLM process)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import signal
+import stat
+import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from clawloop.config import Config
-from clawloop.fleet import Fleet, FleetSupervisor, needs_teacher_server, server_settings
+from clawloop.engines import vllm_server
+from clawloop.engines.base import EngineError
+from clawloop.engines.vllm_server import LAUNCH_ENV, VLLMServer, free_port
+from clawloop.fleet import Fleet, FleetSupervisor, needs_teacher_server, server_settings, stop_leftover
 
 
 @pytest.fixture
@@ -89,8 +98,9 @@ def test_judge_falls_to_the_teacher_server_over_http(model_dir, tmp_path):
 
 
 FAKE_VLLM = textwrap.dedent('''
-    """A stand-in for vLLM's OpenAI server: /health and /v1/models, on the --port it is given."""
-    import json, sys
+    """A stand-in for vLLM's OpenAI server: /health and /v1/models, on the --port it is given, its answers marked
+    with its launch id as the guard clawloop loads into vLLM marks them."""
+    import json, os, sys
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     args = sys.argv[sys.argv.index("-m") + 2:]
     port = int(args[args.index("--port") + 1])
@@ -103,6 +113,7 @@ FAKE_VLLM = textwrap.dedent('''
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
+            self.send_header("x-clawloop-launch", os.environ.get("CLAWLOOP_VLLM_LAUNCH", ""))
             self.end_headers()
             self.wfile.write(body)
 
@@ -157,10 +168,6 @@ def test_a_dead_managed_server_is_restarted_and_the_policy_weights_restored(mode
 
 
 def test_an_attached_policy_server_that_comes_back_gets_the_weights_again(tmp_path):
-    import subprocess
-
-    from clawloop.engines.vllm_server import VLLMServer, free_port
-
     script = tmp_path / "fake_vllm.py"
     script.write_text(FAKE_VLLM)
     port = free_port()
@@ -195,25 +202,277 @@ def test_an_attached_policy_server_that_comes_back_gets_the_weights_again(tmp_pa
         process.kill()
 
 
-def test_a_server_left_by_a_killed_run_is_stopped_by_the_next_start(model_dir, tmp_path):
-    import subprocess
+LINGERING = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"
+"""A process that ignores SIGTERM (as a stuck server may), ready once it printed a line."""
 
-    from clawloop.fleet import stop_leftover
 
-    script = tmp_path / "fake_vllm.py"
-    script.write_text(FAKE_VLLM)
-    # A process whose command line is a vLLM server's, in its own session, as VLLMServer starts them.
-    leftover = subprocess.Popen([sys.executable, str(script), "-m", "vllm.entrypoints.openai.api_server", "--port",
-                                 "0", "--served-model-name", "base"], start_new_session=True)
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+def lingering(launch_id: str) -> subprocess.Popen:
+    """A process of launch ``launch_id``, as VLLMServer starts them: its own session, the id in its environment, a
+    vLLM server's command line."""
+    process = subprocess.Popen([sys.executable, "-c", LINGERING, "-m", "vllm.entrypoints.openai.api_server"],
+                               env={**os.environ, LAUNCH_ENV: launch_id}, stdout=subprocess.PIPE,
+                               start_new_session=True)
+    process.stdout.readline()
+    return process
+
+
+def test_a_server_left_by_a_killed_run_is_stopped_by_the_next_start(tmp_path):
+    leftover, other_run = lingering("launch-of-the-killed-run"), lingering("launch-of-another-run")
     try:
         pid_file = tmp_path / "vllm-policy.pid"
-        pid_file.write_text(str(other.pid))
-        assert stop_leftover(pid_file) is False and other.poll() is None  # not a vLLM server: left alone
-        pid_file.write_text(str(leftover.pid))
-        assert stop_leftover(pid_file) is True
-        assert leftover.wait(10) is not None
+        # The recorded pid was reused by another run's server: the launch id, not the pid, says what is ours.
+        pid_file.write_text(json.dumps({"pid": other_run.pid, "launch": "a-launch-long-gone"}))
+        assert stop_leftover(pid_file) is False and other_run.poll() is None
+        pid_file.write_text(json.dumps({"pid": leftover.pid, "launch": "launch-of-the-killed-run"}))
+        assert stop_leftover(pid_file, grace_s=0.5) is True
+        assert leftover.poll() is not None  # it ignored SIGTERM: killed, and gone by the time stop_leftover returned
+        assert other_run.poll() is None
         assert stop_leftover(tmp_path / "missing.pid") is False
+        pid_file.write_text(str(other_run.pid))  # an older version's pid file: nothing to tell its server by
+        assert stop_leftover(pid_file) is False and other_run.poll() is None
     finally:
         leftover.kill()
-        other.kill()
+        other_run.kill()
+
+
+def test_a_leftover_that_may_not_be_signalled_does_not_stop_the_start(tmp_path, monkeypatch):
+    leftover = lingering("launch-of-the-killed-run")
+    try:
+        pid_file = tmp_path / "vllm-policy.pid"
+        pid_file.write_text(json.dumps({"pid": leftover.pid, "launch": "launch-of-the-killed-run"}))
+
+        def refuse(*_):
+            raise PermissionError("not allowed")
+
+        monkeypatch.setattr(os, "kill", refuse)
+        monkeypatch.setattr(os, "killpg", refuse)
+        started = time.monotonic()
+        assert stop_leftover(pid_file, grace_s=5.0) is True  # found; the port check then says what holds the port
+        assert time.monotonic() - started < 5.0  # nothing to wait for when no signal could be sent
+    finally:
+        monkeypatch.undo()
+        leftover.kill()
+
+
+def fake_vllm_python(tmp_path: Path, source: str) -> Path:
+    """An executable that runs ``source`` with this interpreter, given a vLLM server's arguments."""
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(source)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {script} "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
+def test_the_pid_file_follows_every_start_of_the_server(model_dir, tmp_path):
+    python = fake_vllm_python(tmp_path, FAKE_VLLM)
+    config = config_for(model_dir, tmp_path, engine="vllm", method="rl", judge_backend="rules", lora=True,
+                        vllm_policy={"python": str(python), "startup_timeout_s": 30.0})
+    fleet = Fleet.plan(config).start()
+    pid_file = tmp_path / "run" / "logs" / "vllm-policy.pid"
+    try:
+        first = json.loads(pid_file.read_text())
+        assert first == {"pid": fleet.policy.process.pid, "launch": fleet.policy.launch_id}
+        os.killpg(fleet.policy.process.pid, signal.SIGKILL)
+        fleet.policy.process.wait(10)
+        assert fleet.policy.ensure_running()
+        second = json.loads(pid_file.read_text())  # a run killed now leaves the restarted server findable
+        assert second == {"pid": fleet.policy.process.pid, "launch": fleet.policy.launch_id} != first
+    finally:
+        fleet.stop()
+    assert not pid_file.exists()
+
+
+GUARDED_VLLM = textwrap.dedent('''
+    """A stand-in for vLLM's OpenAI server as an ASGI app: it loads every --middleware as vLLM does (a class is
+    wrapped around the app) and answers 200 everywhere, dev-mode routes included."""
+    import importlib, json, sys
+    import uvicorn
+    args = sys.argv[sys.argv.index("-m") + 2:]
+    port = int(args[args.index("--port") + 1])
+    name = args[args.index("--served-model-name") + 1]
+
+    async def app(scope, receive, send):
+        answer = {"data": [{"id": name, "max_model_len": 2048}]} if scope["path"] == "/v1/models" else {}
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
+
+    for flag, value in zip(args, args[1:]):
+        if flag == "--middleware":
+            module, attribute = value.rsplit(".", 1)
+            app = getattr(importlib.import_module(module), attribute)(app)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+''')
+
+WEIGHT_ROUTES = ("/collective_rpc", "/pause?mode=wait", "/update_weight_version", "/v1/load_lora_adapter")
+
+
+@pytest.mark.parametrize("configured_key", ["", "a-key-of-the-operator"])
+def test_every_managed_server_has_a_key_and_asks_for_it_on_every_route(model_dir, tmp_path, configured_key):
+    python = fake_vllm_python(tmp_path, GUARDED_VLLM)
+    section = {"python": str(python), "startup_timeout_s": 30.0}
+    if configured_key:
+        section["api_key"] = configured_key
+    config = config_for(model_dir, tmp_path, engine="vllm", method="rl", judge_backend="rules", vllm_policy=section)
+    fleet = Fleet.plan(config)
+    key = fleet.policy.settings.api_key
+    if configured_key:
+        assert key == configured_key
+    else:  # random, and another run's is another
+        assert len(key) >= 32 and key != Fleet.plan(config).policy.settings.api_key
+    assert fleet.policy.settings.dev_mode  # full fine-tuning: the routes that swap weights are on
+    fleet.start()
+    try:
+        url = fleet.policy.url
+        for route in WEIGHT_ROUTES:
+            assert httpx.post(url + route, json={}).status_code == 401, route
+            assert httpx.post(url + route, json={}, headers={"Authorization": "Bearer guess"}).status_code == 401
+            assert httpx.post(url + route, json={}, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/health").status_code == 200  # liveness probes carry no key
+        assert fleet.policy.engine().api_key == key  # the engine, and the publisher that calls through it
+        assert VLLMServer.attach(url).api_key == key  # another part of this process attaching by URL
+    finally:
+        fleet.stop()
+
+
+def test_the_key_reaches_the_server_in_its_environment_never_its_command_line_or_a_log(model_dir, tmp_path, caplog):
+    python = fake_vllm_python(tmp_path, FAKE_VLLM)
+    key = "k-" + "s3cret" * 6
+    config = config_for(model_dir, tmp_path, engine="vllm", method="rl", judge_backend="rules",
+                        vllm_policy={"python": str(python), "startup_timeout_s": 30.0, "api_key": key})
+    fleet = Fleet.plan(config)
+    log_file = Path(fleet.policy.settings.log_file)
+    log_file.parent.mkdir(parents=True)
+    log_file.write_text("an earlier run's output\n")
+    log_file.chmod(0o644)
+    with caplog.at_level(logging.DEBUG):
+        fleet.start()
+    try:
+        pid = fleet.policy.process.pid
+        assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()  # readable by every local user
+        assert f"VLLM_API_KEY={key}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    finally:
+        fleet.stop()
+    assert key not in caplog.text and key not in log_file.read_text()
+    assert stat.S_IMODE(log_file.stat().st_mode) == 0o600
+    with pytest.raises(ValueError, match="as api_key"):
+        config_for(model_dir, tmp_path, engine="vllm", vllm_policy={"extra_args": [f"--api-key={key}"]})
+
+
+def test_a_judge_on_a_keyed_server_is_sent_its_key(model_dir, tmp_path):
+    on_teacher = config_for(model_dir, tmp_path, engine="vllm", method="rl")  # the judge falls to the teacher
+    fleet = Fleet.plan(on_teacher)
+    fleet.policy._url, fleet.teacher._url = "http://127.0.0.1:8001", "http://127.0.0.1:8002"  # as start() sets them
+    resolved = fleet.resolve(on_teacher)
+    assert resolved.judge_url == "http://127.0.0.1:8002/v1"
+    assert resolved.judge_api_key == fleet.teacher.api_key != ""
+    own_judge = config_for(model_dir, tmp_path, engine="vllm", method="rl", vllm_judge={"api_key": "judge-key"})
+    fleet = Fleet.plan(own_judge)
+    for server in fleet.servers.values():
+        server._url = "http://127.0.0.1:8003"
+    assert fleet.resolve(own_judge).judge_api_key == "judge-key"
+
+
+def serve_a_stranger(tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    """Another run's server on a port of its own (not started by the VLLMServer under test)."""
+    script = tmp_path / "stranger.py"
+    script.write_text(FAKE_VLLM)
+    port = free_port()
+    process = subprocess.Popen([sys.executable, str(script), "-m", "vllm", "--port", str(port), "--served-model-name",
+                                "base"], env={**os.environ, LAUNCH_ENV: "the-other-run"})
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
+                return process, port
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    process.kill()
+    raise AssertionError("the stranger did not start")
+
+
+def test_a_port_another_process_holds_is_refused_before_launching(model_dir, tmp_path):
+    stranger, port = serve_a_stranger(tmp_path)
+    try:
+        python = fake_vllm_python(tmp_path, FAKE_VLLM)
+        config = config_for(model_dir, tmp_path, engine="vllm", method="rl", judge_backend="rules",
+                            vllm_policy={"python": str(python), "port": port, "startup_timeout_s": 10.0})
+        fleet = Fleet.plan(config)
+        with pytest.raises(EngineError, match=f"port {port} .*another process holds it"):
+            fleet.start()
+        assert fleet.policy.process is None  # nothing was launched
+    finally:
+        stranger.kill()
+        stranger.wait(10)
+
+
+def test_a_stranger_answering_on_the_port_is_not_taken_for_the_server_started_here(model_dir, tmp_path, monkeypatch):
+    """Should the port check miss it (another server binding the port while ours starts), readiness still tells."""
+    stranger, port = serve_a_stranger(tmp_path)
+    monkeypatch.setattr(vllm_server, "port_taken", lambda host, port: False, raising=False)
+    try:
+        python = tmp_path / "python"
+        python.write_text("#!/bin/sh\nexec sleep 60\n")  # ours is still loading: only the stranger answers
+        python.chmod(0o755)
+        config = config_for(model_dir, tmp_path, engine="vllm", method="rl", judge_backend="rules",
+                            vllm_policy={"python": str(python), "port": port, "startup_timeout_s": 10.0})
+        fleet = Fleet.plan(config)
+        with pytest.raises(EngineError, match=f"another process answers on port {port}"):
+            fleet.start()
+        assert fleet.policy.process is None  # ours was stopped
+    finally:
+        stranger.kill()
+        stranger.wait(10)
+
+
+class StubServer:
+    """A managed server whose ``ensure_running`` answers from a script: True (restarted), False, or an error."""
+
+    managed = True
+    url = "http://stub"
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.checks = 0
+
+    def ensure_running(self):
+        self.checks += 1
+        answer = self.answers.pop(0) if self.answers else False
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+class FlakyPublisher:
+    def __init__(self, failures: int):
+        self.failures = failures
+        self.attempts = 0
+
+    async def restore(self):
+        self.attempts += 1
+        if self.attempts <= self.failures:
+            raise EngineError("the server answered 503")
+
+
+def test_a_failed_restore_is_tried_again_at_the_next_check():
+    fleet = Fleet(policy=StubServer(True), publisher=FlakyPublisher(failures=1))
+    supervisor = FleetSupervisor(fleet)
+    with pytest.raises(EngineError, match="503"):
+        asyncio.run(supervisor.check_once())
+    assert asyncio.run(supervisor.check_once()) == []  # alive now, but still on the base weights
+    assert fleet.publisher.attempts == 2
+    assert supervisor.restarted == ["policy"]
+    asyncio.run(supervisor.check_once())
+    assert fleet.publisher.attempts == 2  # restored: nothing more to do
+
+
+def test_one_roles_failure_does_not_keep_the_others_from_being_checked():
+    fleet = Fleet(policy=StubServer(EngineError("died and was already restarted 3 times")),
+                  teacher=StubServer(True), judge=StubServer(False))
+    supervisor = FleetSupervisor(fleet)
+    with pytest.raises(EngineError, match="died and was already restarted"):
+        asyncio.run(supervisor.check_once())
+    assert fleet.teacher.checks == 1 and fleet.judge.checks == 1
+    assert supervisor.restarted == ["teacher"]

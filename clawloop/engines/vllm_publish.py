@@ -16,10 +16,13 @@ Two ways, both bumping the engine's ``policy_version`` by one per publication:
   (``/pause?mode=wait``), reloads the folder in place (``/collective_rpc`` -> ``reload_weights``, vLLM's
   in-place reload), drops its prefix cache (cached KV of the old weights must not be reused), records the
   version (``/update_weight_version``) and resumes. These endpoints exist only on a server started with
-  ``VLLM_SERVER_DEV_MODE=1`` (``VLLMServerSettings(dev_mode=True)``). If the reload fails, the previous
-  weights are reloaded and the error is raised. vLLM 0.32 also has a streaming weight-transfer API
-  (``/init_weight_transfer_engine`` + ``/update_weights`` over NCCL or CUDA IPC); it needs GPUs on both sides, so
-  the disk reload is the path that works everywhere, CPU included.
+  ``VLLM_SERVER_DEV_MODE=1`` (``VLLMServerSettings(dev_mode=True)``). The new version is served, and recorded
+  here, as soon as its reload succeeded (a failed ``/update_weight_version`` only leaves vLLM's own label stale
+  and is logged). If the reload fails, the previous weights are reloaded, serving resumes and the error is
+  raised; if that fails too, the server stays paused (no request is served on half-loaded weights) until a
+  publication or restore succeeds or the server is restarted, and the error says so. vLLM 0.32 also has a
+  streaming weight-transfer API (``/init_weight_transfer_engine`` + ``/update_weights`` over NCCL or CUDA IPC); it
+  needs GPUs on both sides, so the disk reload is the path that works everywhere, CPU included.
 
 Paths go to the server as written; when the server sees the folders under another mount, give ``server_dir`` (the
 same folder as the server sees it). Publication must run in the process whose engine serves the requests (the
@@ -347,8 +350,6 @@ class CheckpointPublisher(_Publisher):
                 self.written.append(folder)
             async with self.engine.draining():
                 await self._reload(folder, version)
-                self.engine.set_policy(version, self.engine.base_model)
-            self.current = folder
             await asyncio.to_thread(self._prune)
             return version
 
@@ -360,6 +361,7 @@ class CheckpointPublisher(_Publisher):
                     await self._reload(self.current, self.engine.policy_version)
 
     async def _reload(self, folder: Path, version: int) -> None:
+        """Pause, load ``folder`` as ``version`` and resume; a failure is rolled back (``_roll_back``)."""
         try:
             await self._call("POST", "/pause?mode=wait")
         except EngineError as exc:
@@ -367,18 +369,35 @@ class CheckpointPublisher(_Publisher):
                 if "404" in str(exc) else ""
             raise EngineError(f"cannot pause {self.engine.base_url} for a weight reload{hint}: {exc}") from exc
         try:
-            try:
-                await self._reload_from(folder)
-            except EngineError as exc:
-                try:
-                    await self._reload_from(self.current)
-                    restored = f"the previous weights ({self.current}) were reloaded"
-                except EngineError as again:
-                    restored = f"restoring the previous weights failed too: {again}"
-                raise EngineError(f"reloading weights from {folder} failed: {exc}; {restored}") from exc
+            await self._reload_from(folder)
+        except EngineError as exc:
+            await self._roll_back(folder, exc)
+        # The server holds the new weights from here on: what is served and what is recorded must agree.
+        self.current = folder
+        self.engine.set_policy(version, self.engine.base_model)
+        try:
             await self._call("POST", "/update_weight_version", {"new_version": str(version)})
+        except EngineError as exc:
+            log.warning("%s serves weight version %d but did not record it: %s", self.engine.base_url, version, exc)
         finally:
             await self._call("POST", "/resume")
+
+    async def _roll_back(self, folder: Path, error: EngineError) -> None:
+        """After loading ``folder`` failed: reload the previous weights, resume and raise. When that fails too, the
+        server is left paused: neither set of weights is whole, and resuming would serve a half-loaded model."""
+        failure = f"reloading weights from {folder} failed: {error}"
+        try:
+            await self._reload_from(self.current)
+        except EngineError as again:
+            log.error("%s is left paused: %s; reloading the previous weights failed too", self.engine.base_url,
+                      failure)
+            raise EngineError(
+                f"{failure}; reloading the previous weights ({self.current}) failed too: {again}; the server stays "
+                "paused (no request is served on half-loaded weights) until a publication or restore succeeds or "
+                "it is restarted"
+            ) from error
+        await self._call("POST", "/resume")
+        raise EngineError(f"{failure}; the previous weights ({self.current}) were reloaded") from error
 
     async def _reload_from(self, folder: Path) -> None:
         await self._call("POST", "/collective_rpc", {"method": "reload_weights",

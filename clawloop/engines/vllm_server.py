@@ -14,6 +14,16 @@ Choices a reader needs to know:
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``. ``dev_mode`` (``VLLM_SERVER_DEV_MODE=1``) exposes ``/pause``,
   ``/resume``, ``/collective_rpc`` and ``/reset_prefix_cache``, which checkpoint publication needs; never expose a
   dev-mode server beyond the trainer's network.
+* **Access.** ``api_key`` reaches vLLM through ``VLLM_API_KEY`` (a command line is readable by every local user;
+  a process's environment only by its owner) and never goes to a log; the log file is created 0600. vLLM checks
+  its key on a few path prefixes only, so every server started here also loads a small guard module
+  (``--middleware clawloop_vllm_guard.RequireKey``, written to a private temp folder put on its ``PYTHONPATH``)
+  that asks for the key on every path but ``/health`` (dev-mode routes included) and marks each answer with a
+  random id given to that launch only.
+* **Its own port.** A port that something already holds is refused before launching (vLLM binds with
+  ``SO_REUSEPORT``, so a second server of the same user would share the port with the first one), and readiness
+  takes only answers that carry this launch's id: another process answering on the port stops the start with an
+  error naming the port instead of being taken for the server started here.
 * **Small by default**: ``--max-model-len 2048``, ``--max-num-seqs 16`` and, on CPU, a 1 GiB KV cache
   (``VLLM_CPU_KVCACHE_SPACE``). ``enforce_eager`` skips torch.compile: startup takes a couple of minutes instead
   of several on a small CPU (the first compiled start of a configuration is the slow one; vLLM caches the
@@ -22,16 +32,20 @@ Choices a reader needs to know:
 * **Lifecycle.** The process runs in its own session (process group) with stdout/stderr in a log file. ``start``
   waits for ``GET /health`` and the served model in ``GET /v1/models`` up to ``startup_timeout_s``, failing early
   (with the log's tail in the error) when the process exits. ``stop`` sends SIGTERM to the group, then SIGKILL after
-  a grace period. ``ensure_running`` restarts a server that died (up to ``max_restarts``). ``attach`` wraps a
-  server started elsewhere: the same health wait, and ``stop`` leaves it alone.
+  a grace period. ``ensure_running`` restarts a server that died (up to ``max_restarts``), after ending what is
+  left of its launch (processes that carry its launch id). ``pid_file``, when set, is rewritten at every start
+  with the process id and launch id. ``attach`` wraps a server started elsewhere: the same health wait, and
+  ``stop`` leaves it alone.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -53,6 +67,63 @@ log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV_DIRNAME = ".venv-vllm"
 _RUNNING: weakref.WeakSet[VLLMServer] = weakref.WeakSet()
+LAUNCH_ENV = "CLAWLOOP_VLLM_LAUNCH"
+"""Environment variable holding the random id of one launch: the guard marks answers with it, and the processes of
+a launch are found by it (``launch_processes``)."""
+LAUNCH_HEADER = "x-clawloop-launch"
+GUARD_MODULE = "clawloop_vllm_guard"
+_GUARD_SOURCE = '''"""Loaded into a vLLM server clawloop started (``--middleware clawloop_vllm_guard.RequireKey``).
+
+vLLM checks its API key on a few path prefixes only, and dev mode adds routes (/pause, /collective_rpc, ...) that
+swap the served weights: this asks for the key on every path but /health, and marks each answer with the launch id
+clawloop gave this process, so that clawloop can tell its own server from another one on the same port."""
+
+import hmac
+import os
+
+_KEYED = bool(os.environ.get("VLLM_API_KEY"))
+_EXPECTED = ("Bearer " + os.environ.get("VLLM_API_KEY", "")).encode()
+_LAUNCH = os.environ.get("CLAWLOOP_VLLM_LAUNCH", "").encode()
+_OPEN_PATHS = {"/health"}
+_REFUSAL = b'{"error": "Unauthorized"}'
+
+
+class RequireKey:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        if _KEYED and scope["path"] not in _OPEN_PATHS and not _has_key(scope):
+            return await _refuse(scope, send)
+        return await self.app(scope, receive, _marking(send))
+
+
+def _has_key(scope):
+    given = dict(scope.get("headers") or []).get(b"authorization", b"")
+    return hmac.compare_digest(given, _EXPECTED)
+
+
+def _marking(send):
+    async def send_marked(message):
+        if message["type"] == "http.response.start" and _LAUNCH:
+            message = {**message, "headers": [*message.get("headers", []), (b"x-clawloop-launch", _LAUNCH)]}
+        await send(message)
+
+    return send_marked
+
+
+async def _refuse(scope, send):
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(_REFUSAL)).encode())]
+    await send({"type": "http.response.start", "status": 401, "headers": headers})
+    await send({"type": "http.response.body", "body": _REFUSAL})
+'''
+_guard_folder: tempfile.TemporaryDirectory | None = None
+"""The private folder holding the guard module: made once per process, removed at exit."""
 
 
 @atexit.register
@@ -76,6 +147,83 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Whether a socket already listens on (or binds exclusively) ``host:port``. SO_REUSEADDR, as vLLM binds: the
+    closed connections of a server that just died (TIME_WAIT) do not hold the port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def guard_folder() -> Path:
+    """The folder to put on a server's ``PYTHONPATH`` so that it can import the guard module."""
+    global _guard_folder
+    if _guard_folder is None:
+        folder = tempfile.TemporaryDirectory(prefix="clawloop-vllm-guard-")  # 0700: nobody else can swap the guard
+        (Path(folder.name) / f"{GUARD_MODULE}.py").write_text(_GUARD_SOURCE)
+        _guard_folder = folder
+    return Path(_guard_folder.name)
+
+
+def launch_processes(launch_id: str) -> list[int]:
+    """The processes of one launch: those whose environment carries its id (a server and the workers it started).
+    A reused process id or another run's server never does; other users' processes cannot be read and are skipped."""
+    marker = f"{LAUNCH_ENV}={launch_id}".encode()
+    try:
+        entries = [entry for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone meanwhile, or another user's (PermissionError)
+            continue
+        if marker in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def end_launch(launch_id: str, grace_s: float = 10.0) -> bool:
+    """SIGTERM the processes of ``launch_id``, SIGKILL those left after ``grace_s``, and wait until they are gone
+    (they hold memory and the port). True if any was found."""
+    pids = launch_processes(launch_id)
+    if not pids:
+        return False
+    if _signal(pids, signal.SIGTERM) and not _wait_ended(launch_id, grace_s):
+        if _signal(launch_processes(launch_id), signal.SIGKILL) and not _wait_ended(launch_id, 10.0):
+            log.error("vLLM processes %s of launch %s outlived SIGKILL", launch_processes(launch_id), launch_id)
+    return True
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> bool:
+    """Send ``sig`` to ``pids``; False when one may not be signalled (then there is nothing to wait for)."""
+    allowed = True
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            log.warning("not allowed to signal vLLM process %d: it keeps running", pid)
+            allowed = False
+    return allowed
+
+
+def _wait_ended(launch_id: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while launch_processes(launch_id):  # an ended process nobody reaped yet has no environment left to read
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 @dataclass(frozen=True)
@@ -107,7 +255,8 @@ class VLLMServerSettings:
     """``VLLM_CPU_KVCACHE_SPACE`` (GiB) for the CPU build; None leaves vLLM's default. Ignored on GPU builds."""
     gpu_memory_utilization: float | None = None
     api_key: str = ""
-    """When set the server requires ``Authorization: Bearer <api_key>``."""
+    """When set the server requires ``Authorization: Bearer <api_key>`` on every path but ``/health``; it is passed
+    in the environment (``VLLM_API_KEY``), never on the command line."""
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     log_file: str = ""
@@ -132,6 +281,9 @@ class VLLMServerSettings:
                 raise ValueError(f"vLLM server setting {name}={value!r} is not a {expected[0].__name__}")
         if "extra_args" in values and not all(isinstance(a, str) for a in values["extra_args"]):
             raise ValueError(f"extra_args must be a list of strings, got {values['extra_args']!r}")
+        if any(a.split("=", 1)[0] == "--api-key" for a in values.get("extra_args", ())):
+            # On the command line every local user could read it, and clawloop's clients would not send it.
+            raise ValueError("give the server's key as api_key, not as --api-key in extra_args")
         if "env" in values and not all(isinstance(v, str) for v in dict(values["env"]).values()):
             raise ValueError(f"env values must be strings, got {values['env']!r}")
         port = values.get("port", 0)
@@ -175,8 +327,7 @@ class VLLMServerSettings:
             argv += ["--block-size", str(self.block_size)]
         if self.gpu_memory_utilization is not None:
             argv += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
-        if self.api_key:
-            argv += ["--api-key", self.api_key]
+        argv += ["--middleware", f"{GUARD_MODULE}.RequireKey"]  # importable through guard_folder()
         return argv + list(self.extra_args)
 
     def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -191,6 +342,10 @@ class VLLMServerSettings:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        # The settings alone decide the key: one inherited from this process would lock its clients out.
+        env.pop("VLLM_API_KEY", None)
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
         # The main venv's variables must not leak into the other interpreter.
         for key in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
             env.pop(key, None)
@@ -231,6 +386,10 @@ class VLLMServer:
         self._startup_timeout_s = settings.startup_timeout_s if settings else startup_timeout_s
         self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None
+        self.pid_file: Path | None = None
+        """Where each start records the process id and launch id (None: nowhere), for ``clawloop.fleet``."""
+        self.launch_id = ""
+        """The random id of the current launch ('' before the first one)."""
         self.restarts = 0
         self.startup_s: float | None = None
 
@@ -239,8 +398,9 @@ class VLLMServer:
     @classmethod
     def attach(cls, url: str, *, api_key: str = "", served_model_name: str = "",
                startup_timeout_s: float = 60.0) -> VLLMServer:
-        """Wrap a server started elsewhere (``stop`` will not touch it). Call ``start`` to wait for it."""
-        return cls(url=url, api_key=api_key, served_model_name=served_model_name,
+        """Wrap a server started elsewhere (``stop`` will not touch it). Call ``start`` to wait for it. A server this
+        process started (another part of it attaching by URL) is sent the key it was started with."""
+        return cls(url=url, api_key=api_key or _key_of_running(url), served_model_name=served_model_name,
                    startup_timeout_s=startup_timeout_s)
 
     @property
@@ -256,6 +416,11 @@ class VLLMServer:
     @property
     def served_model_name(self) -> str:
         return self._served_name
+
+    @property
+    def api_key(self) -> str:
+        """The key its clients send ('' for none)."""
+        return self._api_key
 
     def start(self) -> VLLMServer:
         """Start the process (managed) and wait until it serves; an attached server is only waited for."""
@@ -284,26 +449,35 @@ class VLLMServer:
             settings = replace(settings, port=free_port(settings.host))
             self.settings = settings
         self._url = settings.url
-        if settings.log_file:
-            self.log_path = Path(settings.log_file)
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        else:
-            fd, name = tempfile.mkstemp(prefix=f"clawloop-vllm-{settings.port}-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(name)
+        if port_taken(settings.host, settings.port):
+            raise EngineError(
+                f"cannot start a vLLM server on port {settings.port} ({settings.host}): another process holds it "
+                "(a server of another run?); stop it or give this server another port"
+            )
+        self.log_path = _log_path(settings)
+        self.launch_id = secrets.token_hex(16)
         argv = settings.command(python)
         log.info("starting vLLM: %s (log %s)", " ".join(argv), self.log_path)
-        with open(self.log_path, "ab") as out:
+        with os.fdopen(_open_private(self.log_path), "ab") as out:
             out.write(f"\n=== clawloop: {' '.join(argv)}\n".encode())
             out.flush()
             self.process = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=settings.environment(), start_new_session=True,
+                env=self._launch_environment(settings), start_new_session=True,
             )
         _RUNNING.add(self)
+        if self.pid_file is not None:
+            self.pid_file.write_text(json.dumps({"pid": self.process.pid, "launch": self.launch_id}))
+
+    def _launch_environment(self, settings: VLLMServerSettings) -> dict[str, str]:
+        env = settings.environment()
+        env[LAUNCH_ENV] = self.launch_id
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(guard_folder()), env.get("PYTHONPATH", "")) if p)
+        return env
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Block until ``/health`` answers 200 and the served model is listed; EngineError otherwise."""
+        """Block until ``/health`` answers 200 and the served model is listed (by this launch, for a server started
+        here); EngineError otherwise."""
         timeout_s = self._startup_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         started = time.monotonic()
@@ -319,6 +493,7 @@ class VLLMServer:
                 try:
                     if client.get(f"{self.url}/health").status_code == 200:
                         models = client.get(f"{self.url}/v1/models")
+                        self._refuse_a_stranger(models)
                         if models.status_code == 200:
                             names = [m.get("id") for m in models.json().get("data", [])]
                             if not self._served_name or self._served_name in names:
@@ -339,6 +514,19 @@ class VLLMServer:
                         self.stop()
                     raise EngineError(f"vLLM server {self.url} not ready after {timeout_s:.0f} s ({last}){where}")
                 time.sleep(1.0)
+
+    def _refuse_a_stranger(self, answer: httpx.Response) -> None:
+        """Stop the start when another process answers on the port of the one started here: only this launch's
+        guard marks its answers with its id (and knows the key), so anything else is not our server."""
+        if not self.launch_id or answer.headers.get(LAUNCH_HEADER) == self.launch_id:
+            return
+        why = "refuses this server's key" if answer.status_code in (401, 403) else "is not the process started here"
+        assert self.settings is not None
+        self.stop()
+        raise EngineError(
+            f"another process answers on port {self.settings.port}: {self.url} {why}; stop it or give this server "
+            "another port"
+        )
 
     # ------------------------------------------------------------------------------------------ running
 
@@ -366,6 +554,8 @@ class VLLMServer:
                     self.process.returncode if self.process else None)
         self.restarts += 1
         self.process = None
+        if self.launch_id:  # workers it left behind hold memory, and may hold its listening socket
+            end_launch(self.launch_id, grace_s=0.0)
         self.start()
         return True
 
@@ -425,6 +615,29 @@ class VLLMServer:
             )
         kwargs.update(overrides)
         return VLLMEngine(self.url, self.served_model_name, **kwargs)
+
+
+def _key_of_running(url: str) -> str:
+    """The key of the server this process started at ``url`` ('' if it started none there)."""
+    url = url.rstrip("/")
+    return next((server.api_key for server in list(_RUNNING) if server._url == url), "")
+
+
+def _log_path(settings: VLLMServerSettings) -> Path:
+    if settings.log_file:
+        path = Path(settings.log_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+    fd, name = tempfile.mkstemp(prefix=f"clawloop-vllm-{settings.port}-", suffix=".log")
+    os.close(fd)
+    return Path(name)
+
+
+def _open_private(path: Path) -> int:
+    """``path`` opened for appending, readable by its owner only (a server's log may show what it was sent)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)  # a log left by an older run may be world-readable
+    return fd
 
 
 def main(argv: list[str] | None = None) -> int:

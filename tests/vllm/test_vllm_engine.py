@@ -55,7 +55,8 @@ def assert_same_topk(got, want) -> None:
 
 
 def models_on(server) -> list[str]:
-    return [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]]
+    key = {"Authorization": f"Bearer {server.api_key}"}  # every server the fleet starts asks for its key
+    return [m["id"] for m in httpx.get(f"{server.url}/v1/models", headers=key, timeout=30).json()["data"]]
 
 
 def test_generation_gives_exact_ids_and_sampling_logprobs(vllm_servers, hf_engine, smol_tokenizer, smol_prompt):

@@ -202,24 +202,29 @@ def test_server_that_never_gets_ready_is_stopped_after_the_timeout(tmp_path):
 def test_server_command_line_carries_the_settings_clawloop_relies_on(tmp_path):
     settings = VLLMServerSettings.from_mapping({
         "model": str(tmp_path), "port": 8123, "enable_lora": True, "dev_mode": True, "enforce_eager": True,
-        "extra_args": ["--seed", "7"],
+        "extra_args": ["--seed", "7"], "api_key": "the-key",
     })
     argv = settings.command("/venv/bin/python")
     assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     flags = " ".join(argv)
     for flag in ("--logprobs-mode processed_logprobs", "--generation-config vllm", "--max-logprobs 64",
-                 "--enable-lora", "--enforce-eager", "--port 8123", "--seed 7"):
+                 "--enable-lora", "--enforce-eager", "--port 8123", "--seed 7",
+                 "--middleware clawloop_vllm_guard.RequireKey"):
         assert flag in flags
-    env = settings.environment({"PATH": "/bin", "VIRTUAL_ENV": "/work/.venv"})
+    assert "the-key" not in flags  # a command line is readable by every local user
+    env = settings.environment({"PATH": "/bin", "VIRTUAL_ENV": "/work/.venv", "VLLM_API_KEY": "inherited"})
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["HF_HUB_OFFLINE"] == "1" and "VIRTUAL_ENV" not in env
+    assert env["VLLM_API_KEY"] == "the-key"
+    assert "VLLM_API_KEY" not in VLLMServerSettings(model="m").environment({"VLLM_API_KEY": "inherited"})
     with pytest.raises(ValueError, match=r"unknown vLLM server setting\(s\) \[.max_modle_len.\]"):
         VLLMServerSettings.from_mapping({"model": "x", "max_modle_len": 10})
 
 
 FAKE_VLLM = '''#!{python}
-"""Stands in for `python -m vllm.entrypoints.openai.api_server`: serves /health and /v1/models on --port."""
-import json, sys
+"""Stands in for `python -m vllm.entrypoints.openai.api_server`: serves /health and /v1/models on --port, its answers
+marked with its launch id as the guard clawloop loads into vLLM marks them."""
+import json, os, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 args = sys.argv[1:]
@@ -232,6 +237,7 @@ class Handler(BaseHTTPRequestHandler):
             {{"data": [{{"id": name, "max_model_len": 2048}}]}}).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
+        self.send_header("x-clawloop-launch", os.environ.get("CLAWLOOP_VLLM_LAUNCH", ""))
         self.end_headers()
         self.wfile.write(body)
 

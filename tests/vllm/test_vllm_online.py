@@ -56,7 +56,7 @@ def served_gap(model: torch.nn.Module, turn) -> float:
 
 def test_one_online_step_with_policy_judge_and_teacher_on_vllm(vllm_fleet, tmp_path):
     torch.set_num_threads(2)
-    _, fleet_config = vllm_fleet
+    fleet, fleet_config = vllm_fleet
     # A small step: at lr 1e-3 one step of SmolLM2 on two samples often loses facts the gate's knowledge probes ask
     # for and is rejected (docs/publication-gate.md), and this test needs a published version to check vLLM serves it.
     config = fleet_config.replace(
@@ -89,7 +89,8 @@ def test_one_online_step_with_policy_judge_and_teacher_on_vllm(vllm_fleet, tmp_p
             # the weights compared below are the ones vLLM serves.
             assert wait_for_training(runtime, 1200), "the trainer never caught up with the sessions"
             assert engine.policy_version >= 1
-            adapters = [m["id"] for m in http.get(f"{config.policy_url}/v1/models").json()["data"]]
+            key = {"Authorization": f"Bearer {fleet.policy.api_key}"}  # the fleet's servers ask for their key
+            adapters = [m["id"] for m in http.get(f"{config.policy_url}/v1/models", headers=key).json()["data"]]
             assert f"clawloop-v{engine.policy_version}" in adapters  # the adapter was hot-loaded by vLLM
 
             after = chat(http, "after", [{"role": "user", "content": "Name a colour."}])
@@ -143,7 +144,7 @@ def test_two_users_on_vllm_each_served_their_own_policy(vllm_fleet, tmp_path):
     from clawloop.api.auth import owner_of
 
     torch.set_num_threads(2)
-    _, fleet_config = vllm_fleet
+    fleet, fleet_config = vllm_fleet
     keys = ["vllm-user-a-7c1d", "vllm-user-b-0e93"]
     config = fleet_config.replace(
         run_dir=str(tmp_path / "run"), port=0, method="rl", judge_backend="rules", rollout_batch_size=2, lr=1e-4,
@@ -165,7 +166,9 @@ def test_two_users_on_vllm_each_served_their_own_policy(vllm_fleet, tmp_path):
                 user_a.post(f"/v1/sessions/a{i}/end").raise_for_status()
             wait_for(lambda: engine.adapter_version(a) is not None, 1200, "user A's adapter on vLLM")
             version = engine.adapter_version(a)
-            assert f"{a}-v{version}" in [m["id"] for m in httpx.get(f"{config.policy_url}/v1/models").json()["data"]]
+            key = {"Authorization": f"Bearer {fleet.policy.api_key}"}  # the fleet's servers ask for their key
+            served = httpx.get(f"{config.policy_url}/v1/models", headers=key)
+            assert f"{a}-v{version}" in [m["id"] for m in served.json()["data"]]
 
             mine = chat(user_a, "a-after", [{"role": "user", "content": "Name a colour."}])
             theirs = chat(user_b, "b-after", [{"role": "user", "content": "Name a colour."}])

@@ -21,12 +21,14 @@ from clawloop.engines.vllm_publish import CheckpointPublisher, LoRAPublisher, Lo
 
 
 class FakeAdmin:
-    """Answers the publication endpoints; ``fail`` maps a path to the status to answer there."""
+    """Answers the publication endpoints; ``fail`` maps a path to the status to answer there, ``fail_once`` to the
+    status to answer there the next time only."""
 
     def __init__(self, dev_mode: bool = True):
         self.calls: list[tuple[str, dict]] = []
         self.adapters: dict[str, str] = {}
         self.fail: dict[str, int] = {}
+        self.fail_once: dict[str, int] = {}
         self.dev_mode = dev_mode
         self.hold_completions = threading.Event()
         self.hold_completions.set()
@@ -53,8 +55,9 @@ class FakeAdmin:
 
     def handle(self, path: str, body: dict):
         self.calls.append((path, body))
-        if path in self.fail:
-            return self.fail[path], {"error": {"message": f"{path} failed"}}
+        if path in self.fail or path in self.fail_once:
+            status = self.fail_once.pop(path, None) or self.fail[path]
+            return status, {"error": {"message": f"{path} failed"}}
         if path == "/v1/completions":
             self.hold_completions.wait(10)
             choice = {"text": "", "token_ids": [2], "finish_reason": "stop",
@@ -190,19 +193,46 @@ def test_checkpoint_publication_pauses_reloads_and_resumes(admin, tmp_path, base
         asyncio.run(publisher.publish({"model.norm.weight": torch.ones(4)}))
 
 
-def test_a_failed_reload_restores_the_previous_weights_and_always_resumes(admin, tmp_path, base_folder):
+def test_a_failed_reload_restores_the_previous_weights_and_resumes(admin, tmp_path, base_folder):
     engine = VLLMEngine(admin.url, "base", max_context=64)
     publisher = CheckpointPublisher(engine, tmp_path / "ckpt", base_folder)
     asyncio.run(publisher.publish(full_weights(1.0)))
     admin.calls.clear()
-    admin.fail["/reset_prefix_cache"] = 500  # the step after the reload fails; the restore then fails too
-    with pytest.raises(EngineError, match="reloading weights from .*policy-v2 failed.*restoring the previous"):
+    admin.fail_once["/reset_prefix_cache"] = 500  # the step after the reload fails; the restore then succeeds
+    with pytest.raises(EngineError, match="reloading weights from .*policy-v2 failed.*previous weights .* reloaded"):
         asyncio.run(publisher.publish(full_weights(2.0)))
     paths = admin.paths()
-    assert paths[0] == "/pause?mode=wait" and paths[-1] == "/resume"
+    assert paths[0] == "/pause?mode=wait" and paths[-1] == "/resume" and "/update_weight_version" not in paths
     rpcs = [body["kwargs"]["weights_path"] for path, body in admin.calls if path == "/collective_rpc"]
     assert rpcs == [str((tmp_path / "ckpt" / "policy-v2").resolve()), str((tmp_path / "ckpt" / "policy-v1").resolve())]
     assert engine.policy_version == 1 and publisher.current == tmp_path / "ckpt" / "policy-v1"
+
+
+def test_when_the_rollback_fails_too_the_server_stays_paused(admin, tmp_path, base_folder):
+    """Neither the new nor the previous weights are whole: resuming would serve a half-loaded model under the old
+    version, so the server is left paused and the error says so."""
+    engine = VLLMEngine(admin.url, "base", max_context=64)
+    publisher = CheckpointPublisher(engine, tmp_path / "ckpt", base_folder)
+    asyncio.run(publisher.publish(full_weights(1.0)))
+    admin.calls.clear()
+    admin.fail["/reset_prefix_cache"] = 500  # after the reload and after the rollback alike
+    with pytest.raises(EngineError, match="failed too.*the server stays paused"):
+        asyncio.run(publisher.publish(full_weights(2.0)))
+    paths = admin.paths()
+    assert paths[0] == "/pause?mode=wait" and "/resume" not in paths
+    assert engine.policy_version == 1
+    del admin.fail["/reset_prefix_cache"]
+    assert asyncio.run(publisher.publish(full_weights(3.0))) == 2  # a publication that succeeds resumes serving
+    assert admin.paths()[-1] == "/resume"
+
+
+def test_a_version_the_server_fails_to_record_is_still_the_one_served(admin, tmp_path, base_folder):
+    engine = VLLMEngine(admin.url, "base", max_context=64)
+    publisher = CheckpointPublisher(engine, tmp_path / "ckpt", base_folder)
+    admin.fail["/update_weight_version"] = 500  # after the reload succeeded: the new weights are in
+    assert asyncio.run(publisher.publish(full_weights(1.0))) == 1
+    assert engine.policy_version == 1 and publisher.current == tmp_path / "ckpt" / "policy-v1"
+    assert admin.paths()[-1] == "/resume"
 
 
 def test_checkpoint_publication_needs_a_dev_mode_server(tmp_path, base_folder):
