@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("clawloop.api")
 
@@ -85,6 +86,14 @@ def install_error_handlers(app: FastAPI) -> None:
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return JSONResponse(error_body(f"Invalid request: {first.get('msg', 'malformed input')}",
                                        "invalid_request_error", param, None), status_code=400)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        # The client left while its body was being read: its doing, not a server fault (no 500 in the log and the
+        # metrics for anyone who drops a connection half-way).
+        log.info("client left during its request body on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body("The client closed the request before its body was read.",
+                                       "invalid_request_error", None, "client_closed_request"), status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:

@@ -44,3 +44,24 @@ def test_malformed_framing_is_an_openai_shaped_400(shared_server, case):
     assert error["message"].startswith("Malformed HTTP request")
     # The server goes on serving.
     assert httpx.get(shared_server.base_url + "/healthz", timeout=30).status_code == 200
+
+
+def test_a_client_leaving_during_its_body_is_not_a_server_error(make_server, caplog):
+    """Anyone can drop a connection half-way through a body: that is the client's doing (499), not a 500 in the
+    log and the metrics."""
+    import logging
+    import time
+
+    server = make_server()
+    caplog.set_level(logging.INFO)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(HEAD + b"Content-Length: 100\r\n\r\n{")
+        time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    metrics = ""
+    while 'status="499"' not in metrics and time.monotonic() < deadline:
+        time.sleep(0.2)
+        metrics = httpx.get(server.base_url + "/metrics", timeout=30).text
+    assert 'clawloop_http_requests_total{method="POST",route="/v1/chat/completions",status="499"} 1' in metrics
+    assert 'status="500"' not in metrics
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
