@@ -34,6 +34,9 @@ TURN_TYPES = ("main", "side")
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+"""Longest stop string accepted: every new token is checked against the tail of the text as long as the longest
+stop string, in the engine thread all users share (a 20,000-character one tripled a request's time)."""
 MAX_TOP_LOGPROBS = 20
 MAX_SESSION_ID_CHARS = 128
 SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:@+=-]+")
@@ -334,6 +337,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
             raise bad_request(f"'stop' holds at most {MAX_STOP_STRINGS} strings.", "stop", "invalid_value")
         if any(s == "" for s in stop):
             raise bad_request("'stop' strings must not be empty.", "stop", "invalid_value")
+        if any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise bad_request(f"'stop' strings are at most {MAX_STOP_CHARS} characters long.", "stop",
+                              "invalid_value")
     seed = _integer(body, "seed", -(2**63), 2**63 - 1)
     stream = False if body.get("stream") is None else _expect(body["stream"], (bool,), "stream", "a boolean")
     include_usage = False

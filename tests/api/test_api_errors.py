@@ -68,6 +68,7 @@ BAD_BODIES = [
     (with_(stop=["a", "b", "c", "d", "e"]), "stop", "invalid_value"),
     (with_(stop=[1]), "stop[0]", "invalid_type"),
     (with_(stop=""), "stop", "invalid_value"),
+    (with_(stop=["\u0001" * 20_000]), "stop", "invalid_value"),  # each new token is checked against its length
     (with_(seed="x"), "seed", "invalid_type"),
     (with_(stream="yes"), "stream", "invalid_type"),
     (with_(stream_options={"include_usage": "yes"}), "stream_options.include_usage", "invalid_type"),
