@@ -120,6 +120,9 @@ class ServingSettings:
     allowed_origins: list[str] = _f([], "Browser Origins (scheme://host[:port]) allowed besides loopback pages; "
                                     "'*' allows any.")
     max_body_bytes: int = _f(8 * 1024 * 1024, "Largest request body accepted (bytes).")
+    stream_send_timeout_s: float = _f(60.0, "A streamed answer whose client reads none of it for this long is cut "
+                                      "off: the request holds its session until its stream ends, and a forget or "
+                                      "the session's end waits for it.")
     default_max_tokens: int = _f(512, "max_tokens when the client sends none.")
     default_temperature: float = _f(0.6, "Sampling temperature when the client sends none.")
     default_turn_type: str = _f("main", "Turn type of requests that do not say ('main' trains, 'side' does not).")
@@ -555,6 +558,7 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
         if self.retain_coef > 0 and not self.retain_opening and self.retain_tokens < 2:
             raise ConfigError("retain_opening = false leaves an answer's first position untrained, so retain_tokens "
                               f"must be >= 2 (got {self.retain_tokens})")
+        positive("stream_send_timeout_s")
         for name in ("weight_decay", "hint_min_chars", "max_staleness", "retain_coef",
                      "judge_retries", "num_threads", "default_temperature", "judge_temperature",
                      "train_temperature"):

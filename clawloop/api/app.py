@@ -253,21 +253,22 @@ class ChatService:
         if self.sessions.is_closed(owner):
             raise being_forgotten()
         ctx: TurnContext | None = None
-        with self.sessions.arriving(owner):  # a forget starting meanwhile waits for this request's session
-            body = await read_json_body(request, self.config.max_body_bytes)
-            # Validation, the chat template and tokenisation run off the event loop (long agent prompts).
-            prep = await asyncio.to_thread(self.prepare, body, request.headers, path_session_id)
-            adapter = self.adapter_of(owner)
-            if adapter is not None:
-                prep.params = dataclasses.replace(prep.params, adapter=adapter)
-            if prep.turn_type == "main":
-                try:
-                    ctx = await self.sessions.begin_main(prep.session_id_given, prep.req.messages, owner=owner)
-                except OwnerClosed:
-                    raise being_forgotten() from None
-                session_id = ctx.session_id
-            else:
-                session_id = self.sessions.resolve_side(prep.session_id_given, prep.req.messages, owner=owner)
+        arrived = self.sessions.arrival(owner)  # a forget beginning from here on refuses this request
+        body = await read_json_body(request, self.config.max_body_bytes)
+        # Validation, the chat template and tokenisation run off the event loop (long agent prompts).
+        prep = await asyncio.to_thread(self.prepare, body, request.headers, path_session_id)
+        adapter = self.adapter_of(owner)
+        if adapter is not None:
+            prep.params = dataclasses.replace(prep.params, adapter=adapter)
+        if prep.turn_type == "main":
+            try:
+                ctx = await self.sessions.begin_main(prep.session_id_given, prep.req.messages, owner=owner,
+                                                     arrived=arrived)
+            except OwnerClosed:
+                raise being_forgotten() from None
+            session_id = ctx.session_id
+        else:
+            session_id = self.sessions.resolve_side(prep.session_id_given, prep.req.messages, owner=owner)
         if prep.req.stream:
             handed_over = False
             try:
@@ -275,7 +276,8 @@ class ChatService:
                     self._stream(prep, ctx, session_id, owner), media_type="text/event-stream",
                     headers={**_headers(session_id, self.version_for(owner)), "Cache-Control": "no-cache",
                              "X-Accel-Buffering": "no"},
-                    on_close=None if ctx is None else ctx.release)
+                    on_close=None if ctx is None else ctx.release,
+                    send_timeout_s=self.config.stream_send_timeout_s)
                 handed_over = True
                 return response
             finally:

@@ -341,8 +341,8 @@ class SessionManager:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self.closed_owners: set[str] = set()
         """Owners who can start no request now (``owner_closed``)."""
-        self._arriving: Counter[str] = Counter()
-        """Requests per owner past the route's ``is_closed`` check that hold no session yet (``arriving``)."""
+        self._forgets: Counter[str] = Counter()
+        """How many forgets of each owner have begun (``arrival``)."""
         self._live_by_owner: Counter[str] = Counter()
         self._prefix: dict[str, tuple[str, int]] = {}
         """prefix key -> (session id, turn id) of the turn that ended with that answer."""
@@ -424,7 +424,9 @@ class SessionManager:
         idle = [s for s in self._sessions.values() if s.last_seen < cutoff and not s.lock.locked()]
         ended = 0
         for s in idle:
-            async with s.lock:
+            if s.lock.locked():  # a request took it since the list was made: busy now, and it may hold it long
+                continue
+            async with s.lock:  # free, so taken at once: nothing can come between the check and this
                 if s.last_seen < cutoff and not s.ended:  # still idle once we hold it
                     await self._end_locked(s, "idle")
                     ended += 1
@@ -545,8 +547,9 @@ class SessionManager:
         return self._touch(hit[0], owner), how, hit[2], hit[1]
 
     async def begin_main(self, explicit_id: str | None, messages: list[dict[str, Any]],
-                         owner: str = "") -> TurnContext:
-        """Find (or open) ``owner``'s session of a main request, lock it, and pair its pending turn."""
+                         owner: str = "", arrived: int | None = None) -> TurnContext:
+        """Find (or open) ``owner``'s session of a main request, lock it, and pair its pending turn. ``arrived``:
+        the request's ``arrival``; ``OwnerClosed`` when a forget of ``owner`` has begun since, or is under way."""
         again = asks_again(messages)
         messages = conversation_messages(messages)
         while True:
@@ -555,9 +558,9 @@ class SessionManager:
             if session.ended:  # ended while we waited for it: start over with a fresh session
                 self._let_go(session)
                 continue
-            if self.is_closed(owner):
-                # Closed after the route's own check (the body read, the template): the owner's forget has
-                # begun and waits only for requests that held a session before, so this one stores nothing.
+            if self.is_closed(owner) or (arrived is not None and arrived != self._forgets[owner]):
+                # A forget of the owner began after the route's own check (during the body read, the template):
+                # it waits only for requests that held a session before, so this one stores nothing.
                 self._let_go(session)
                 raise OwnerClosed(owner)
             if how in ("prefix", "request", "again") and session.last_turn_id != matched_turn:
@@ -728,28 +731,22 @@ class SessionManager:
             ended += 1
         return ended
 
-    @contextlib.contextmanager
-    def arriving(self, owner: str) -> Iterator[None]:
-        """Around a request's way from the route's ``is_closed`` check to its session (the body read, the chat
-        template, ``begin_main``): ``owner_closed`` waits for such requests before it ends the owner's sessions."""
-        self._arriving[owner] += 1
-        try:
-            yield
-        finally:
-            self._arriving[owner] -= 1
-            if not self._arriving[owner]:
-                del self._arriving[owner]
+    def arrival(self, owner: str) -> int:
+        """What a request of ``owner`` notes when it passes the route's ``is_closed`` check, before its body is
+        read: ``begin_main`` refuses it if a forget of ``owner`` began since, however long its body took to arrive
+        (a forget never waits for requests still on their way, which a client sending its body slowly would make
+        it do for as long as it liked)."""
+        return self._forgets[owner]
 
     @contextlib.asynccontextmanager
-    async def owner_closed(self, owner: str, poll_s: float = 0.01) -> AsyncIterator[int]:
+    async def owner_closed(self, owner: str) -> AsyncIterator[int]:
         """While the block runs ``owner`` can start no request (``is_closed``; the chat route answers 409) and
-        none of their sessions is live: requests already on their way to a session get there (or are refused by
-        ``begin_main``), then every session is ended, each after its request in flight (yields how many). For a
-        forget, so that no turn of theirs is stored while their records are deleted."""
+        none of their sessions is live: every session is ended, each after its request in flight (yields how
+        many), and a request already on its way is refused when it reaches its session (``arrival``). For a
+        forget, so that no turn of theirs is stored while, or after, their records are deleted."""
+        self._forgets[owner] += 1
         self.closed_owners.add(owner)
         try:
-            while self._arriving.get(owner):
-                await asyncio.sleep(poll_s)
             yield await self.end_owner(owner)
         finally:
             self.closed_owners.discard(owner)

@@ -7,17 +7,28 @@ the ``usage`` (every other chunk then has ``"usage": null``, as OpenAI sends it)
 An error after the stream has started is sent as ``data: {"error": {...}}`` followed by ``[DONE]``.
 
 ``GuardedStreamingResponse`` runs a callback once the response is over however it ended (finished, client
-gone, never started), which is how a session lock held by a streamed request is always released.
+gone, never started, or cut off because its client stopped reading), which is how a session lock held by a
+streamed request is always released, and released in bounded time: a client that keeps its connection open but
+reads nothing would otherwise hold its session, and everything that waits for it, for as long as it likes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+
+log = logging.getLogger(__name__)
+
+
+class ReaderStalled(Exception):
+    """A streamed chunk was not taken by the client within the response's send timeout."""
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -75,15 +86,29 @@ class ChunkMaker:
 
 
 class GuardedStreamingResponse(StreamingResponse):
-    """A streaming response that calls ``on_close`` exactly once when it is over, however it ended."""
+    """A streaming response that calls ``on_close`` exactly once when it is over, however it ended. With
+    ``send_timeout_s``, a chunk the client has not taken within that long (its reads stopped, the connection's
+    buffers are full) ends the response: the connection is closed, as for a client that left."""
 
-    def __init__(self, *args: Any, on_close: Callable[[], None] | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, on_close: Callable[[], None] | None = None, send_timeout_s: float | None = None,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._on_close = on_close
+        self._send_timeout_s = send_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout_s = self._send_timeout_s
+
+        async def send_in_time(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), timeout_s)
+            except TimeoutError:
+                raise ReaderStalled(f"the client read nothing of its stream for {timeout_s:g} s") from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send if timeout_s is None else send_in_time)
+        except ReaderStalled as exc:
+            log.warning("stream on %s cut off: %s", scope.get("path"), exc)
         finally:
             callback, self._on_close = self._on_close, None
             if callback is not None:

@@ -4,6 +4,8 @@ ending by header, body, endpoint, idle timeout and eviction; side turns; concurr
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import threading
 
 import httpx
@@ -263,3 +265,31 @@ def test_async_judgeable_hook_runs_off_the_request_path(make_server, wait_for):
     turns = converse(c, 3, "hook", extra_headers={"X-Session-Id": "h"})
     wait_for(lambda: len(seen) == 2)
     assert seen == [ext(r)["turn_id"] for _, r in turns[:2]]
+
+
+def _stream_nobody_reads(port: int, session_id: str) -> socket.socket:
+    """A streamed request whose client reads nothing: a small receive window, so the server's buffers fill."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    body = json.dumps({"messages": [{"role": "user", "content": "Tell me everything."}], "stream": True,
+                       "max_tokens": 1900, "logprobs": True, "top_logprobs": 20}).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 + f"X-Session-Id: {session_id}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
+def test_a_stream_nobody_reads_does_not_hold_its_session_for_ever(make_server, wait_for):
+    """The request holds its session until its stream ends, and ending the session (or a forget, or the idle
+    sweep) waits for it: a client that stops reading is cut off after stream_send_timeout_s."""
+    srv = make_server(stream_send_timeout_s=2.0)
+    sock = _stream_nobody_reads(srv.port, "held")
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=120) as http:
+            wait_for(lambda: http.get("/v1/status").json()["live_sessions"] == 1)
+            ended = http.post("/v1/sessions/held/end")  # waits for the stream, which is cut off
+            assert ended.status_code == 200
+            assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 2}).status_code == 200
+    finally:
+        sock.close()

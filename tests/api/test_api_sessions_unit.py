@@ -259,30 +259,26 @@ def test_lru_eviction_ends_the_least_recently_used_session(tmp_path):
 
 def test_a_request_on_its_way_when_a_forget_begins_stores_nothing(tmp_path):
     """A request past the route's check (reading its body, rendering its template) when the user's forget begins:
-    the forget waits for it to reach its session, and there it is refused, so no turn of the user is stored
-    after their records were deleted."""
+    the forget does not wait for it (a body sent slowly would hold every forget up), and the request is refused
+    when it reaches its session, during the forget or after it, so no turn of the user is stored after their
+    records were deleted."""
     owner = "k_" + "a" * 24
     store = Store(tmp_path / "store.sqlite")
 
     async def scenario() -> None:
         sm = SessionManager(store)
-        inside, done = asyncio.Event(), asyncio.Event()
-
-        async def forget() -> None:
-            async with sm.owner_closed(owner):
-                inside.set()
-                await done.wait()
-
-        with sm.arriving(owner):
-            task = asyncio.create_task(forget())
-            await asyncio.sleep(0.05)
-            assert sm.is_closed(owner) and not inside.is_set()  # the forget waits for this request
+        during = sm.arrival(owner)
+        after = sm.arrival(owner)
+        async with sm.owner_closed(owner) as ended:  # entered at once: nothing on its way is waited for
+            assert ended == 0 and sm.is_closed(owner)
             with pytest.raises(OwnerClosed):
-                await sm.begin_main("s1", [U1], owner=owner)
-        await asyncio.wait_for(inside.wait(), 5)
+                await sm.begin_main("s1", [U1], owner=owner, arrived=during)
+        assert not sm.is_closed(owner)
+        with pytest.raises(OwnerClosed):  # its body arrived only once the forget was over
+            await sm.begin_main("s2", [U1], owner=owner, arrived=after)
         assert sm.live_count(owner) == 0
-        done.set()
-        await task
+        ctx = await sm.begin_main("s3", [U1], owner=owner, arrived=sm.arrival(owner))  # a new request is served
+        ctx.release()
 
     asyncio.run(scenario())
     assert [t for t in store.turns() if t.owner == owner] == []
@@ -315,3 +311,33 @@ def test_a_turn_whose_client_left_while_it_was_written_is_dropped_not_left_waiti
 
     asyncio.run(scenario())
     assert [(t.state, t.reason) for t in store.turns()] == [(TurnState.DROPPED, "client_closed_request")]
+
+
+def test_the_idle_sweep_passes_a_session_a_request_took_meanwhile(tmp_path):
+    """The sweep lists idle sessions, then ends them one after another; a session a request takes in between (a
+    stream its client may hold open for long) is busy, not idle: the sweep goes on without waiting for it."""
+    store = Store(tmp_path / "store.sqlite")
+    now = [0.0]
+
+    async def scenario():
+        m = SessionManager(store, idle_timeout_s=10.0, clock=lambda: now[0])
+        first, _ = await _answered(m, "The first answer.")
+        second, _ = await _answered(m, "The second answer.")
+        now[0] = 100.0
+        end_locked = m._end_locked
+        taken = []
+
+        async def end_then_a_request_arrives(s, why):
+            if not taken:  # while the first one is ended, a request takes the other one
+                other = m.get(second if s.id == first else first)
+                await other.lock.acquire()
+                taken.append(other)
+            return await end_locked(s, why)
+
+        m._end_locked = end_then_a_request_arrives
+        assert await asyncio.wait_for(m.sweep_idle(), 10) == 1
+        assert taken[0].lock.locked() and not taken[0].ended
+        taken[0].lock.release()
+
+    asyncio.run(scenario())
+    store.close()
