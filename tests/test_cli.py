@@ -136,6 +136,20 @@ def test_serve_has_a_flag_for_every_setting():
         assert hasattr(args, f.name)
 
 
+def wait_until_serving(proc: subprocess.Popen, port: int) -> None:
+    """Until the `clawloop serve` process ``proc`` answers /healthz on ``port``; its output if it ends first."""
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.monotonic() < deadline, "serve did not come up"
+        time.sleep(0.2)
+
+
 def test_clawloop_serve_runs_as_a_process(tmp_path):
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -144,16 +158,7 @@ def test_clawloop_serve_runs_as_a_process(tmp_path):
          str(tmp_path / "run"), "--num-threads", "2", "--default-max-tokens", "3", "--log-level", "warning"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "serve did not come up"
-            time.sleep(0.2)
+        wait_until_serving(proc, port)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
                        json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
@@ -188,16 +193,7 @@ def test_a_service_manager_or_a_closed_terminal_stops_serve_cleanly(tmp_path, st
          str(tmp_path / "run"), "--num-threads", "2", "--log-level", "warning"],
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "serve did not come up"
-            time.sleep(0.2)
+        wait_until_serving(proc, port)
         proc.send_signal(stop_signal)
         assert proc.wait(timeout=60) == 0, proc.stdout.read().decode()
     finally:

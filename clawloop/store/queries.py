@@ -57,8 +57,9 @@ class Queries:
             states: dict[str, int] = {}
             for s in (r["states"] or "").split(","):
                 states[s] = states.get(s, 0) + 1
-            out.append({"session_id": r["session_id"], "owner": r["owner"], "turns": r["turns"], "started_at": r["started_at"],
-                        "updated_at": r["updated_at"], "last_turn_id": r["last_turn_id"], "states": states})
+            out.append({"session_id": r["session_id"], "owner": r["owner"], "turns": r["turns"],
+                        "started_at": r["started_at"], "updated_at": r["updated_at"],
+                        "last_turn_id": r["last_turn_id"], "states": states})
         return out
 
     def turn_activity(self, since: float) -> dict[str, float]:

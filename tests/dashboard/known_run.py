@@ -129,3 +129,21 @@ def add_rejected_step(run_dir: Path) -> dict[str, int]:
     finally:
         store.close()
     return {"t4": t4, "t5": t5}
+
+
+def add_two_users_main_sessions(run_dir: Path, *, tool_call_for: str = "") -> None:
+    """alice and bob each open a session they both call "main" (per-user keys: users choose their ids); the turn
+    of ``tool_call_for`` ends with an assistant message that only calls a tool, and its result."""
+    store = Store(run_dir / "store.sqlite")
+    try:
+        for owner in ("alice", "bob"):
+            record = turn("main", 0, f"answer to {owner}")
+            record.owner = owner
+            if owner == tool_call_for:
+                call = {"id": "c1", "type": "function",
+                        "function": {"name": "web_search", "arguments": '{"q":"tides"}'}}
+                record.messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                                    {"role": "tool", "tool_call_id": "c1", "content": "High tide at 6."}]
+            store.add_turn(record)
+    finally:
+        store.close()

@@ -17,8 +17,8 @@ import pytest
 
 from clawloop.dashboard.readmodel import view_for_run_dir
 from clawloop.store import Store
-from known_run import (EVAL_RAW, EXPECTED_ADVANTAGES, HINTS, add_rejected_step, judge_and_train, turn,
-                       write_known_run)
+from known_run import (EVAL_RAW, EXPECTED_ADVANTAGES, HINTS, add_rejected_step, add_two_users_main_sessions,
+                       judge_and_train, turn, write_known_run)
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "dash-admin-4b1e"
@@ -308,14 +308,7 @@ def test_two_users_sessions_of_the_same_name_stay_apart(make_server, known):
     """Per-user keys: users choose their session ids, so alice's "main" and bob's "main" are two sessions, each
     shown with its own turns and its owner."""
     run_dir, _ = known
-    store = Store(run_dir / "store.sqlite")
-    try:
-        for owner in ("alice", "bob"):
-            record = turn("main", 0, f"answer to {owner}")
-            record.owner = owner
-            store.add_turn(record)
-    finally:
-        store.close()
+    add_two_users_main_sessions(run_dir)
     srv = make_server(run_dir=run_dir)
     with httpx.Client(base_url=srv.base_url + "/dashboard/api", timeout=60) as c:
         listed = [(s["session_id"], s["owner"], s["turns"]) for s in c.get("sessions").json()["sessions"]]

@@ -9,11 +9,9 @@ import re
 import httpx
 import pytest
 
-from clawloop.store import Store
-
 from browser_support import chromium_path
 from dashboard_support import QUESTIONS, converse, run_config, start_run, wait_for
-from known_run import LONG_SYSTEM_PROMPT, add_rejected_step, turn, write_known_run
+from known_run import LONG_SYSTEM_PROMPT, add_rejected_step, add_two_users_main_sessions, write_known_run
 
 pytestmark = pytest.mark.browser
 ADMIN_KEY = "browser-admin-77d3"
@@ -197,18 +195,7 @@ def test_two_users_sessions_of_one_name_open_apart(browser, make_server, tmp_pat
     assistant message that only called a tool shows the call, not "null"."""
     run_dir = tmp_path / "run"
     write_known_run(run_dir)
-    store = Store(run_dir / "store.sqlite")
-    try:
-        for owner in ("alice", "bob"):
-            record = turn("main", 0, f"answer to {owner}")
-            record.owner = owner
-            if owner == "bob":
-                record.messages += [{"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "web_search", "arguments": '{"q":"tides"}'}}]},
-                    {"role": "tool", "tool_call_id": "c1", "content": "High tide at 6."}]
-            store.add_turn(record)
-    finally:
-        store.close()
+    add_two_users_main_sessions(run_dir, tool_call_for="bob")
     srv = make_server(run_dir=run_dir)
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     pg = context.new_page()
