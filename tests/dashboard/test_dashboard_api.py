@@ -272,15 +272,20 @@ def test_clawloop_dashboard_refuses_a_folder_without_a_run(tmp_path):
     assert out.returncode == 2 and "holds no store" in out.stderr
 
 
+def as_older_store(run_dir, statements: str):
+    """The run's store made as an older version of the code wrote it (``statements`` take away what it lacked):
+    its digest, and a view of it."""
+    db = sqlite3.connect(run_dir / "store.sqlite")
+    db.executescript(statements)
+    db.close()
+    return digest(run_dir / "store.sqlite"), view_for_run_dir(run_dir)
+
+
 def test_a_store_older_than_the_code_is_shown_as_it_is(known):
     """A run recorded before versions, events and per-user owners existed: read as it is, nothing added to it."""
     run_dir, _ = known
-    db = sqlite3.connect(run_dir / "store.sqlite")
-    db.executescript("DROP TABLE events; DROP TABLE versions; DROP TABLE requeued_steps; "
-                     "ALTER TABLE turns DROP COLUMN owner;")
-    db.close()
-    before = digest(run_dir / "store.sqlite")
-    view = view_for_run_dir(run_dir)
+    before, view = as_older_store(run_dir, "DROP TABLE events; DROP TABLE versions; DROP TABLE requeued_steps; "
+                                           "ALTER TABLE turns DROP COLUMN owner;")
     assert view.overview()["rollbacks"] == 0 and view.versions()["versions"] == []
     assert view.session("s1")["turns"][0]["fate"]["text"] == "trained at step 1"
     assert view.training()["steps"] == [1]
@@ -291,12 +296,8 @@ def test_a_store_older_than_the_code_is_shown_as_it_is(known):
 def test_a_store_older_than_its_owner_columns_is_shown_as_it_is(known):
     """The tables are all there but were written before the per-user ``owner`` column: every view reads them."""
     run_dir, _ = known
-    db = sqlite3.connect(run_dir / "store.sqlite")
-    db.executescript("ALTER TABLE turns DROP COLUMN owner; ALTER TABLE steps DROP COLUMN owner; "
-                     "ALTER TABLE versions DROP COLUMN owner;")
-    db.close()
-    before = digest(run_dir / "store.sqlite")
-    view = view_for_run_dir(run_dir)
+    before, view = as_older_store(run_dir, "ALTER TABLE turns DROP COLUMN owner; ALTER TABLE steps DROP COLUMN "
+                                           "owner; ALTER TABLE versions DROP COLUMN owner;")
     assert view.overview()["rollbacks"] == 1
     assert [(v["version"], v["status"]) for v in view.versions()["versions"]] == [(1, "accepted"), (2, "rolled_back")]
     assert view.session("s1")["turns"][0]["fate"]["text"] == "trained at step 1, published in v1"
