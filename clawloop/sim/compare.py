@@ -172,6 +172,8 @@ def aggregate(cells: list[dict[str, Any]], target: float) -> list[dict[str, Any]
             "score_before_mean": statistics.fmean(befores),
             "final_score_mean": mean, "final_score_sd": sd, "final_score_min": min(finals),
             "final_score_max": max(finals), "final_scores": finals,
+            "peak_scores": [max([p["score"] for p in c.get("curve") or ()] + [c["after"]["score"]]) for c in runs],
+            "share_after_v0": [c.get("share_after_v0") for c in runs],
             "guard_before_mean": statistics.fmean(c["before"]["guard_pass_rate"] for c in runs),
             "guard_after_mean": statistics.fmean(c["after"]["guard_pass_rate"] for c in runs),
             "interactions_to_target": reached,
@@ -202,24 +204,29 @@ def _lowest_served_guard(runs: list[dict[str, Any]]) -> float:
 
 
 def markdown_table(rows: list[dict[str, Any]], target: float, interactions: int | None = None) -> str:
-    head = ("| persona | method | seeds | score before | final score, mean ± sd (min–max) | "
-            f"interactions to {target:g} (seeds reaching it) | sessions to stable effect ({STABLE_RUN} in a row) | "
-            "guard before → after | lowest guard of a served version (versions scored) | gate rejections per seed | "
-            "rollbacks | steps | min/run |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    head = ("| persona | method | seeds | score before | final score, mean ± sd (min–max) | peak score per seed | "
+            f"interactions to {target:g} (seeds reaching it) | sessions to stable effect ({STABLE_RUN} in a row; "
+            "per seed) | guard before → after | lowest guard of a served version (versions scored) | "
+            "gate rejections per seed | sessions on a version newer than v0 | rollbacks (all seeds) | steps | "
+            "min/run |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         reach = (f"{r['interactions_to_target_mean']:.0f} ({r['reached_target']}/{r['n']})"
                  if r["interactions_to_target_mean"] is not None else f"not reached (0/{r['n']})")
-        stable = (f"{r['sessions_to_stable_effect_mean']:.1f} ({r['reached_stable_effect']}/{r['n']} reached)"
-                  if r["sessions_to_stable_effect_mean"] is not None else f"not reached (0/{r['n']} reached)")
+        per_seed = ", ".join("–" if v is None else str(v) for v in r["sessions_to_stable_effect"])
+        stable = (f"{r['sessions_to_stable_effect_mean']:.1f} ({r['reached_stable_effect']}/{r['n']} reached: "
+                  f"{per_seed})" if r["sessions_to_stable_effect_mean"] is not None
+                  else f"not reached (0/{r['n']} reached)")
+        peaks = ", ".join(f"{v:.2f}" for v in r.get("peak_scores") or ())
+        shares = ", ".join("–" if v is None else f"{v:.0%}" for v in r.get("share_after_v0") or ())
         lines.append(
             f"| {r['persona']} | {r['method']} | {','.join(map(str, r['seeds']))} | {r['score_before_mean']:.2f} | "
             f"{r['final_score_mean']:.2f} ± {r['final_score_sd']:.2f} ({r['final_score_min']:.2f}–"
-            f"{r['final_score_max']:.2f}) | {reach} | {stable} | "
+            f"{r['final_score_max']:.2f}) | {peaks} | {reach} | {stable} | "
             f"{r['guard_before_mean']:.2f} → {r['guard_after_mean']:.2f} | "
             f"{r['served_guard_lowest']:.2f} ({sum(r['served_versions_scored'])}) | "
-            f"{','.join(map(str, r['gate_rejections']))} | {sum(r['rollbacks'])} | "
+            f"{','.join(map(str, r['gate_rejections']))} | {shares} | {sum(r['rollbacks'])} | "
             f"{r['steps_mean']:.0f} | {r['minutes_mean']:.1f} |")
     return head + "\n".join(lines) + "\n"
 

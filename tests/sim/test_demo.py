@@ -118,7 +118,7 @@ def test_eval_cells_are_cached_and_resumed(tmp_path, monkeypatch):
     assert rows["hybrid"]["interactions_to_target_mean"] == 12 and rows["hybrid"]["reached_target"] == 2
     assert rows["rl"]["interactions_to_target_mean"] is None and rows["rl"]["final_score_mean"] == pytest.approx(0.4)
     md = (out / "table.md").read_text()
-    assert "| brief | hybrid | 0,1 | 0.00 | 0.80 ± 0.00 (0.80–0.80) | 12 (2/2) |" in md
+    assert "| brief | hybrid | 0,1 | 0.00 | 0.80 ± 0.00 (0.80–0.80) | 0.80, 0.80 | 12 (2/2) |" in md
     assert "not reached (0/2)" in md and (out / "comparison.png").exists()
 
     # Different shared settings in the same folder would mix incomparable cells: refused.
@@ -222,11 +222,14 @@ def test_lowest_served_guard_counts_every_scored_version():
                       "unserved": [3], "served_unscored": [4]}
 
     # The comparison table reports it, with each seed's gate rejections and the rollbacks.
-    cells = [{**_fake_summary("hybrid", "brief", seed, [0.0, 0.6]), "served_guard": served if seed else None,
-              "gate": {"rejections": seed + 1, "rollbacks": 0}} for seed in (0, 1)]
+    cells = [{**_fake_summary("hybrid", "brief", seed, [0.0, 0.9, 0.6]), "served_guard": served if seed else None,
+              "gate": {"rejections": seed + 1, "rollbacks": 0}, "share_after_v0": 0.75} for seed in (0, 1)]
     (row,) = compare.aggregate(cells, 0.5)
     assert row["served_guard_lowest"] == 0.79 and row["gate_rejections"] == [1, 2] and row["rollbacks"] == [0, 0]
-    assert "| 0.79 (4) | 1,2 | 0 |" in compare.markdown_table([row], 0.5)
+    assert row["peak_scores"] == [0.9, 0.9] and row["share_after_v0"] == [0.75, 0.75]
+    table = compare.markdown_table([row], 0.5)
+    assert "| 0.60 ± 0.00 (0.60–0.60) | 0.90, 0.90 |" in table  # each seed's peak beside its final score
+    assert "| 0.79 (4) | 1,2 | 75%, 75% | 0 |" in table
 
 
 def test_a_paced_user_never_runs_a_lag_ahead_of_the_trainer(tmp_path, tiny_model_path, capsys):

@@ -152,8 +152,8 @@ def test_the_table_reports_sessions_to_stable_effect_over_the_seeds_that_reached
     assert row["sessions_to_stable_effect"] == [4, None, 9]
     assert row["sessions_to_stable_effect_mean"] == pytest.approx(6.5) and row["reached_stable_effect"] == 2
     table = compare.markdown_table([row], 0.5)
-    assert "sessions to stable effect (3 in a row)" in table.splitlines()[0]
-    assert "| not reached (0/3) | 6.5 (2/3 reached) |" in table
+    assert "sessions to stable effect (3 in a row; per seed)" in table.splitlines()[0]
+    assert "| not reached (0/3) | 6.5 (2/3 reached: 4, –, 9) |" in table
     (row,) = compare.aggregate([_cell(0, None)], 0.5)
     assert "| not reached (0/1 reached) |" in compare.markdown_table([row], 0.5)
     # A cell run before the metric was stored is read from its session records.
