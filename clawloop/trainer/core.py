@@ -96,6 +96,12 @@ class AcceptedState:
     optimizer: dict[str, Any] | None
 
 
+class PublicationPending(RuntimeError):
+    """The accepted version is not served yet (its publication failed again), and the sink serves the live
+    training weights rather than the accepted snapshot: a step now would be published under that version's number
+    once publication works, so no step trains until it does. The batch was given back untouched."""
+
+
 class CommitNotRecorded(RuntimeError):
     """A stop was asked for while the store kept refusing a step's records (not its lease): the update is in the
     weights, so the batch is not given back; its lease expires, and no checkpoint holding that update is written
@@ -265,9 +271,10 @@ class Trainer:
                              lora=self.models.lora, evidence=evidence,
                              keep=history.versions_to_keep(self.config, self.models.lora), serving=self.policy_version)
 
-    def _gate_event(self, kind: str, step: int, version: int | None, detail: dict[str, Any]) -> None:
+    def _gate_event(self, kind: str, step: int, version: int | None, detail: dict[str, Any],
+                    should_stop: Callable[[], bool] | None = None) -> None:
         self._persist(lambda store: store.record_event(kind, detail, step=step, version=version),
-                      f"the {kind} event of step {step}")
+                      f"the {kind} event of step {step}", should_stop)
         if self.on_gate is not None and self.parallel.main:
             try:
                 self.on_gate({"kind": kind, "step": step, "version": version, **detail})
@@ -505,7 +512,8 @@ class Trainer:
                                          gathered=self.parallel.gathers_candidate)
                 log.info("trainer: step %d accepted by the publication gate as version %d (%s)", step,
                          self.accepted.version, result.summary())
-                self._gate_event("gate_accepted", step, self.accepted.version, {"steps": steps, **evidence})
+                self._gate_event("gate_accepted", step, self.accepted.version, {"steps": steps, **evidence},
+                                 should_stop)
                 return published, metrics
         self.gate_rejections += 1
         self.rejections_in_row += 1
@@ -522,7 +530,7 @@ class Trainer:
         # else: the steps stay unchecked; the next decision (accepted, or a rejection that restores) names them
         self._gate_event("gate_rejected", step, self.policy_version,
                          {"steps": steps, "restored_version": self.accepted.version if restore else None,
-                          **evidence})
+                          **evidence}, should_stop)
         metrics["gate_restored"] = 1.0 if restore else 0.0
         reasons = result.reasons if result is not None else evidence["reasons"]
         then = f"back to version {self.accepted.version}" if restore else \
@@ -576,6 +584,10 @@ class Trainer:
         and is raised for the caller to release the lease."""
         if self.needs_publish:
             self.publish()
+        if self.needs_publish and getattr(self.sink, "serves_live_weights", False):
+            self.parallel.share(lambda: self._source().release_lease(lease_id))
+            raise PublicationPending(f"version {self.pending_version} is accepted but not served yet (its "
+                                     "publication failed); training waits for it")
         items, drops, stats = prepare_items(turns if turns is not None else self._source(), samples, self.config,
                                             self.policy_version, self.max_context, self.vocab_size)
         self.parallel.share(lambda: [self._source().drop_leased_sample(turn_id, reason)

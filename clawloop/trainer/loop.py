@@ -55,7 +55,7 @@ from clawloop.memory import trim_heap
 from clawloop.priority import lower_thread_priority
 from clawloop.store import Store, TurnState
 from clawloop.trainer.contracts import PublishingEngine
-from clawloop.trainer.core import CommitNotRecorded, Trainer, prepare_ahead
+from clawloop.trainer.core import CommitNotRecorded, PublicationPending, Trainer, prepare_ahead
 from clawloop.trainer.teacher_client import in_process
 from clawloop.trainer.leasing import BatchLeaser
 from clawloop.trainer.per_user import OwnerSamples, UserPolicies
@@ -341,6 +341,11 @@ class OnlineTrainer:
             except CommitNotRecorded as exc:  # stopping: the update is in the weights, so the batch stays leased
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.error("trainer: %s; its lease is kept and expires, and no checkpoint holds the update", exc)
+            except PublicationPending as exc:  # the samples did nothing wrong: back to ready, uncounted
+                consecutive += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("trainer: %s", exc)
+                await self._sleep(min(self.max_backoff_s, self.error_backoff_s * 2 ** (consecutive - 1)))
             except Exception as exc:  # noqa: BLE001 - a failed step must not end serving
                 self.failures += 1
                 consecutive += 1

@@ -174,7 +174,11 @@ class LocalVersion:
 
 
 class EngineSink:
-    """Weights go to an engine in this process (``LocalVersion``: nowhere, only the version counts)."""
+    """Weights go to an engine in this process (``LocalVersion``: nowhere, only the version counts). It serves the
+    live training weights, not the ``weights`` snapshot it is handed (``serves_live_weights``): the trainer takes
+    no step while a publication it owes has not gone through."""
+
+    serves_live_weights = True
 
     def __init__(self, engine: PublishingEngine):
         self.engine = engine

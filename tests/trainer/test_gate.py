@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from clawloop.engines.base import SamplingParams, ScoreRequest
 from clawloop.engines.hf import HFEngine
+from clawloop.retry import Backoff
 from clawloop.store import Store
 from clawloop.trainer import versions as history
 from clawloop.trainer.core import Trainer
@@ -312,3 +313,36 @@ def test_a_restarted_trainer_s_first_check_reads_the_answers_its_predecessor_kep
     assert off.run_batch(*store.lease_samples(2))["gate_reference_answers_s"] > 0
     off.close()
     store.close()
+
+
+def test_a_stop_while_the_store_refuses_the_gates_record_ends_the_step(make_config, base_model, tiny_tokenizer,
+                                                                       tmp_path, engine):
+    """Every record written after an update is tried until it goes through, unless a stop is asked for: the gate's
+    own decision record too, or a full disk during a check would keep a shutdown (and every forget and rollback
+    waiting behind the step) waiting for ever."""
+    import sqlite3
+
+    from clawloop.trainer.core import CommitNotRecorded
+
+    class NoEvents(Store):
+        def record_event(self, *args, **kwargs):
+            raise sqlite3.OperationalError("database or disk is full")
+
+    config = make_config(method="rl", lora=True, lr=1e-2, gate_probe_tokens=8, gate=True, gate_min_guard_pass=0.0)
+    store = NoEvents(tmp_path / "store.sqlite")
+    for i in range(2):
+        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i % 2 else -1.0)
+    trainer = Trainer(config, store, engine, console=None, store_backoff=Backoff(1, 0.01))
+    asked = []
+
+    def stop_once_trained() -> bool:  # not at the start (the step would not train), from then on
+        asked.append(True)
+        return len(asked) > 1
+
+    finished = []
+    worker = threading.Thread(target=lambda: finished.append(
+        pytest.raises(CommitNotRecorded, trainer.run_batch, *store.lease_samples(2), should_stop=stop_once_trained)),
+        daemon=True)
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive() and finished

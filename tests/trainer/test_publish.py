@@ -201,3 +201,35 @@ def test_an_adapter_folder_merges_into_the_weights_peft_merges_to(tiny_model_pat
         torch.testing.assert_close(direct[key], value, atol=1e-6, rtol=0, msg=key)
     moved = [k for k in by_peft if not torch.equal(direct[k], load_model(tiny_model_path).state_dict()[k])]
     assert moved and all(any(m in k for m in ("q_proj", "v_proj", "down_proj")) for k in moved)
+
+
+def test_no_step_trains_past_an_accepted_version_whose_publication_failed(make_config, base_model, tiny_tokenizer,
+                                                                         tmp_path, engine, monkeypatch):
+    """The engine serves the live training weights: a step taken while an accepted version is still unpublished
+    would be served under that version's number once publication works. The batch goes back untouched and no step
+    is taken until the version is served; then training goes on."""
+    from clawloop.trainer.core import PublicationPending
+
+    config = make_config(method="rl", lora=True, lr=1e-2)
+    store = Store(tmp_path / "store.sqlite")
+    for i in range(4):
+        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i % 2 else -1.0)
+    trainer = Trainer(config, store, engine, console=None)
+    publish_sync = engine.publish_sync
+    down = {"tries": 2}
+
+    def engine_down_then_up(*args, **kwargs):
+        if down["tries"]:
+            down["tries"] -= 1
+            raise RuntimeError("the engine is restarting")
+        return publish_sync(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "publish_sync", engine_down_then_up)
+    first = trainer.run_batch(*store.lease_samples(2))
+    assert first["published"] == 0.0 and engine.policy_version == 0 and trainer.step == 1
+    with pytest.raises(PublicationPending):
+        trainer.run_batch(*store.lease_samples(2))  # the retry before it fails too
+    assert trainer.step == 1 and store.count_samples() == {"consumed": 2, "ready": 2}  # given back, unweighted
+    second = trainer.run_batch(*store.lease_samples(2))  # the retry goes through, then the step
+    assert trainer.step == 2 and second["policy_version"] == 2
+    assert [(v["version"], v["step"]) for v in store.versions()] == [(1, 1), (2, 2)] and engine.policy_version == 2
