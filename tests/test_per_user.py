@@ -218,6 +218,14 @@ def test_a_user_forgotten_on_the_running_server_is_served_the_base_model_and_lea
 
             assert user_a.post("/v1/admin/forget", json={"user": a}).status_code == 401  # a user key cannot
             assert admin.post("/v1/admin/forget", json={"user": "../etc"}).status_code == 400
+            other_writer = Store(run_dir / "store.sqlite")  # e.g. an offline command on the same run
+            try:  # the forget cannot go on, so it lets go of nothing: A keeps their policy
+                refused = admin.post("/v1/admin/forget", json={"user": a})
+                assert refused.status_code == 409 and refused.json()["error"]["code"] == "store_in_use"
+                assert engine.adapter_version(a) == version_a and a in runtime.trainer.policies.trainers
+                assert served(ask(user_a)) == served(trained)
+            finally:
+                other_writer.close()
             done = admin.post("/v1/admin/forget", json={"user": a})
             assert done.status_code == 200, done.text
             receipt = done.json()

@@ -58,7 +58,15 @@ def mount_forget_route(app: FastAPI, store: Store, config: Any, sessions: Sessio
                            f"stopped. Stop it, then run: clawloop forget {config.run_dir} --user {user}",
                            "invalid_request_error", None, "needs_stopped_server")
         online = trainer()
-        async with lock, sessions.owner_closed(user) as ended, \
+        async with lock:
+            try:  # before anything of the user's is ended or let go: a forget that cannot go on changes nothing
+                await asyncio.to_thread(store.check_alone, "forget")
+            except StoreInUse as exc:
+                raise APIError(409, str(exc), "invalid_request_error", None, "store_in_use") from None
+            return await forget_now(user, online)
+
+    async def forget_now(user: str, online: Any) -> dict[str, Any]:
+        async with sessions.owner_closed(user) as ended, \
                 (online.paused() if online is not None else contextlib.nullcontext()):
             if online is not None:
                 await online.let_go_of_user(user)
@@ -66,7 +74,9 @@ def mount_forget_route(app: FastAPI, store: Store, config: Any, sessions: Sessio
                 await engine.remove_adapter(user)
             try:
                 receipt = await asyncio.to_thread(forget_user, store, Path(config.run_dir), user)
-            except StoreInUse as exc:
+            except StoreInUse as exc:  # another writer came since the check: serve the user's policy again
+                if online is not None:
+                    await online.bring_back_user(user)
                 raise APIError(409, str(exc), "invalid_request_error", None, "store_in_use") from None
         return {"object": "clawloop.forget", **receipt, "sessions_ended": ended}
 

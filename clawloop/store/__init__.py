@@ -62,6 +62,12 @@ class Store(Turns, Samples, History, Queries, Contexts):
         self._recovered = False
         self._on_close: list[Callable[[], None]] = []
 
+    def check_alone(self, what: str) -> None:
+        """``StoreInUse`` when another handle, in this process or another, has the file open for writing: what
+        ``what`` (an operation that must be alone with the store, a forget) would meet, asked before it begins."""
+        with self.db.exclusive(what):
+            pass
+
     def release_on_close(self, release: Callable[[], None]) -> None:
         """Call ``release`` once the store is closed (a lock that is held as long as the store is open)."""
         self._on_close.append(release)

@@ -283,6 +283,14 @@ class OnlineTrainer:
         await self._on_train_thread(self.policies.forget, owner)
         self._leasers.pop(owner, None)
 
+    async def bring_back_user(self, owner: str) -> None:
+        """Per-user policies: undo ``let_go_of_user`` when the forget could not go on (nothing was deleted):
+        ``owner``'s policy resumes from their newest checkpoint, and their adapter is served again."""
+        if self.policies is None or self._executor is None:
+            return
+        assert self.policies is not None
+        await self._on_train_thread(lambda: self.policies.activate(owner).resume())
+
     async def _on_train_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the training thread (see ``start``)."""
         assert self._loop is not None and self._executor is not None
