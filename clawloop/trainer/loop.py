@@ -53,7 +53,7 @@ from typing import Any, TextIO, TypeVar
 from clawloop.config import Config
 from clawloop.memory import trim_heap
 from clawloop.priority import lower_thread_priority
-from clawloop.store import Store, TurnState
+from clawloop.store import LeaseLost, Store, TurnState
 from clawloop.trainer.contracts import PublishingEngine
 from clawloop.trainer.core import CommitNotRecorded, PublicationPending, Trainer, prepare_ahead
 from clawloop.trainer.teacher_client import in_process
@@ -349,6 +349,9 @@ class OnlineTrainer:
             except CommitNotRecorded as exc:  # stopping: the update is in the weights, so the batch stays leased
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.error("trainer: %s; its lease is kept and expires, and no checkpoint holds the update", exc)
+            except LeaseLost as exc:  # after the update: its samples went back to ready; they did nothing wrong
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.error("trainer: %s; the update stays in the weights and its samples train again", exc)
             except PublicationPending as exc:  # the samples did nothing wrong: back to ready, uncounted
                 consecutive += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"

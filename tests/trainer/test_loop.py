@@ -295,3 +295,38 @@ def test_offline_training_consumes_a_stored_run_and_continues_it(make_config, ba
     saved = ckpt.load_latest(run_dir).weights
     key = "model.layers.0.mlp.down_proj.weight"
     assert not torch.equal(saved[key], base_model.state_dict()[key])
+
+
+def test_a_lease_lost_after_the_update_is_not_held_against_its_samples(make_config, base_model, tiny_tokenizer,
+                                                                       tmp_path):
+    """The commit found the lease gone (it expired while the step ran): the samples went back to ready and did
+    nothing wrong, so they are not counted toward a train_error drop, nor retried one per step; they train."""
+    from clawloop.store import LeaseLost
+
+    class LosesTheFirstCommits(Store):
+        lost = 0
+
+        def commit_step(self, *args, **kwargs):
+            if self.lost < 3:
+                self.lost += 1
+                raise LeaseLost("the lease expired during the step")
+            return super().commit_step(*args, **kwargs)
+
+    config = make_config(method="rl", rollout_batch_size=2)
+    store = LosesTheFirstCommits(tmp_path / "store.sqlite")
+    turns = [add_sample(store, base_model, tiny_tokenizer, i, reward=1.0) for i in (0, 1)]
+
+    async def main():
+        from clawloop.trainer.publish import LocalVersion
+
+        trainer = OnlineTrainer(config, store, LocalVersion(), poll_interval_s=0.05, error_backoff_s=0.01,
+                                max_sample_failures=3, console=None)
+        await trainer.start()
+        await wait_for(lambda: store.steps(), what="a committed step")
+        await trainer.stop()
+        return trainer
+
+    trainer = asyncio.run(main())
+    assert trainer.failures == 0 and store.lost == 3
+    assert all(store.get_turn(t).state == TurnState.CONSUMED for t in turns)
+    assert sorted(store.steps()[0]["turn_ids"]) == sorted(turns)
