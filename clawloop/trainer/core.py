@@ -547,16 +547,22 @@ class Trainer:
         if lora != self.models.lora:
             raise ValueError(f"version {version} was written with lora={lora}, this run has lora={self.models.lora}")
         previous = self.policy_version
+        before = self._snapshot(previous)  # what the training model held, should serving the version fail
         self.optimizer = make_optimizer(self.models, self.config)
         if self.parallel.load(self.models, self.optimizer, stored.weights if stored is not None else None,
                               stored.optimizer if stored is not None else None, self.config.learning_rate):
             optimizer = "restored"
         else:
             optimizer = "reset (not kept with this version)"
-        self.lr_scale = 1.0
+        lr_scale, self.lr_scale = self.lr_scale, 1.0
         self._apply_lr_scale()  # the configured lr wins over the saved one
         weights = stored.weights if stored is not None else None
-        self.policy_version = int(self.parallel.share(lambda: self.sink.publish(self.models, weights, version)))
+        try:
+            self.policy_version = int(self.parallel.share(lambda: self.sink.publish(self.models, weights, version)))
+        except BaseException:  # nothing changed: training goes on from what it held, serving from what it served
+            self.lr_scale = lr_scale
+            self._restore(before)
+            raise
         self.needs_publish, self.pending_version = False, None
         self.accepted = self._snapshot(version)
         if self.gate is not None:

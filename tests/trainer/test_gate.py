@@ -346,3 +346,33 @@ def test_a_stop_while_the_store_refuses_the_gates_record_ends_the_step(make_conf
     worker.start()
     worker.join(120)
     assert not worker.is_alive() and finished
+
+
+def test_a_rollback_the_engine_cannot_serve_changes_nothing(make_config, base_model, tiny_tokenizer, tmp_path,
+                                                            engine, monkeypatch):
+    """The kept version is loaded into the training model before it is served: when serving it fails, the
+    training model, its optimizer and the served version stay as they were (training went on from the loaded
+    version against the old accepted state, a mix of two lineages)."""
+    config = make_config(method="rl", lora=True, lr=1e-2, gate_probe_tokens=8, gate=True)
+    store = Store(tmp_path / "store.sqlite")
+    for i in range(6):
+        add_sample(store, base_model, tiny_tokenizer, i, reward=1.0 if i % 2 else -1.0)
+    trainer = Trainer(config, store, engine, console=None)
+    trainer.run_batch(*store.lease_samples(2))
+    trainer.run_batch(*store.lease_samples(2))
+    assert engine.policy_version == 2
+    held = {k: v.clone() for k, v in trainable_state_dict(trainer.models).items()}
+
+    def engine_down(*args, **kwargs):
+        raise RuntimeError("the engine is restarting")
+
+    monkeypatch.setattr(engine, "publish_sync", engine_down)
+    with pytest.raises(RuntimeError, match="restarting"):
+        trainer.rollback(1)
+    assert trainer.policy_version == 2 and trainer.accepted.version == 2 and engine.policy_version == 2
+    for name, value in trainable_state_dict(trainer.models).items():
+        assert torch.equal(value, held[name]), name
+    assert store.events("rollback") == []
+    monkeypatch.undo()
+    trainer.run_batch(*store.lease_samples(2))  # training goes on from version 2
+    assert engine.policy_version == 3
