@@ -246,6 +246,11 @@ class UserPolicies:
             self.active = None
 
     def rollback(self, owner: str, version: int) -> dict[str, Any]:
+        """Serve ``owner``'s kept ``version`` again. ``FileNotFoundError`` when the user has no policy of their own
+        (nothing of theirs trained, or a forget just deleted it): a trainer made for them here would create their
+        folder again and serve an adapter under a forgotten name."""
+        if owner not in self.trainers and not user_dir(self.run_dir, owner).is_dir():
+            raise FileNotFoundError(f"user {owner} has no policy of their own in this run")
         return {**self.activate(owner).rollback(version), "owner": owner}
 
     def status(self) -> dict[str, dict[str, Any]]:

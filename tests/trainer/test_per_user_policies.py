@@ -164,3 +164,28 @@ def test_every_users_gate_shares_the_reference_kept_prompt_states(make_config, t
     finally:
         engine.close_sync()
         store.close()
+
+
+def test_a_rollback_of_a_user_forgotten_meanwhile_recreates_nothing(make_config, tiny_model_path, tiny_tokenizer,
+                                                                    tmp_path):
+    """The route found the user's folder, then waited for the model while their forget ran: the rollback is
+    refused instead of making a trainer, a folder and an adapter for a forgotten name."""
+    import shutil
+
+    config = per_user_config(make_config)
+    store = Store(tmp_path / "run" / "store.sqlite")
+    for sample in BOB_SAMPLES:
+        add_owned_sample(store, tiny_tokenizer, BOB, *sample)
+    engine = HFEngine(str(tiny_model_path), device="cpu", adapter_slots=2, num_threads=1)
+    try:
+        policies = UserPolicies(config, store, engine, run_dir=tmp_path / "run", console=None)
+        train_next(policies, store, BOB)
+        policies.forget(BOB)  # what the forget does while it holds the model
+        shutil.rmtree(user_dir(tmp_path / "run", BOB))
+        with pytest.raises(FileNotFoundError, match="no policy of their own"):
+            policies.rollback(BOB, 0)
+        assert not user_dir(tmp_path / "run", BOB).exists() and BOB not in policies.trainers
+        policies.close()
+    finally:
+        engine.close_sync()
+        store.close()
