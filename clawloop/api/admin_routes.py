@@ -28,6 +28,7 @@ from clawloop.api.auth import require_admin
 from clawloop.api.bodies import read_json_object
 from clawloop.api.errors import APIError
 from clawloop.store import Store
+from clawloop.trainer.loop import TrainerStopped
 from clawloop.trainer.per_user import OWNER_NAME, user_dir
 from clawloop.trainer.versions import DamagedVersion
 
@@ -72,6 +73,9 @@ def mount_admin_routes(app: FastAPI, store: Store, config: Any, trainer: Callabl
             return {"object": "clawloop.rollback", **await online.rollback(version, user)}
         except FileNotFoundError as exc:
             raise APIError(404, str(exc), "invalid_request_error", "version", "version_not_found") from None
+        except TrainerStopped as exc:
+            raise APIError(503, f"{exc}; roll back once the server runs again.", "server_error", None,
+                           "trainer_stopping") from None
         except DamagedVersion as exc:
             log.error("rollback to version %d refused: %s", version, exc)
             raise APIError(409, f"Version {version} cannot be served again: its folder is damaged ({exc.problem}). "

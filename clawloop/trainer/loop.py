@@ -71,6 +71,10 @@ SWITCH_INTERVAL_S = 0.001
 
 
 
+class TrainerStopped(RuntimeError):
+    """A rollback asked for while the trainer stops (the server is shutting down): nothing was changed."""
+
+
 class OnlineTrainer:
     def __init__(self, config: Config, store: Store, policy_engine: PublishingEngine | None, teacher: Any = None, *,
                  run_dir: str | Path | None = None, resume: bool = False, poll_interval_s: float = 1.0,
@@ -232,7 +236,10 @@ class OnlineTrainer:
                 pass
             self._task = None
         if self.core is not None or self.policies is not None:
-            await self._on_train_thread(self._shutdown)
+            # Under the model's lock: a rollback or forget that came during the stop finishes first, on a trainer
+            # still open, and one that comes after finds it stopped.
+            async with self._model_lock if self._model_lock is not None else contextlib.nullcontext():
+                await self._on_train_thread(self._shutdown)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -246,6 +253,8 @@ class OnlineTrainer:
         if (self.core is None and self.policies is None) or self._model_lock is None:
             raise RuntimeError("the trainer has not started")
         async with self._model_lock:
+            if self._stopping:
+                raise TrainerStopped("the trainer is stopping; the served version is unchanged")
             if self.policies is not None:
                 if not owner:
                     raise ValueError("per-user policies: say whose policy to roll back (user)")

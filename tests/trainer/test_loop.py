@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import torch
 
 from clawloop.engines.hf import HFEngine
@@ -330,3 +331,26 @@ def test_a_lease_lost_after_the_update_is_not_held_against_its_samples(make_conf
     assert trainer.failures == 0 and store.lost == 3
     assert all(store.get_turn(t).state == TurnState.CONSUMED for t in turns)
     assert sorted(store.steps()[0]["turn_ids"]) == sorted(turns)
+
+
+def test_a_rollback_that_comes_while_the_trainer_stops_changes_nothing(make_config, base_model, tiny_tokenizer,
+                                                                       tmp_path):
+    """The server is shutting down: a rollback that arrives then waits for the model and is refused, rather
+    than running on a trainer already closed (a 500 from inside it)."""
+    from clawloop.trainer.loop import TrainerStopped
+
+    config = make_config(method="rl", rollout_batch_size=2)
+    store = Store(tmp_path / "store.sqlite")
+
+    async def main():
+        from clawloop.trainer.publish import LocalVersion
+
+        trainer = OnlineTrainer(config, store, LocalVersion(), poll_interval_s=0.05, console=None)
+        await trainer.start()
+        stopping = asyncio.create_task(trainer.stop())
+        await asyncio.sleep(0)  # the stop has begun
+        with pytest.raises(TrainerStopped):
+            await trainer.rollback(0)
+        await stopping
+
+    asyncio.run(main())
