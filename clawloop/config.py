@@ -86,6 +86,11 @@ class EngineSettings:
                           "teacher scoring (prompt_logprobs; no --enable-lora on CPU) and for the judge when "
                           "judge_url is empty. Empty = clawloop starts one from vllm_teacher when needed.")
     teacher_model: str = _f("", "engine=vllm: the model name the teacher server serves (empty = 'base').")
+    policy_api_key: str = _f("", "engine=vllm with policy_url: the Bearer key that server asks for, sent on every "
+                             "call to it (a dev-mode server without one lets anyone who reaches it swap the served "
+                             "weights).", secret=True)
+    teacher_api_key: str = _f("", "engine=vllm with teacher_url: the Bearer key that server asks for (also sent by "
+                              "the judge when it falls to the teacher server).", secret=True)
     vllm_policy: dict[str, Any] = _f({}, "Settings of the policy vLLM server clawloop starts: keys of "
                                      "VLLMServerSettings (port, dtype, max_model_len, max_num_seqs, "
                                      "gpu_memory_utilization, extra_args such as ['--tensor-parallel-size', '2'], "
@@ -670,6 +675,10 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
                                  "vllm_teacher") if getattr(self, n)]
             if given:
                 raise ConfigError(f"{', '.join(given)} only apply with engine='vllm' (engine is 'embedded')")
+        for key, url in (("policy_api_key", "policy_url"), ("teacher_api_key", "teacher_url")):
+            if getattr(self, key) and not getattr(self, url):
+                raise ConfigError(f"{key} is the key of the server at {url}, which is not set (a server clawloop "
+                                  f"starts takes api_key in its vllm_{url.split('_')[0]} table)")
         if self.policy_url and self.vllm_policy:
             raise ConfigError("policy_url (attach to a running server) and vllm_policy (start one) exclude each other")
         if self.teacher_url and self.vllm_teacher:

@@ -102,9 +102,10 @@ class Fleet:
         """Decide which servers the run needs; nothing is started (model folders are resolved lazily)."""
         fleet = cls()
         if config.engine == "vllm":
-            fleet.policy = _server(config, "policy", config.policy_url, config.policy_model)
+            fleet.policy = _server(config, "policy", config.policy_url, config.policy_model, config.policy_api_key)
             if needs_teacher_server(config):
-                fleet.teacher = _server(config, "teacher", config.teacher_url, config.teacher_model)
+                fleet.teacher = _server(config, "teacher", config.teacher_url, config.teacher_model,
+                                        config.teacher_api_key)
         if config.vllm_judge and config.train:
             fleet.judge = _server(config, "judge", "", "")
         return fleet
@@ -200,9 +201,9 @@ def stop_leftover(pid_file: Path, grace_s: float = 10.0) -> bool:
     return found
 
 
-def _server(config: Config, role: str, url: str, model: str) -> VLLMServer:
+def _server(config: Config, role: str, url: str, model: str, api_key: str = "") -> VLLMServer:
     if url:
-        return VLLMServer.attach(url, served_model_name=model or DEFAULT_SERVED_NAME)
+        return VLLMServer.attach(url, api_key=api_key, served_model_name=model or DEFAULT_SERVED_NAME)
     model_dir = Path(role_section(config, role).get("model") or resolve_model(config.model))
     return VLLMServer(server_settings(config, role, model_dir))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clawloop.config import Config
+from clawloop.config import Config, ConfigError
 from clawloop.engines import vllm_server
 from clawloop.engines.base import EngineError
 from clawloop.engines.vllm_server import LAUNCH_ENV, VLLMServer, free_port
@@ -85,6 +85,20 @@ def test_attached_servers_are_not_managed_and_urls_resolve(model_dir, tmp_path):
     resolved = fleet.resolve(config)
     assert resolved.policy_url == "http://gpu1:8001" and resolved.judge_url == "http://127.0.0.1:8003/v1"
     assert resolved.vllm_judge == {} and resolved.judge_model == "base"
+
+
+def test_attached_servers_are_sent_the_keys_they_ask_for(model_dir, tmp_path):
+    """A server started elsewhere (python -m clawloop.engines.vllm_server with an api_key) is called with its key:
+    by the engines, the publisher, and the judge when it falls to the teacher server."""
+    config = config_for(model_dir, tmp_path, engine="vllm", method="rl", policy_url="http://gpu1:8001",
+                        policy_api_key="policy-key-1", teacher_url="http://gpu2:8002", teacher_api_key="teacher-key-2")
+    fleet = Fleet.plan(config)
+    assert fleet.policy.api_key == "policy-key-1" and fleet.teacher.api_key == "teacher-key-2"
+    assert fleet.policy.engine().api_key == "policy-key-1"
+    resolved = fleet.resolve(config)
+    assert resolved.judge_url == "http://gpu2:8002/v1" and resolved.judge_api_key == "teacher-key-2"
+    with pytest.raises(ConfigError, match="policy_api_key is the key of the server at policy_url"):
+        config_for(model_dir, tmp_path, engine="vllm", policy_api_key="k")
 
 
 def test_judge_falls_to_the_teacher_server_over_http(model_dir, tmp_path):
