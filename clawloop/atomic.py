@@ -68,9 +68,9 @@ def exchange(a: Path, b: Path) -> bool:
     if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
+    if err == errno.ENOENT:  # a name is missing: the caller's mistake, not the system's limit
+        raise OSError(err, os.strerror(err), f"{a} or {b}")
+    return False  # not supported here (an old kernel, a file system, a sandbox refusing the call): rename instead
 
 
 def _replace_folder(tmp: Path, final: Path) -> None:

@@ -72,6 +72,11 @@ def open_run_store(run_dir: str | Path) -> Store:
     ensure_writable(folder)
     try:
         held = hold_run(folder)
+    except PermissionError as exc:  # a run.lock another user (root?) left, which this one cannot open
+        raise RunFolderError(
+            f"clawloop cannot open {exc.filename} ({exc.strerror}), the lock of the process that serves or trains "
+            f"in {folder}. It was left by another user: give this user access to it (or remove it while nothing "
+            "runs there), or give another folder with --run-dir.") from None
     except RunInUse as exc:
         raise RunFolderError(
             f"Another clawloop process{f' (pid {exc.holder})' if exc.holder is not None else ''} is serving or "

@@ -198,15 +198,20 @@ def stop_on_termination() -> None:
     and closes what it opened, the vLLM servers above all (they run in sessions of their own and would outlive a
     process the signal killed). While serving, uvicorn answers SIGTERM with a graceful shutdown and then raises it
     again under the handler it found, this one; before that (minutes of model loading), this handler is the one
-    that answers. Main thread only."""
+    that answers. A signal whose action is not the default (SIGHUP under ``nohup``) is left alone. Main thread
+    only."""
     def stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
     def hang_up(signum: int, frame: Any) -> None:
         signal.raise_signal(signal.SIGTERM)  # uvicorn's handler while it serves, else ``stop``
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGHUP, hang_up)
+    # Only where the signal still has its default action: ``nohup`` (SIGHUP ignored) and a parent's own handling
+    # stay as they were.
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, stop)
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:
+        signal.signal(signal.SIGHUP, hang_up)
 
 
 def run(config: Config, **kwargs: Any) -> None:

@@ -130,3 +130,28 @@ def test_retry_async_tells_the_attempt_when_it_is_the_last():
 
     assert asyncio.run(retry_async(attempt, backoff, retryable=lambda e: True)) == "last answer"
     assert seen == [(0, False), (1, False), (2, True)]
+
+
+def test_a_sandbox_that_refuses_the_swap_gets_the_rename_instead(tmp_path, monkeypatch):
+    """Some sandboxes answer renameat2 with EPERM: the folder is still replaced, by renaming the old one aside."""
+    import ctypes
+    import errno
+
+    import clawloop.atomic as atomic
+
+    class Refusing:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        class renameat2:  # noqa: N801 - stands for the C function of that name
+            argtypes = None
+
+            def __new__(cls, *args):
+                ctypes.set_errno(errno.EPERM)
+                return -1
+
+    final = tmp_path / "v1"
+    write_folder_atomically(final, lambda tmp: (tmp / "weights.bin").write_bytes(b"old"))
+    monkeypatch.setattr(atomic.ctypes, "CDLL", Refusing)
+    write_folder_atomically(final, lambda tmp: (tmp / "weights.bin").write_bytes(b"new"))
+    assert (final / "weights.bin").read_bytes() == b"new" and hidden(tmp_path) == []

@@ -249,3 +249,24 @@ def test_forget_by_key_file_deletes_that_keys_turns_and_writes_a_receipt(tmp_pat
     assert main(["forget", str(tmp_path), "--key-file", str(tmp_path / "missing.key")]) == 2
     assert "cannot read" in capsys.readouterr().err
     assert main(["forget", str(tmp_path / "nowhere"), "--user", "k_x"]) == 2
+
+
+def test_serve_under_nohup_keeps_serving_when_its_terminal_closes(tmp_path):
+    """nohup leaves SIGHUP ignored: serve keeps that, and still stops cleanly on SIGTERM."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clawloop.cli", "serve", "--model", "tiny", "--port", str(port), "--run-dir",
+         str(tmp_path / "run"), "--num-threads", "2", "--log-level", "warning"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # what nohup does
+    try:
+        wait_until_serving(proc, port)
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert proc.poll() is None and httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.stdout.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -72,6 +72,9 @@ def mount_admin_routes(app: FastAPI, store: Store, config: Any, trainer: Callabl
         try:
             return {"object": "clawloop.rollback", **await online.rollback(version, user)}
         except FileNotFoundError as exc:
+            if user is not None and not user_dir(config.run_dir, user).is_dir():  # forgotten while it waited
+                raise APIError(404, f"User {user} has no policy of their own in this run.", "invalid_request_error",
+                               "user", "user_not_found") from None
             raise APIError(404, str(exc), "invalid_request_error", "version", "version_not_found") from None
         except TrainerStopped as exc:
             raise APIError(503, f"{exc}; roll back once the server runs again.", "server_error", None,

@@ -74,7 +74,7 @@ def mount_forget_route(app: FastAPI, store: Store, config: Any, sessions: Sessio
                 await engine.remove_adapter(user)
             try:
                 receipt = await asyncio.to_thread(forget_user, store, Path(config.run_dir), user)
-            except StoreInUse as exc:  # another writer came since the check: serve the user's policy again
+            except StoreInUse as exc:  # another writer came since the check: the user's policy resumes as at a start
                 if online is not None:
                     await online.bring_back_user(user)
                 raise APIError(409, str(exc), "invalid_request_error", None, "store_in_use") from None

@@ -88,7 +88,8 @@ class ChunkMaker:
 class GuardedStreamingResponse(StreamingResponse):
     """A streaming response that calls ``on_close`` exactly once when it is over, however it ended. With
     ``send_timeout_s``, a chunk the client has not taken within that long (its reads stopped, the connection's
-    buffers are full) ends the response: the connection is closed, as for a client that left."""
+    buffers are full) ends the response: the request lets go of its session, and the server closes the
+    connection once what it already buffered is read or the client leaves."""
 
     def __init__(self, *args: Any, on_close: Callable[[], None] | None = None, send_timeout_s: float | None = None,
                  **kwargs: Any):

@@ -63,8 +63,9 @@ T = TypeVar("T")
 MAX_LEASE_S = 24 * 3600.0
 MAX_RECENT_PROMPTS = 1000
 MAX_INT = 2**31 - 1
-LEASE_ID_RE = re.compile(r"[0-9a-f]{8,64}")
 """Largest count, step, turn id or policy version a route accepts."""
+LEASE_ID_RE = re.compile(r"[0-9a-f]{8,64}")
+"""A lease id a trainer may choose for its lease."""
 
 
 def _number(body: dict[str, Any], key: str, default: float | None = None, *, minimum: float = 0.0,

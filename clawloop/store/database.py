@@ -245,6 +245,9 @@ class Database:
                 have = {r["name"] for r in db.execute(f"PRAGMA table_info({table})").fetchall()}
                 if column not in have:
                     db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+            # Made once the column exists (an older store gains it just above): a user's newest turns
+            # (``recent_prompts``) are read through it without scanning every turn.
+            db.execute("CREATE INDEX IF NOT EXISTS turns_owner ON turns(owner, id)")
 
     @staticmethod
     def _take_kind_out_of_reason(db: sqlite3.Connection) -> None:

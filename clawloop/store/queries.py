@@ -100,17 +100,17 @@ class Queries:
                  " WHERE e.kind = 'gate_rejected' AND j.value = s.consumed_step)") if corrected else ""
         if mine:
             where += (" AND" if where else " WHERE") + " t.owner = ?"
-        chosen = where + (" AND" if where else " WHERE") + " t.owner IN (SELECT owner FROM active)"
+        one_owner = where + (" AND" if where else " WHERE") + " t.owner = ?"
         owned = (owner,) if mine else ()
         with self.db.read() as db:
-            rows = db.execute(
-                f"WITH active AS (SELECT t.owner AS owner FROM turns t {where} GROUP BY t.owner"
-                f" ORDER BY MAX(t.id) DESC LIMIT ?),"
-                f" ranked AS (SELECT t.id AS id, t.owner AS owner, t.session_id AS session_id, t.prompt_ids AS"
-                f" prompt_ids, ROW_NUMBER() OVER (PARTITION BY t.owner ORDER BY t.id DESC) AS newest FROM turns t"
-                f" {chosen})"
-                f" SELECT id, owner, session_id, prompt_ids FROM ranked WHERE newest <= ? ORDER BY id DESC",
-                owned + (int(n),) + owned + (max(int(n), int(scan)),)).fetchall()
+            # The most recently active owners, then each one's newest turns (the (owner, id) index reads them
+            # without going through every turn of the run).
+            active = [r[0] for r in db.execute(f"SELECT t.owner FROM turns t {where} GROUP BY t.owner"
+                                               f" ORDER BY MAX(t.id) DESC LIMIT ?", owned + (int(n),))]
+            rows = sorted((r for who in active for r in db.execute(
+                f"SELECT t.id AS id, t.owner AS owner, t.session_id AS session_id, t.prompt_ids AS prompt_ids"
+                f" FROM turns t {one_owner} ORDER BY t.id DESC LIMIT ?",
+                owned + (who, max(int(n), int(scan)))).fetchall()), key=lambda r: -r["id"])
             distinct: list[Any] = []
             seen: set[bytes] = set()
             for r in rows:

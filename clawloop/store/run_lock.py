@@ -3,9 +3,9 @@
 Two would both commit steps and write versions, and each would take the other's leased or claimed work for work
 cut short by a crash (``Store.recover``). The process that writes a run holds ``RUN_DIR/run.lock`` with an
 exclusive ``flock``; the kernel drops it when the process ends, so a crash leaves nothing to clean up. The file
-holds the holder's pid, for the message a second process gets. Readers (the dashboard) and the commands that are
-safe beside a running server (``clawloop rollback``, ``clawloop forget``, which waits for the store itself) do not
-take it.
+holds the holder's pid, for the message a second process gets. Readers (the dashboard, ``clawloop records
+export``) and the commands that are safe beside a running server (``clawloop rollback``; ``clawloop forget``, which
+refuses to run while another writer has the store open) do not take it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ class RunInUse(RuntimeError):
     def __init__(self, run_dir: Path, holder: int | None):
         self.run_dir, self.holder = run_dir, holder
         who = f" (pid {holder})" if holder is not None else ""
-        super().__init__(f"another clawloop process{who} is serving or training in {run_dir}")
+        if holder == os.getpid():
+            super().__init__(f"this process already serves or trains in {run_dir}")
+        else:
+            super().__init__(f"another clawloop process{who} is serving or training in {run_dir}")
 
 
 class RunLock:
@@ -52,6 +55,10 @@ def hold_run(run_dir: str | Path) -> RunLock:
     except BaseException:
         os.close(fd)
         raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return RunLock(fd)
+    held = RunLock(fd)
+    try:  # the pid is for the message only; a full disk must not leave the lock held by nobody's handle
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
+    return held

@@ -547,7 +547,10 @@ class Trainer:
         if lora != self.models.lora:
             raise ValueError(f"version {version} was written with lora={lora}, this run has lora={self.models.lora}")
         previous = self.policy_version
-        before = self._snapshot(previous)  # what the training model held, should serving the version fail
+        # What the training model holds, should serving the version fail: the accepted state itself when no step
+        # was taken since (no second copy of the weights and optimizer), else a snapshot.
+        unchanged = not self.unchecked_steps and self.accepted is not None and self.accepted.version == previous
+        before = self.accepted if unchanged else self._snapshot(previous)
         self.optimizer = make_optimizer(self.models, self.config)
         if self.parallel.load(self.models, self.optimizer, stored.weights if stored is not None else None,
                               stored.optimizer if stored is not None else None, self.config.learning_rate):

@@ -293,8 +293,9 @@ class OnlineTrainer:
         self._leasers.pop(owner, None)
 
     async def bring_back_user(self, owner: str) -> None:
-        """Per-user policies: undo ``let_go_of_user`` when the forget could not go on (nothing was deleted):
-        ``owner``'s policy resumes from their newest checkpoint, and their adapter is served again."""
+        """Per-user policies: after ``let_go_of_user``, when the forget could not go on (nothing was deleted):
+        ``owner``'s policy resumes as after a restart, from their newest checkpoint (steps after it train again
+        from their samples) and with its adapter served again."""
         if self.policies is None or self._executor is None:
             return
         assert self.policies is not None
