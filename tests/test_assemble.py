@@ -24,16 +24,12 @@ from clawloop.runtime import build_runtime
 from clawloop.serve import Server
 from clawloop.trainer.loop import OnlineTrainer
 from tests.test_fleet import FAKE_VLLM
+from tests.test_fleet import fake_vllm_python as write_fake_vllm
 
 
 @pytest.fixture
 def fake_vllm_python(tmp_path):
-    script = tmp_path / "fake_vllm.py"
-    script.write_text(FAKE_VLLM)
-    python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\nexec {sys.executable} {script} "$@"\n')
-    python.chmod(0o755)
-    return python
+    return write_fake_vllm(tmp_path, FAKE_VLLM)
 
 
 def vllm_config(tmp_path, python, **values) -> Config:

@@ -407,13 +407,17 @@ def serve_a_stranger(tmp_path: Path) -> tuple[subprocess.Popen, int]:
     raise AssertionError("the stranger did not start")
 
 
+def policy_fleet_on(model_dir, tmp_path, python: Path, port: int) -> Fleet:
+    """The planned fleet of a run whose policy server ``python`` starts on the fixed ``port``."""
+    config = config_for(model_dir, tmp_path, engine="vllm", method="rl", judge_backend="rules",
+                        vllm_policy={"python": str(python), "port": port, "startup_timeout_s": 10.0})
+    return Fleet.plan(config)
+
+
 def test_a_port_another_process_holds_is_refused_before_launching(model_dir, tmp_path):
     stranger, port = serve_a_stranger(tmp_path)
     try:
-        python = fake_vllm_python(tmp_path, FAKE_VLLM)
-        config = config_for(model_dir, tmp_path, engine="vllm", method="rl", judge_backend="rules",
-                            vllm_policy={"python": str(python), "port": port, "startup_timeout_s": 10.0})
-        fleet = Fleet.plan(config)
+        fleet = policy_fleet_on(model_dir, tmp_path, fake_vllm_python(tmp_path, FAKE_VLLM), port)
         with pytest.raises(EngineError, match=f"port {port} .*another process holds it"):
             fleet.start()
         assert fleet.policy.process is None  # nothing was launched
@@ -430,9 +434,7 @@ def test_a_stranger_answering_on_the_port_is_not_taken_for_the_server_started_he
         python = tmp_path / "python"
         python.write_text("#!/bin/sh\nexec sleep 60\n")  # ours is still loading: only the stranger answers
         python.chmod(0o755)
-        config = config_for(model_dir, tmp_path, engine="vllm", method="rl", judge_backend="rules",
-                            vllm_policy={"python": str(python), "port": port, "startup_timeout_s": 10.0})
-        fleet = Fleet.plan(config)
+        fleet = policy_fleet_on(model_dir, tmp_path, python, port)
         with pytest.raises(EngineError, match=f"another process answers on port {port}"):
             fleet.start()
         assert fleet.policy.process is None  # ours was stopped
