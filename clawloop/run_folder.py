@@ -78,10 +78,10 @@ def open_run_store(run_dir: str | Path) -> Store:
             f"in {folder}. It was left by another user: give this user access to it (or remove it while nothing "
             "runs there), or give another folder with --run-dir.") from None
     except RunInUse as exc:
+        who = str(exc)
         raise RunFolderError(
-            f"Another clawloop process{f' (pid {exc.holder})' if exc.holder is not None else ''} is serving or "
-            f"training in {folder}. Two processes in one run would both commit steps and write versions, and each "
-            "would take the other's work in flight for work cut short by a crash. Stop it first, or give another "
+            f"{who[:1].upper()}{who[1:]}. Two processes in one run would both commit steps and write versions, and "
+            "each would take the other's work in flight for work cut short by a crash. Stop it first, or give another "
             "folder with --run-dir (a running run can still be watched with clawloop dashboard RUN_DIR and rolled "
             "back with clawloop rollback --url).") from None
     try:
