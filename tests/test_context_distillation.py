@@ -309,6 +309,7 @@ def test_the_dashboard_shows_the_context_kind(tmp_path, judge_server, tiny_model
     overview = view.overview()
     assert overview["samples_by_kind"] == {"context": 2, "rl+opd": 1}
     assert overview["turns_total"] == 1 and overview["context_turns"] == 2  # only one turn was served
+    assert sum(overview["turns_by_state"].values()) == 1  # the bars count what was served, as the total does
     turns = {t["turn_id"]: t for t in view.session("s")["turns"]}
     assert turns[source]["context_turn_ids"] == store.context_turn_ids(source)
     for turn_id in store.context_turn_ids(source):

@@ -310,7 +310,7 @@ class RunView:
 
     # ---- overview ---------------------------------------------------------------------------------------
     def _overview(self, store: Store) -> dict[str, Any]:
-        turns = store.count_turns()
+        turns = store.count_turns(served_only=True)  # the context samples' turns are counted on their own
         samples = store.count_samples()
         by_kind = store.count_samples_by_kind()
         # Counts and the newest rows only: the page polls this every 2 s, and gate events hold a check's evidence.
@@ -344,7 +344,7 @@ class RunView:
             "samples_by_kind": {kind: sum(states.values()) for kind, states in sorted(by_kind.items())},
             "samples_by_kind_and_state": by_kind,
             "turns_by_state": turns,
-            "turns_total": sum(turns.values()) - context_turns,
+            "turns_total": sum(turns.values()),
             "context_turns": context_turns,
             "drop_reasons": store.drop_reasons(),
             "judge": {**self._judge_setup(store), **store.vote_stats()},

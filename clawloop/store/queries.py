@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from clawloop.store.contexts import CONTEXT_KIND
 from clawloop.store.database import Database, owned_samples
 from clawloop.store.records import ID_BYTES, SampleRecord, TurnState, ids_from
 from clawloop.store.samples import sample_from_row
@@ -17,9 +18,14 @@ class Queries:
 
     db: Database
 
-    def count_turns(self, owner: str | None = None) -> dict[str, int]:
-        """Turns by state; only ``owner``'s when given."""
-        where, args = ("WHERE owner=?", (owner,)) if owner is not None else ("", ())
+    def count_turns(self, owner: str | None = None, *, served_only: bool = False) -> dict[str, int]:
+        """Turns by state; only ``owner``'s when given; with ``served_only``, not the context samples' turns (the
+        teacher's own answers, stored as turns nobody was served)."""
+        conditions = (["owner=?"] if owner is not None else []) + (
+            [f"NOT EXISTS (SELECT 1 FROM samples s WHERE s.turn_id = turns.id AND s.kind = '{CONTEXT_KIND}')"]
+            if served_only else [])
+        where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
+        args = (owner,) if owner is not None else ()
         with self.db.read() as db:
             rows = db.execute(f"SELECT state, COUNT(*) AS n FROM turns {where} GROUP BY state", args).fetchall()
         return {r["state"]: r["n"] for r in rows}
