@@ -414,33 +414,35 @@ def policy_fleet_on(model_dir, tmp_path, python: Path, port: int) -> Fleet:
     return Fleet.plan(config)
 
 
-def test_a_port_another_process_holds_is_refused_before_launching(model_dir, tmp_path):
+@pytest.fixture
+def stranger_port(tmp_path):
+    """The port of another process's server, which answers on it for the test."""
     stranger, port = serve_a_stranger(tmp_path)
-    try:
-        fleet = policy_fleet_on(model_dir, tmp_path, fake_vllm_python(tmp_path, FAKE_VLLM), port)
-        with pytest.raises(EngineError, match=f"port {port} .*another process holds it"):
-            fleet.start()
-        assert fleet.policy.process is None  # nothing was launched
-    finally:
-        stranger.kill()
-        stranger.wait(10)
+    yield port
+    stranger.kill()
+    stranger.wait(10)
 
 
-def test_a_stranger_answering_on_the_port_is_not_taken_for_the_server_started_here(model_dir, tmp_path, monkeypatch):
+def test_a_port_another_process_holds_is_refused_before_launching(model_dir, tmp_path, stranger_port):
+    port = stranger_port
+    fleet = policy_fleet_on(model_dir, tmp_path, fake_vllm_python(tmp_path, FAKE_VLLM), port)
+    with pytest.raises(EngineError, match=f"port {port} .*another process holds it"):
+        fleet.start()
+    assert fleet.policy.process is None  # nothing was launched
+
+
+def test_a_stranger_answering_on_the_port_is_not_taken_for_the_server_started_here(model_dir, tmp_path, monkeypatch,
+                                                                                   stranger_port):
     """Should the port check miss it (another server binding the port while ours starts), readiness still tells."""
-    stranger, port = serve_a_stranger(tmp_path)
+    port = stranger_port
     monkeypatch.setattr(vllm_server, "port_taken", lambda host, port: False, raising=False)
-    try:
-        python = tmp_path / "python"
-        python.write_text("#!/bin/sh\nexec sleep 60\n")  # ours is still loading: only the stranger answers
-        python.chmod(0o755)
-        fleet = policy_fleet_on(model_dir, tmp_path, python, port)
-        with pytest.raises(EngineError, match=f"another process answers on port {port}"):
-            fleet.start()
-        assert fleet.policy.process is None  # ours was stopped
-    finally:
-        stranger.kill()
-        stranger.wait(10)
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nexec sleep 60\n")  # ours is still loading: only the stranger answers
+    python.chmod(0o755)
+    fleet = policy_fleet_on(model_dir, tmp_path, python, port)
+    with pytest.raises(EngineError, match=f"another process answers on port {port}"):
+        fleet.start()
+    assert fleet.policy.process is None  # ours was stopped
 
 
 class StubServer:

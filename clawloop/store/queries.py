@@ -22,10 +22,9 @@ class Queries:
         """Turns by state; only ``owner``'s when given; with ``served_only``, not the context samples' turns (the
         teacher's own answers, stored as turns nobody was served)."""
         conditions = (["owner=?"] if owner is not None else []) + (
-            [f"NOT EXISTS (SELECT 1 FROM samples s WHERE s.turn_id = turns.id AND s.kind = '{CONTEXT_KIND}')"]
-            if served_only else [])
+            ["NOT EXISTS (SELECT 1 FROM samples s WHERE s.turn_id = turns.id AND s.kind = ?)"] if served_only else [])
         where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
-        args = (owner,) if owner is not None else ()
+        args = ((owner,) if owner is not None else ()) + ((CONTEXT_KIND,) if served_only else ())
         with self.db.read() as db:
             rows = db.execute(f"SELECT state, COUNT(*) AS n FROM turns {where} GROUP BY state", args).fetchall()
         return {r["state"]: r["n"] for r in rows}

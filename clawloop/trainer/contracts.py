@@ -93,7 +93,9 @@ class PublishingEngine(Protocol):
 
 
 class WeightSink(Protocol):
-    """Where accepted weights go. Called on the main process only."""
+    """Where accepted weights go. Called on the main process only. A sink that serves the live training weights
+    rather than the ``weights`` it is handed sets ``serves_live_weights = True`` (``publish.EngineSink``): the
+    trainer then takes no step while a publication it owes has not gone through."""
 
     @property
     def policy_version(self) -> int:
