@@ -215,6 +215,12 @@ class TeacherSettings:
                              "loop, an echo of the question, an answer off the topic of a wh-question), since a "
                              "context sample is trained as a good answer; SmolLM2-135M's hinted answers include "
                              "a sentence about the Sun to \"What is thunder?\" (docs/context-distillation.md).")
+    opd_rollouts: int = _f(0, "Student rollouts: answers the trainer samples from its own current weights to each "
+                           "hinted sample's prompt, trained under the same hint by the OPD branch and the "
+                           "teacher-support term, with no vote and never stored (0 = off). They keep the "
+                           "distillation on the student's own answers when the served version lags the trained "
+                           "weights (the gate holding candidates back; docs/rollouts.md).")
+    opd_rollout_tokens: int = _f(64, "Most tokens per student rollout; never more than max_response_tokens.")
 
 
 @dataclass
@@ -602,6 +608,7 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
         if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
             raise ConfigError(f"adam_betas={self.adam_betas!r} must be two numbers in [0, 1)")
         self._validate_context()
+        self._validate_rollouts()
         if self.group_norm and self.method in ("opd", "topk_kl"):
             raise ConfigError(f"group_norm=True has no effect with method={self.method!r} (no rewards)")
         for backend in self.metrics_backends:
@@ -633,6 +640,13 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
             # request arriving then finds no slot to free, and its whole admission group would fail.
             raise ConfigError(f"user_adapter_slots={self.user_adapter_slots!r} must be at least max_batch_size="
                               f"{self.max_batch_size!r}: every row of a batch may need an adapter of its own")
+
+    def _validate_rollouts(self) -> None:
+        if self.opd_rollouts < 0 or self.opd_rollout_tokens < 1:
+            raise ConfigError("opd_rollouts must be >= 0 and opd_rollout_tokens >= 1")
+        if self.opd_rollouts > 0 and (self.weights[1] == 0.0 or not self.needs_hints or self.method == "combine"):
+            raise ConfigError(f"opd_rollouts trains through the OPD branch under accepted hints, which "
+                              f"method={self.method!r} does not train")
 
     def _validate_context(self) -> None:
         choice = ("sft", "objective")

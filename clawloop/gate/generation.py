@@ -50,6 +50,7 @@ def probe_answers(model: torch.nn.Module, prompts: list[list[int]], max_tokens: 
                    batches: Callable[[Sequence[int]], list[list[int]]] = length_buckets,
                    uniforms: Sequence[torch.Tensor | None] | None = None, temperature: float = 1.0,
                    done: Sequence[Callable[[list[int]], bool] | None] | None = None,
+                   sampled_logprobs: list[list[float]] | None = None,
                    ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy continuations of ``prompts`` (one left-padded batch with a KV cache per group of ``batches``, by
     default ``length_buckets``, decoded only for the rows still answering), each cut before its first end-of-turn
@@ -59,7 +60,10 @@ def probe_answers(model: torch.nn.Module, prompts: list[list[int]], max_tokens: 
     long) is sampled at ``temperature`` instead, and its log-softmax is not kept (an empty ``[0, V]``): the KL is
     measured on greedy answers only, and keeping ``[T, V]`` rows for many sampled answers would cost more memory
     than the check's model. A prompt whose entry in ``done`` is a function ends its answer as soon as that function
-    says the tokens so far settle it (a knowledge probe's answer once it names the fact)."""
+    says the tokens so far settle it (a knowledge probe's answer once it names the fact). ``sampled_logprobs``, when
+    given, receives one list per prompt: a sampled answer's tokens' log-probs at ``temperature`` (the sampling
+    distribution's), then, where it ended by sampling an end-of-turn token, that token's (so one more than the
+    answer has tokens); empty for a greedy answer."""
     caps = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else [int(c) for c in max_tokens]
     dice = list(uniforms) if uniforms is not None else [None] * len(prompts)
     if any(u is not None and len(u) < cap for u, cap in zip(dice, caps)):
@@ -69,19 +73,22 @@ def probe_answers(model: torch.nn.Module, prompts: list[list[int]], max_tokens: 
     settled = list(done) if done is not None else [None] * len(prompts)
     answers: list[list[int]] = [[] for _ in prompts]
     logprobs: list[torch.Tensor] = [torch.zeros(0) for _ in prompts]
+    chosen: list[list[float]] = [[] for _ in prompts]
     for group in batches([len(p) for p in prompts]):
-        group_answers, group_logprobs = _decode_batch(model, [prompts[i] for i in group], [caps[i] for i in group],
-                                                      eos_ids, [dice[i] for i in group], temperature,
-                                                      [settled[i] for i in group])
-        for i, a, lp in zip(group, group_answers, group_logprobs):
-            answers[i], logprobs[i] = a, lp
+        group_answers, group_logprobs, group_chosen = _decode_batch(
+            model, [prompts[i] for i in group], [caps[i] for i in group], eos_ids, [dice[i] for i in group],
+            temperature, [settled[i] for i in group])
+        for i, a, lp, c in zip(group, group_answers, group_logprobs, group_chosen):
+            answers[i], logprobs[i], chosen[i] = a, lp, c
+    if sampled_logprobs is not None:
+        sampled_logprobs[:] = chosen
     return answers, logprobs
 
 
 def _decode_batch(model: torch.nn.Module, prompts: list[list[int]], caps: list[int], eos_ids: list[int],
                   uniforms: list[torch.Tensor | None], temperature: float,
                   done: list[Callable[[list[int]], bool] | None],
-                  ) -> tuple[list[list[int]], list[torch.Tensor]]:
+                  ) -> tuple[list[list[int]], list[torch.Tensor], list[list[float]]]:
     """One left-padded prefill, then one forward per token for the rows still answering: a row that wrote an
     end-of-turn token (or its cap of tokens) leaves the batch and its KV cache at once, and leading cache columns
     that are padding for every row left are dropped. On a CPU a decoding step costs nearly the same for 8 rows as
@@ -106,6 +113,7 @@ def _decode_batch(model: torch.nn.Module, prompts: list[list[int]], caps: list[i
     cache = DynamicCache()
     answers: list[list[int]] = [[] for _ in prompts]
     rows: list[list[torch.Tensor]] = [[] for _ in prompts]
+    chosen: list[list[float]] = [[] for _ in prompts]  # a sampled answer's log-probs at the temperature
     live = list(range(len(prompts)))  # prompt index of each row of the running batch
     logits_U_V = model(input_ids=ids_U_L, attention_mask=mask_U_L, position_ids=pos_U_L, logits_to_keep=1,
                        **cache_kwargs(model, cache)).logits[:, -1, :]
@@ -120,16 +128,24 @@ def _decode_batch(model: torch.nn.Module, prompts: list[list[int]], caps: list[i
         logprobs_B_V = torch.log_softmax(logits_B_V.float(), dim=-1)
         next_B = logprobs_B_V.argmax(dim=-1)
         sampled = [b for b, i in enumerate(live) if uniforms[i] is not None]
+        sampled_lp: dict[int, float] = {}
         if sampled:
-            next_B[sampled] = _inverse_transform(logits_B_V[sampled].float() / temperature,
-                                                 [uniforms[live[b]][len(answers[live[b]])] for b in sampled])
+            scaled_S_V = logits_B_V[sampled].float() / temperature
+            tokens_S = _inverse_transform(scaled_S_V, [uniforms[live[b]][len(answers[live[b]])] for b in sampled])
+            next_B[sampled] = tokens_S
+            lp_S = torch.log_softmax(scaled_S_V, dim=-1).gather(1, tokens_S[:, None]).squeeze(1)
+            sampled_lp = dict(zip(sampled, lp_S.tolist()))
         keep = []
         for b, (i, token) in enumerate(zip(live, next_B.tolist())):
             if token in eos or len(answers[i]) >= caps[i]:
+                if token in eos and b in sampled_lp and len(answers[i]) < caps[i]:
+                    chosen[i].append(sampled_lp[b])  # the end it sampled: one log-prob more than tokens
                 continue
             answers[i].append(token)
             if uniforms[i] is None:
                 rows[i].append(logprobs_B_V[b])
+            else:
+                chosen[i].append(sampled_lp[b])
             if len(answers[i]) < caps[i] and not (done[i] is not None and done[i](answers[i])):
                 keep.append(b)
         if not keep:
@@ -146,7 +162,7 @@ def _decode_batch(model: torch.nn.Module, prompts: list[list[int]], caps: list[i
         pos_B = pos_B + 1
     vocab = int(logits_B_V.shape[-1])
     logprobs = [torch.stack(r) if r else torch.zeros((0, vocab)) for r in rows]
-    return answers, logprobs
+    return answers, logprobs, chosen
 
 
 def _inverse_transform(logits_S_V: torch.Tensor, uniforms: list[torch.Tensor]) -> torch.Tensor:

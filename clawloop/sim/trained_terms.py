@@ -3,7 +3,8 @@
 A branch of the objective reports ``<branch>_applied`` (the share of the step's samples it had targets for) and/or
 ``<branch>_loss``. A branch counts as active in a step when its ``_applied`` metric is above 0, or, for a branch
 without one (GRPO), when its loss is present. Samples of a kind trained in their own way count when the step had
-any (``context_samples``: the teacher's own answers under a hint, context distillation). New branches show up
+any (``context_samples``: the teacher's own answers under a hint, context distillation; ``rollout_samples``: the
+student's own answers, sampled by the trainer). New branches show up
 under their metric name without a change here.
 
 GRPO needs a non-zero advantage to move the weights: a step whose advantages were all 0 (every reward alike, e.g.
@@ -24,6 +25,7 @@ TERM_LABELS: dict[str, str] = {
     "combine_teacher": "combined, teacher term",
     "opd_support": "OPD support",
     "context": "context samples",
+    "rollout": "student rollouts",
     "retain": "retain (general prompts)",
 }
 """Readable names of the branches known today; any other branch is shown by its metric name."""
@@ -31,7 +33,7 @@ TERM_LABELS: dict[str, str] = {
 # Metric names that end like a branch's but are bookkeeping of the whole step.
 _NOT_BRANCHES = {"updates_applied"}
 # Per-step sample counts that name a kind of training (others, e.g. ``hinted_samples``, only describe the batch).
-_SAMPLE_KINDS = {"context_samples": "context"}
+_SAMPLE_KINDS = {"context_samples": "context", "rollout_samples": "rollout"}
 
 
 def _number(value: Any) -> float | None:

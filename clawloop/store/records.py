@@ -100,7 +100,8 @@ class SampleRecord:
     reward: float
     """Majority evaluative vote in {+1, -1, 0}."""
     kind: str
-    """'rl+opd', 'opd', 'rl' or 'context' (``clawloop.store.contexts``)."""
+    """'rl+opd', 'opd', 'rl' or 'context' (``clawloop.store.contexts``); 'rollout' in the trainer only
+    (``clawloop.trainer.rollouts``, never stored)."""
     hints: list[str] = field(default_factory=list)
     targets: dict[str, torch.Tensor] | None = None
     """Teacher-side tensors of ``clawloop.losses.TopKTargets`` (and anything else the trainer needs), or None."""

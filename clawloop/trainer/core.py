@@ -63,7 +63,7 @@ from clawloop.store import LeaseLost, SampleRecord
 from clawloop.teacher import hint_system
 from clawloop.trainer import checkpoint as ckpt
 from clawloop.trainer import versions as history
-from clawloop.trainer.batch import prepare_items
+from clawloop.trainer.batch import TrainItem, prepare_items
 from clawloop.trainer.contracts import GateView, Parallel, PublishingEngine, SampleSource, TurnSource, WeightSink
 from clawloop.trainer.metrics import MetricsWriter, step_record
 from clawloop.trainer.model import TrainModels, gate_reference, load_train_models, load_trainable_state_dict, \
@@ -73,6 +73,7 @@ from clawloop.trainer.publish import EngineSink, LocalVersion, unshared_tensors
 from clawloop.trainer.resume import plan_resume
 from clawloop.trainer.retain import RetainExample, RetainTargets, RetainTerm, build_examples
 from clawloop.trainer.retain_prompts import RETAIN_PROMPTS
+from clawloop.trainer.rollouts import rollout_items, wants_rollouts
 from clawloop.trainer.teacher_client import TeacherClient
 from clawloop.trainer.step import EXCLUDED, UPDATE_SKIPPED, VoidedUpdates, excluded_samples, make_optimizer, \
     train_step, update_applied, zero_momentum
@@ -174,6 +175,8 @@ class Trainer:
         """The multiple of ``learning_rate`` training runs at: ``gate_reject_lr_scale`` per rejected candidate,
         down to ``gate_min_lr_scale``; 1 again at a rollback or restart."""
         self.gate_seconds = 0.0
+        self.end_ids: tuple[list[int], int] | None = None
+        """The ids that end an answer and the chat template's end of turn, read once the first rollout needs them."""
         self.retain: RetainTerm | None = None
         """The retain term once built (``_retain``); its targets are recomputed after a restart, the same ones."""
         self.voided = VoidedUpdates()
@@ -237,6 +240,17 @@ class Trainer:
             self.retain = RetainTerm(self.models.retain_targets, coef=c.retain_coef, batch=c.retain_batch,
                                      seed=c.seed, start=self.step * c.retain_batch * c.steps_per_batch)
         return self.retain
+
+    def _rollouts(self, items: list[TrainItem]) -> list[TrainItem]:
+        """The current weights' own answers to the batch's hinted prompts (``opd_rollouts``; one process only)."""
+        if self.config.opd_rollouts <= 0 or not any(wants_rollouts(it, self.config) for it in items):
+            return []
+        if self.end_ids is None:
+            from clawloop.engines.model_files import end_token_ids, load_tokenizer, turn_end_token_id
+            tokenizer = load_tokenizer(self.models.model_dir)
+            self.end_ids = (end_token_ids(tokenizer), turn_end_token_id(tokenizer))
+        return rollout_items(self.models, items, self.config, step=self.step + 1, end_ids=self.end_ids[0],
+                             turn_end=self.end_ids[1])
 
     def _source(self) -> SampleSource:
         """The store, on the main process (every call to it runs there)."""
@@ -605,10 +619,12 @@ class Trainer:
         if not items or stop:
             self.parallel.share(lambda: self._source().release_lease(lease_id))
             return None
-        metrics = train_step(self.models, self.optimizer, items, self.config, teacher=self.teacher,
+        rollouts = self._rollouts(items)
+        metrics = train_step(self.models, self.optimizer, items + rollouts, self.config, teacher=self.teacher,
                              fuse_old=self.fuse_old, ask_in_loss_forward=self.ask_in_loss_forward,
                              runner=self.parallel.runner, retain=self._retain())
-        # From here the update is in the weights: every store write is retried, never given up for the batch.
+        # From here the update is in the weights: every store write is retried, never given up for the batch. Only
+        # the stored samples (``items``) are dropped, committed or given back; their rollouts go with them.
         excluded = excluded_samples(items)
         if excluded:
             self._persist(lambda store: [store.drop_leased_sample(t, r, lease_id=lease_id) for t, r in excluded],

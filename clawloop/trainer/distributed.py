@@ -236,6 +236,9 @@ def run(config: Config, store: SampleSource | None, *, max_steps: int = 0, lease
     ``Store``); weights folders are reported to ``api`` (the ``RemoteStore``) unless ``report_weights`` is off.
     ``teacher`` goes to the step unchanged. Returns the number of batches trained."""
     rank, world, device = init_distributed()
+    if world > 1 and config.opd_rollouts > 0:
+        raise ConfigError(f"opd_rollouts > 0 runs in one process only; this trainer has {world} ranks (set "
+                          "opd_rollouts = 0 or train in one process)")
     if world > 1 and config.retain_coef > 0:
         raise ConfigError(f"retain_coef > 0 runs in one process only; this trainer has {world} ranks (set "
                           "retain_coef = 0 or train in one process)")

@@ -65,6 +65,7 @@ from clawloop.trainer.old_policy import TEACHER_ERROR, TEACHER_MISSING, ask_from
     mark_unscored, old_policy_pass, old_side_from_logits, opd_expected, reset_teacher_state, teacher_metrics, \
     topk_pass
 from clawloop.trainer.retain import RetainTerm
+from clawloop.trainer.rollouts import ROLLOUT_KIND
 from clawloop.trainer.runner import LocalRunner, Runner, scalar
 from clawloop.trainer.teacher_client import TeacherClient
 
@@ -405,7 +406,7 @@ def _train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: li
                                                       (NONFINITE_LOSS, NONFINITE_GRADIENT)))
     metrics["samples_dropped_teacher_error"] = float(sum(1 for it in items if it.info.get(EXCLUDED) == TEACHER_ERROR))
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])
-    metrics["samples"] = float(n)
+    metrics["samples"] = float(sum(1 for it in items if it.sample.kind != ROLLOUT_KIND))  # the stored ones
     metrics["world_size"] = float(runner.world)
     metrics["checkpointed_micro_batches"] = float(checkpointed) / max(1, epochs_run)
     metrics["max_sample_tokens"] = float(max(int(it.input_ids_L.numel()) for it in items))
@@ -439,6 +440,7 @@ def item_metrics(items: list[TrainItem]) -> dict[str, float]:
         "sample_version_mean": sum(versions) / len(versions),
         "hinted_samples": float(sum(1 for it in items if it.sample.hints)),
         "context_samples": float(sum(1 for it in items if it.sample.kind == "context")),
+        "rollout_samples": float(sum(1 for it in items if it.sample.kind == ROLLOUT_KIND)),
         "reward_mean": sum(float(it.sample.reward) for it in items) / len(items),
     }
     out.update(teacher_metrics(items))

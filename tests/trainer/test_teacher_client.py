@@ -5,8 +5,6 @@ at the same ids."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import httpx
 import pytest
 import torch
@@ -24,47 +22,11 @@ from clawloop.trainer.old_policy import TEACHER_ERROR, TEACHER_MISSING, fill_old
 from clawloop.trainer.publish import LocalVersion
 from clawloop.trainer.step import EXCLUDED, make_optimizer, train_step
 from clawloop.trainer.teacher_client import InProcessTeacher, RemoteTeacher
-from clawloop.wire import TeacherScores
 from tests.counting_engine import CountingEngine
 
-from trainer_helpers import HINTS, add_sample, logprob_table, render
+from trainer_helpers import HINTS, TableTeacher, add_sample, logprob_table, render
 
 ADMIN_KEY = "teacher-admin-key"
-
-
-class TableTeacher:
-    """A ``TeacherClient`` answering from full log-prob tables of ``model`` under the hinted prompts (what the
-    trainer helpers record with a sample), counting its calls; ``fail`` makes every call raise."""
-
-    timeout_s = 30.0
-
-    def __init__(self, model, tokenizer, k=4, fail=False):
-        self.model, self.tokenizer, self.k, self.fail = model, tokenizer, k, fail
-        self.asked = []
-
-    def submit(self, requests):
-        future: Future = Future()
-        self.asked.append(requests)
-        if self.fail:
-            future.set_exception(RuntimeError("teacher out of memory"))
-            return future
-        out = []
-        for r in requests:
-            prompts = [render(self.tokenizer, inject_hint(r.turn.messages, h)) for h in r.hints] or \
-                [list(r.turn.prompt_ids)]
-            tables = torch.stack([logprob_table(self.model, p, list(r.turn.response_ids), r.temperature)
-                                  for p in prompts])
-            top = tables.topk(self.k, dim=-1)
-            C = tables.shape[0]
-            out.append(TeacherScores(
-                student_ids_T_K=r.student_ids_T_K, teacher_ids_C_T_K=top.indices, teacher_logprobs_C_T_K=top.values,
-                teacher_at_student_C_T_K=tables.gather(-1, r.student_ids_T_K.unsqueeze(0).expand(C, -1, -1)),
-                hint_lens_C=torch.tensor([len(h) for h in r.hints] or [0])))
-        future.set_result(out)
-        return future
-
-    def close(self):
-        pass
 
 
 def unrecorded(t):

@@ -4,17 +4,22 @@
   real tokenizer ids for the answer, behaviour log-probs scored by ``model`` at the turn's temperature), moves it
   through the store's states to ``ready`` with a ``SampleRecord``. Hinted samples get teacher targets computed
   by ``model`` on the hint-augmented prompt (a frozen base teacher, as by default).
+* ``TableTeacher(model, tokenizer)`` — a teacher client answering from ``model``'s full log-prob tables under the
+  hinted prompts, counting its calls.
 * ``add_owned_sample(store, tokenizer, owner, question, answer, reward)`` — one ``rl`` sample of a user (per-user
   key name ``owner``), with placeholder behaviour log-probs.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
 
 from tests.losses_support import build_topk_targets
 from clawloop.store import SampleRecord, Store, TurnRecord
 from clawloop.teacher import inject_hint
+from clawloop.wire import TeacherScores
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -124,3 +129,38 @@ def add_owned_sample(store: Store, tokenizer, owner: str, question: str, answer:
     store.claim_judgeable(1)
     assert store.put_sample(SampleRecord(turn_id=tid, reward=reward, kind="rl"))
     return tid
+
+
+class TableTeacher:
+    """A ``TeacherClient`` answering from full log-prob tables of ``model`` under the hinted prompts (what the
+    trainer helpers record with a sample), counting its calls; ``fail`` makes every call raise."""
+
+    timeout_s = 30.0
+
+    def __init__(self, model, tokenizer, k=4, fail=False):
+        self.model, self.tokenizer, self.k, self.fail = model, tokenizer, k, fail
+        self.asked = []
+
+    def submit(self, requests):
+        future: Future = Future()
+        self.asked.append(requests)
+        if self.fail:
+            future.set_exception(RuntimeError("teacher out of memory"))
+            return future
+        out = []
+        for r in requests:
+            prompts = [render(self.tokenizer, inject_hint(r.turn.messages, h)) for h in r.hints] or \
+                [list(r.turn.prompt_ids)]
+            tables = torch.stack([logprob_table(self.model, p, list(r.turn.response_ids), r.temperature)
+                                  for p in prompts])
+            top = tables.topk(self.k, dim=-1)
+            C = tables.shape[0]
+            out.append(TeacherScores(
+                student_ids_T_K=r.student_ids_T_K, teacher_ids_C_T_K=top.indices, teacher_logprobs_C_T_K=top.values,
+                teacher_at_student_C_T_K=tables.gather(-1, r.student_ids_T_K.unsqueeze(0).expand(C, -1, -1)),
+                hint_lens_C=torch.tensor([len(h) for h in r.hints] or [0])))
+        future.set_result(out)
+        return future
+
+    def close(self):
+        pass
