@@ -11,8 +11,9 @@ served answer (docs/rollouts.md).
 
 Choices:
 
-* A rollout trains the OPD branch and the teacher-support term only. Its reward is 0 (nobody voted on it), so
-  it has no GRPO term, and it trains at weight 1 like any sample.
+* A rollout trains the OPD branch and the teacher-support term only. Nobody voted on it: its reward is 0 and its
+  GRPO advantage 0 under every advantage mode, and the batch's advantages are shaped without it
+  (``step.rewards_for``). It trains at weight 1 like any sample.
 * It is never stored. It is a function of the step's weights, sampled again at every step, and it follows its
   parent sample: counted, committed or dropped with it. Its turn id is negative, so no store write can name it.
 * It is sampled at the turn's train-side temperature by inverse transform, with dice of its own per (run seed,

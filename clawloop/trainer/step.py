@@ -91,12 +91,21 @@ def zero_momentum(optimizer: torch.optim.Optimizer) -> None:
 
 def rewards_for(items: list[TrainItem], config: Config) -> list[float]:
     """Each sample's GRPO advantage: its reward (with ``group_norm``, normalised within groups of samples sharing a
-    prompt), then shaped across the batch by ``advantage_mode`` (docs/collapse-fix.md)."""
-    rewards = group_rewards(items, config)
+    prompt), then shaped across the batch by ``advantage_mode`` (docs/collapse-fix.md). A student rollout has no
+    vote, so its advantage is 0 whatever the mode, and it is not counted in the batch's shaping either."""
+    voted = [i for i, it in enumerate(items) if it.sample.kind != ROLLOUT_KIND]
+    out = [0.0] * len(items)
+    if not voted:
+        return out
+    stored = [items[i] for i in voted]
+    rewards = group_rewards(stored, config)
     _, w_opd = config.weights
     hinted_B = torch.tensor([w_opd != 0.0 and bool(it.sample.hints) and opd_expected(config, it)
-                             for it in items], dtype=torch.bool)
-    return shape_advantages(torch.tensor(rewards, dtype=torch.float64), hinted_B, config.advantage_mode).tolist()
+                             for it in stored], dtype=torch.bool)
+    shaped = shape_advantages(torch.tensor(rewards, dtype=torch.float64), hinted_B, config.advantage_mode).tolist()
+    for i, value in zip(voted, shaped):
+        out[i] = value
+    return out
 
 
 def group_rewards(items: list[TrainItem], config: Config) -> list[float]:
@@ -413,8 +422,9 @@ def _train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: li
     metrics["tokens"] = float(sum(it.response_len for it in items))
     metrics["step_time_s"] = time.perf_counter() - t_start
     metrics.update(item_metrics(items))
-    metrics["advantage_mean"] = sum(rewards) / n
-    metrics["advantage_negative_mean"] = sum(min(a, 0.0) for a in rewards) / n
+    voted = [a for a, it in zip(rewards, items) if it.sample.kind != ROLLOUT_KIND]  # rollouts have no vote
+    metrics["advantage_mean"] = sum(voted) / max(1, len(voted))
+    metrics["advantage_negative_mean"] = sum(min(a, 0.0) for a in voted) / max(1, len(voted))
     return metrics
 
 
@@ -433,15 +443,16 @@ def mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
 def item_metrics(items: list[TrainItem]) -> dict[str, float]:
     """Behaviour-vs-old gap, sample policy versions, how the teacher scores were had, importance weights."""
     versions = [it.turn.policy_version for it in items]
+    voted = [float(it.sample.reward) for it in items if it.sample.kind != ROLLOUT_KIND]  # rollouts have no vote
     out = {
         "old_behaviour_logprob_gap": sum(it.info.get("behaviour_gap", 0.0) for it in items) / len(items),
         "sample_version_min": float(min(versions)),
         "sample_version_max": float(max(versions)),
         "sample_version_mean": sum(versions) / len(versions),
-        "hinted_samples": float(sum(1 for it in items if it.sample.hints)),
+        "hinted_samples": float(sum(1 for it in items if it.sample.hints and it.sample.kind != ROLLOUT_KIND)),
         "context_samples": float(sum(1 for it in items if it.sample.kind == "context")),
         "rollout_samples": float(sum(1 for it in items if it.sample.kind == ROLLOUT_KIND)),
-        "reward_mean": sum(float(it.sample.reward) for it in items) / len(items),
+        "reward_mean": sum(voted) / max(1, len(voted)),
     }
     out.update(teacher_metrics(items))
     tis = [it.info["tis_weight_mean"] for it in items if "tis_weight_mean" in it.info]

@@ -14,6 +14,7 @@ from clawloop.trainer.core import Trainer
 from clawloop.trainer.model import load_train_models
 from clawloop.trainer.publish import LocalVersion
 from clawloop.trainer.rollouts import ROLLOUT_KIND, rollout_items
+from clawloop.trainer.step import rewards_for
 
 from trainer_helpers import HINTS, TableTeacher, add_sample, logprob_table
 
@@ -53,6 +54,27 @@ def test_rollouts_are_the_current_weights_own_samples_drawn_again_alike(make_con
     assert [it.response_ids_T.tolist() for it in again] == [it.response_ids_T.tolist() for it in first]
     later = rollout_items(models, items, config, step=2, end_ids=ends, turn_end=turn_end)
     assert [it.response_ids_T.tolist() for it in later] != [it.response_ids_T.tolist() for it in first]
+
+
+@pytest.mark.parametrize("mode,group_norm", [("baseline", False), ("raw", True), ("balanced", False)])
+def test_a_rollout_has_no_advantage_and_leaves_the_batch_s_advantages_as_they_were(mode, group_norm, make_config,
+                                                                                   tiny_tokenizer, tmp_path):
+    """Nobody voted on a rollout: under every advantage mode its GRPO advantage is 0, and the stored samples'
+    advantages are what they would be without it (a baseline or a group norm counting it would push it up)."""
+    config = make_config(opd_rollouts=2, opd_rollout_tokens=6, advantage_mode=mode, group_norm=group_norm)
+    models = load_train_models(config)
+    store = Store(tmp_path / "store.sqlite")
+    add_sample(store, models.causal_lm, tiny_tokenizer, 0, reward=-1.0, hints=HINTS)
+    add_sample(store, models.causal_lm, tiny_tokenizer, 1, reward=-1.0, hints=HINTS)
+    add_sample(store, models.causal_lm, tiny_tokenizer, 2, reward=1.0)
+    items = _items(store, config)
+    rollouts = rollout_items(models, items, config, step=1, end_ids=end_token_ids(tiny_tokenizer),
+                             turn_end=turn_end_token_id(tiny_tokenizer))
+    assert len(rollouts) == 4
+    alone = rewards_for(items, config)
+    together = rewards_for(items + rollouts, config)
+    assert together[:len(items)] == alone and together[len(items):] == [0.0] * 4
+    assert any(a != 0.0 for a in alone)
 
 
 def test_the_trainer_trains_rollouts_under_the_hint_and_commits_only_stored_samples(make_config, base_model,
