@@ -250,7 +250,7 @@ class Trainer:
             tokenizer = load_tokenizer(self.models.model_dir)
             self.end_ids = (end_token_ids(tokenizer), turn_end_token_id(tokenizer))
         return rollout_items(self.models, items, self.config, step=self.step + 1, end_ids=self.end_ids[0],
-                             turn_end=self.end_ids[1])
+                             turn_end=self.end_ids[1], max_context=self.max_context)
 
     def _source(self) -> SampleSource:
         """The store, on the main process (every call to it runs there)."""

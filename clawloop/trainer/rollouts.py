@@ -15,11 +15,13 @@ Choices:
   GRPO advantage 0 under every advantage mode, and the batch's advantages are shaped without it
   (``step.rewards_for``). It trains at weight 1 like any sample.
 * It is never stored. It is a function of the step's weights, sampled again at every step, and it follows its
-  parent sample: counted, committed or dropped with it. Its turn id is negative, so no store write can name it.
+  parent sample: committed, dropped or given back with it. Its turn id is negative, so no store write can name
+  it. It trains only beside a stored sample: a step whose stored samples were all left out makes no update.
 * It is sampled at the turn's train-side temperature by inverse transform, with dice of its own per (run seed,
   step, turn, index) (``clawloop.gate.generation``), so a step run again draws the same answers.
-* It has up to ``opd_rollout_tokens`` tokens, ended with the chat template's end of turn where the model ended
-  it.
+* It has up to ``opd_rollout_tokens`` tokens, fewer where the prompt and answer would not fit the model's context
+  or ``max_train_tokens`` (as a served sample must), ended with the chat template's end of turn where the model
+  ended it.
 * A LoRA model on the CPU decodes with its adapter merged (``gate_candidate``: the weights the gate would check,
   the same up to float rounding).
 * Its behaviour log-probs are its sampling's (the current weights), so no importance correction applies.
@@ -49,36 +51,37 @@ def wants_rollouts(item: TrainItem, config: Config) -> bool:
 
 
 def rollout_items(models: TrainModels, items: list[TrainItem], config: Config, *, step: int,
-                  end_ids: list[int], turn_end: int) -> list[TrainItem]:
+                  end_ids: list[int], turn_end: int, max_context: int | None = None) -> list[TrainItem]:
     """``config.opd_rollouts`` answers of the current weights to each prompt of ``items`` that wants them
-    (``wants_rollouts``), as items ready for ``train_step``; an answer with no token is left out."""
-    parents = [it for it in items if wants_rollouts(it, config)]
-    if not parents:
-        return []
+    (``wants_rollouts``), as items ready for ``train_step``. An answer is capped so that prompt and answer fit
+    ``max_context`` and ``max_train_tokens`` as a served sample must; one with no token is left out."""
     cap = min(int(config.opd_rollout_tokens), int(config.max_response_tokens))
+    room = min(max_context if max_context is not None else config.max_train_tokens, config.max_train_tokens)
+    parents = [it for it in items if wants_rollouts(it, config) and room - 1 - len(it.turn.prompt_ids) >= 1]
     asked = [(parent, j) for parent in parents for j in range(int(config.opd_rollouts))]
     out: list[TrainItem] = []
-    # One decoding per temperature: a batch samples at one temperature.
+    # One decoding per temperature (a batch samples at one). It is the train-side temperature, never 0: a greedy
+    # turn is trained at 1 (``clawloop.teacher.train_temperature``), and its rollouts are sampled at 1.
     for temperature in sorted({it.temperature for it in parents}):
         batch = [(parent, j) for parent, j in asked if parent.temperature == temperature]
-        if temperature <= 0:
-            continue  # a greedy turn's rollout would be the greedy answer of the weights, not a sample of them
         prompts = [list(parent.turn.prompt_ids) for parent, _ in batch]
+        # One token kept free for the end of turn appended to an answer the model ended.
+        caps = [min(cap, room - 1 - len(p)) for p in prompts]
         dice = [sampling_uniforms(f"rollout/{config.seed}/{step}/{parent.turn_id}", j, cap) for parent, j in batch]
         chosen: list[list[float]] = []
         was_training = models.causal_lm.training
         models.causal_lm.eval()
         try:
             with gate_candidate(models) as model:
-                answers, _ = probe_answers(model, prompts, cap, end_ids, uniforms=dice, temperature=temperature,
+                answers, _ = probe_answers(model, prompts, caps, end_ids, uniforms=dice, temperature=temperature,
                                            sampled_logprobs=chosen)
         finally:
             models.causal_lm.train(was_training)
         for (parent, j), answer, logprobs in zip(batch, answers, chosen):
             if not answer:
                 continue
-            if len(logprobs) > len(answer):  # the model ended it: the end of turn is part of what it wrote
-                answer = answer + [turn_end]
+            if len(logprobs) > len(answer):  # the model ended it: the end of turn is part of what it wrote (the
+                answer = answer + [turn_end]   # log-prob is the end id it sampled, which may be another end id)
             out.append(_item(parent, answer, logprobs, -(len(out) + 1), j))
     return out
 

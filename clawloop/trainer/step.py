@@ -311,7 +311,9 @@ def _train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: li
         try:
             optimizer.zero_grad(set_to_none=True)
             acc = MetricsAccumulator()
-            contributed = 0  # samples of this rank whose share reached the gradient this epoch
+            # Stored samples of this rank whose share reached the gradient this epoch. A student rollout's share
+            # counts only beside one of them: rollouts alone (every stored sample left out) make no update.
+            contributed = 0
             for g in range(rounds):
                 group = groups[g] if g < len(groups) else []  # [] keeps FSDP's collectives in step
                 if fuse and models.use_reference:
@@ -350,7 +352,7 @@ def _train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: li
                         continue
                     if share is not None:
                         forward.add_loss(share)
-                        contributed += 1
+                        contributed += int(item.sample.kind != ROLLOUT_KIND)
                     acc.add(result.metrics)
                     del logits_T_V, result, share
                 _sync(device)
@@ -411,9 +413,10 @@ def _train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: li
     metrics["updates_skipped_nonfinite"] = float(skipped)
     metrics["updates_applied"] = float(stepped)
     metrics["epochs_cut_short"] = float(epochs - epochs_run)
-    metrics["samples_excluded_nonfinite"] = float(sum(1 for it in items if it.info.get(EXCLUDED) in
+    stored = [it for it in items if it.sample.kind != ROLLOUT_KIND]  # what the store drops; rollouts are not in it
+    metrics["samples_excluded_nonfinite"] = float(sum(1 for it in stored if it.info.get(EXCLUDED) in
                                                       (NONFINITE_LOSS, NONFINITE_GRADIENT)))
-    metrics["samples_dropped_teacher_error"] = float(sum(1 for it in items if it.info.get(EXCLUDED) == TEACHER_ERROR))
+    metrics["samples_dropped_teacher_error"] = float(sum(1 for it in stored if it.info.get(EXCLUDED) == TEACHER_ERROR))
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])
     metrics["samples"] = float(sum(1 for it in items if it.sample.kind != ROLLOUT_KIND))  # the stored ones
     metrics["world_size"] = float(runner.world)

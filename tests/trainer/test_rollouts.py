@@ -19,6 +19,18 @@ from clawloop.trainer.step import rewards_for
 from trainer_helpers import HINTS, TableTeacher, add_sample, logprob_table
 
 
+class StoredFail(TableTeacher):
+    """Answers for rollouts (negative turn ids) and fails every call that asks about a stored sample."""
+
+    def submit(self, requests):
+        if any(r.turn.id is not None and r.turn.id > 0 for r in requests):
+            self.fail = True
+        try:
+            return super().submit(requests)
+        finally:
+            self.fail = False
+
+
 def _items(store, config):
     _, samples = store.lease_samples(100)
     items, drops, _ = prepare_items(store, samples, config, 0)
@@ -101,6 +113,39 @@ def test_the_trainer_trains_rollouts_under_the_hint_and_commits_only_stored_samp
     assert all(store.get_turn(t).state == TurnState.CONSUMED for t in consumed)
     assert all(t.id > 0 for t in store.turns())  # nothing of a rollout was written
     trainer.close()
+
+
+def test_rollouts_alone_make_no_update(make_config, base_model, tiny_tokenizer, tmp_path):
+    """A step whose stored samples were all left out (here: the teacher failed on the only one, which has no vote)
+    makes no update from its rollouts: nothing would be committed for it."""
+    config = make_config(opd_rollouts=2, opd_rollout_tokens=6, rollout_batch_size=1, micro_batch_size=1)
+    store = Store(tmp_path / "store.sqlite")
+    unvoted = add_sample(store, base_model, tiny_tokenizer, 0, reward=0.0, hints=HINTS,
+                         edit_targets=lambda t: t.clear())
+    teacher = StoredFail(base_model, tiny_tokenizer)
+    trainer = Trainer(config, store, LocalVersion(), teacher=teacher, console=None)
+    before = {k: v.clone() for k, v in trainer.models.causal_lm.state_dict().items()}
+    assert trainer.run_batch(*store.lease_samples(1)) is None
+    asked = [r.turn.id for call in teacher.asked for r in call]
+    assert sorted(asked) == [-2, -1, unvoted]  # the rollouts were scored and trained, the sample was not
+    after = trainer.models.causal_lm.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert store.get_turn(unvoted).state == TurnState.DROPPED and trainer.step == 0
+    trainer.close()
+
+
+def test_a_rollout_fits_the_context_a_served_sample_must(make_config, tiny_tokenizer, tmp_path):
+    config = make_config(opd_rollouts=2, opd_rollout_tokens=64)
+    models = load_train_models(config)
+    store = Store(tmp_path / "store.sqlite")
+    add_sample(store, models.causal_lm, tiny_tokenizer, 0, reward=-1.0, hints=HINTS)
+    items = _items(store, config)
+    prompt = len(items[0].turn.prompt_ids)
+    ends, turn_end = end_token_ids(tiny_tokenizer), turn_end_token_id(tiny_tokenizer)
+    rollouts = rollout_items(models, items, config, step=1, end_ids=ends, turn_end=turn_end, max_context=prompt + 5)
+    assert rollouts and all(prompt + it.response_len <= prompt + 5 for it in rollouts)
+    assert all(len(it.response_ids_T) <= 4 or it.response_ids_T[-1] == turn_end for it in rollouts)
+    assert rollout_items(models, items, config, step=1, end_ids=ends, turn_end=turn_end, max_context=prompt + 1) == []
 
 
 def test_settings_are_checked(make_config):
