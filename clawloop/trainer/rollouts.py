@@ -35,6 +35,7 @@ import torch
 
 from clawloop.config import Config
 from clawloop.gate.generation import probe_answers, sampling_uniforms
+from clawloop.store import CONTEXT_KIND
 from clawloop.trainer.batch import TrainItem
 from clawloop.trainer.model import TrainModels, gate_candidate
 from clawloop.trainer.old_policy import wants_opd
@@ -43,11 +44,16 @@ ROLLOUT_KIND = "rollout"
 """``SampleRecord.kind`` of a rollout (never stored)."""
 
 
+def is_rollout(item: TrainItem) -> bool:
+    """Whether ``item`` is a rollout (no vote, not in the store) rather than a stored sample."""
+    return item.sample.kind == ROLLOUT_KIND
+
+
 def wants_rollouts(item: TrainItem, config: Config) -> bool:
     """A served sample with a hint and an OPD branch gets rollouts; a context sample (the teacher's answer) and a
     rollout do not."""
     return (config.opd_rollouts > 0 and bool(item.sample.hints) and wants_opd(config, item)
-            and item.sample.kind not in ("context", ROLLOUT_KIND))
+            and item.sample.kind != CONTEXT_KIND and not is_rollout(item))
 
 
 def rollout_items(models: TrainModels, items: list[TrainItem], config: Config, *, step: int,
@@ -56,7 +62,7 @@ def rollout_items(models: TrainModels, items: list[TrainItem], config: Config, *
     (``wants_rollouts``), as items ready for ``train_step``. An answer is capped so that prompt and answer fit
     ``max_context`` and ``max_train_tokens`` as a served sample must; one with no token is left out."""
     cap = min(int(config.opd_rollout_tokens), int(config.max_response_tokens))
-    room = min(max_context if max_context is not None else config.max_train_tokens, config.max_train_tokens)
+    room = config.max_train_tokens if max_context is None else min(max_context, config.max_train_tokens)
     parents = [it for it in items if wants_rollouts(it, config) and room - 1 - len(it.turn.prompt_ids) >= 1]
     asked = [(parent, j) for parent in parents for j in range(int(config.opd_rollouts))]
     out: list[TrainItem] = []

@@ -65,7 +65,7 @@ from clawloop.trainer.old_policy import TEACHER_ERROR, TEACHER_MISSING, ask_from
     mark_unscored, old_policy_pass, old_side_from_logits, opd_expected, reset_teacher_state, teacher_metrics, \
     topk_pass
 from clawloop.trainer.retain import RetainTerm
-from clawloop.trainer.rollouts import ROLLOUT_KIND
+from clawloop.trainer.rollouts import is_rollout
 from clawloop.trainer.runner import LocalRunner, Runner, scalar
 from clawloop.trainer.teacher_client import TeacherClient
 
@@ -93,7 +93,7 @@ def rewards_for(items: list[TrainItem], config: Config) -> list[float]:
     """Each sample's GRPO advantage: its reward (with ``group_norm``, normalised within groups of samples sharing a
     prompt), then shaped across the batch by ``advantage_mode`` (docs/collapse-fix.md). A student rollout has no
     vote, so its advantage is 0 whatever the mode, and it is not counted in the batch's shaping either."""
-    voted = [i for i, it in enumerate(items) if it.sample.kind != ROLLOUT_KIND]
+    voted = [i for i, it in enumerate(items) if not is_rollout(it)]
     out = [0.0] * len(items)
     if not voted:
         return out
@@ -352,7 +352,7 @@ def _train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: li
                         continue
                     if share is not None:
                         forward.add_loss(share)
-                        contributed += int(item.sample.kind != ROLLOUT_KIND)
+                        contributed += int(not is_rollout(item))
                     acc.add(result.metrics)
                     del logits_T_V, result, share
                 _sync(device)
@@ -413,19 +413,19 @@ def _train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: li
     metrics["updates_skipped_nonfinite"] = float(skipped)
     metrics["updates_applied"] = float(stepped)
     metrics["epochs_cut_short"] = float(epochs - epochs_run)
-    stored = [it for it in items if it.sample.kind != ROLLOUT_KIND]  # what the store drops; rollouts are not in it
+    stored = [it for it in items if not is_rollout(it)]  # what the store holds; rollouts are not in it
     metrics["samples_excluded_nonfinite"] = float(sum(1 for it in stored if it.info.get(EXCLUDED) in
                                                       (NONFINITE_LOSS, NONFINITE_GRADIENT)))
     metrics["samples_dropped_teacher_error"] = float(sum(1 for it in stored if it.info.get(EXCLUDED) == TEACHER_ERROR))
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])
-    metrics["samples"] = float(sum(1 for it in items if it.sample.kind != ROLLOUT_KIND))  # the stored ones
+    metrics["samples"] = float(len(stored))
     metrics["world_size"] = float(runner.world)
     metrics["checkpointed_micro_batches"] = float(checkpointed) / max(1, epochs_run)
     metrics["max_sample_tokens"] = float(max(int(it.input_ids_L.numel()) for it in items))
     metrics["tokens"] = float(sum(it.response_len for it in items))
     metrics["step_time_s"] = time.perf_counter() - t_start
     metrics.update(item_metrics(items))
-    voted = [a for a, it in zip(rewards, items) if it.sample.kind != ROLLOUT_KIND]  # rollouts have no vote
+    voted = [a for a, it in zip(rewards, items) if not is_rollout(it)]  # rollouts have no vote
     metrics["advantage_mean"] = sum(voted) / max(1, len(voted))
     metrics["advantage_negative_mean"] = sum(min(a, 0.0) for a in voted) / max(1, len(voted))
     return metrics
@@ -446,15 +446,15 @@ def mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
 def item_metrics(items: list[TrainItem]) -> dict[str, float]:
     """Behaviour-vs-old gap, sample policy versions, how the teacher scores were had, importance weights."""
     versions = [it.turn.policy_version for it in items]
-    voted = [float(it.sample.reward) for it in items if it.sample.kind != ROLLOUT_KIND]  # rollouts have no vote
+    voted = [float(it.sample.reward) for it in items if not is_rollout(it)]  # rollouts have no vote
     out = {
         "old_behaviour_logprob_gap": sum(it.info.get("behaviour_gap", 0.0) for it in items) / len(items),
         "sample_version_min": float(min(versions)),
         "sample_version_max": float(max(versions)),
         "sample_version_mean": sum(versions) / len(versions),
-        "hinted_samples": float(sum(1 for it in items if it.sample.hints and it.sample.kind != ROLLOUT_KIND)),
+        "hinted_samples": float(sum(1 for it in items if it.sample.hints and not is_rollout(it))),
         "context_samples": float(sum(1 for it in items if it.sample.kind == "context")),
-        "rollout_samples": float(sum(1 for it in items if it.sample.kind == ROLLOUT_KIND)),
+        "rollout_samples": float(sum(1 for it in items if is_rollout(it))),
         "reward_mean": sum(voted) / max(1, len(voted)),
     }
     out.update(teacher_metrics(items))
