@@ -51,6 +51,14 @@ probes the hinted teacher keeps. A preference the student can take from its teac
 needs both a teacher that follows and one that keeps its facts.
 
     python benchmarks/hint_wording.py --no-opening --no-follow --no-facts --openings "So," "Well," "Answer:"
+
+With ``--forced`` a last table counts how many sampled answers to the knowledge probes state their fact (8 per
+probe at temperature 0.6, ``KNOWLEDGE_TOKENS`` tokens, as the gate samples them) when the answer is made to open
+with each given text, by the plain model and by the teacher reading ``inshort``'s hint (after the question, and in
+the system prompt too): whether the model still knows its facts behind a new opening, and behind part of it. The
+retain term's examples behind a hint (``retain_behind_hint``, docs/retain.md) rest on this.
+
+    python benchmarks/hint_wording.py --no-opening --no-follow --no-facts --forced "" "In short," "In"
 """
 
 from __future__ import annotations
@@ -137,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                     "follow rate (0 = all; every one costs a greedy answer per distinct hint).")
     ap.add_argument("--openings", nargs="+", default=[], metavar="OPENING",
                     help="Add the table of candidate opening words (each as 'Begin every answer with \"OPENING\".').")
+    ap.add_argument("--forced", nargs="+", default=None, metavar="OPENING",
+                    help="Add the table of sampled knowledge facts behind each forced opening ('' for none).")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, args.threads))
     path = model_files.resolve_model(args.model)
@@ -161,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         placement_table(model, render, tokenizer, args.max_tokens, k)
     if args.openings:
         openings_table(model, render, tokenizer, args.openings, args.follow_questions, args.max_tokens)
+    if args.forced is not None:
+        forced_table(model, render, tokenizer, args.forced)
     return 0
 
 
@@ -260,6 +272,44 @@ def openings_table(model: Any, render: Any, tokenizer: Any, openings: list[str],
                    for probe in known)
         print(f"{opening!r:14} | P(first) {mean(p_first):.4f} | follows {follows:2d}/{len(qs)} | "
               f"facts kept {kept:2d}/{len(known)}", flush=True)
+
+
+@torch.no_grad()
+def forced_facts(model: Any, render: Any, tokenizer: Any, opening: str, hint: str, system: str | None,
+                 samples: int = 8, temperature: float = 0.6) -> tuple[int, list[str]]:
+    """How many of ``samples`` sampled answers per knowledge probe state the fact when made to open with
+    ``opening`` (under ``hint`` when given), and one answer per probe to show. Seeded, so a row is repeatable."""
+    torch.manual_seed(0)
+    right, shown = 0, []
+    forced = tokenizer(opening, add_special_tokens=False)["input_ids"] if opening else []
+    for probe in KNOWLEDGE:
+        messages = [{"role": "user", "content": probe.question}]
+        prompt_ids = render(inject_hint(messages, hint, system=system) if hint else messages, None) + forced
+        out = model.generate(torch.tensor([prompt_ids] * samples), max_new_tokens=KNOWLEDGE_TOKENS, do_sample=True,
+                             temperature=temperature, top_k=0, top_p=1.0, pad_token_id=tokenizer.eos_token_id,
+                             attention_mask=torch.ones(samples, len(prompt_ids), dtype=torch.long))
+        answers = [opening + tokenizer.decode(row[len(prompt_ids):], skip_special_tokens=True) for row in out]
+        right += sum(knows(a, probe.answers) for a in answers)
+        shown.append(answers[0])
+    return right, shown
+
+
+def forced_table(model: Any, render: Any, tokenizer: Any, openings: list[str]) -> None:
+    print()
+    hint = imperative_hint(PERSONAS["inshort"].corrections[0])
+    total = 8 * len(KNOWLEDGE)
+    print(f"Sampled knowledge answers stating their fact (of {total}: 8 per probe at 0.6, {KNOWLEDGE_TOKENS} tokens) "
+          f"with the answer made to open with each text; the hint: {hint!r}", flush=True)
+    ways = (("plain", "", None), ("hint after the question", hint, None),
+            ("hint in the system prompt too", hint, template_default_system(tokenizer)))
+    for opening in openings:
+        row, examples = [], []
+        for label, h, system in ways:
+            right, shown = forced_facts(model, render, tokenizer, opening, h, system)
+            row.append(f"{label} {right:3d}")
+            examples = examples or shown  # the plain model's
+        print(f"{opening!r:12} | " + " | ".join(row), flush=True)
+        print(f"{'':12}   plain, e.g. {examples[3][:60]!r}, {examples[15][:60]!r}", flush=True)
 
 
 def draft_table(model: Any, render: Any, tokenizer: Any, max_tokens: int, k: int) -> None:

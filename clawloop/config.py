@@ -261,7 +261,13 @@ class MethodSettings:
                             "sentence after the first opens are not trained (docs/retain.md). 0 = off. "
                             "One-process trainer only.")
     retain_opening: bool = _f(True, "Whether the retain term also trains an answer's first position (how it "
-                              "opens); off, a preference for how answers open is left wholly to the users.")
+                              "opens); off, a preference for how answers open is left wholly to the users (with "
+                              "retain_behind_hint, the examples behind the hint still train its opening).")
+    retain_behind_hint: bool = _f(False, "Build each retain example behind the opening of the hint most often "
+                                  "trained on: the hinted starting weights' greedy opening (up to where the plain "
+                                  "ones agree), trained toward the hinted rows, then the plain starting weights' "
+                                  "continuation behind it, so that facts are kept behind a preferred new opening "
+                                  "(docs/retain.md). Needs retain_coef > 0.")
     retain_batch: int = _f(4, "Retain prompts per update (taken round-robin in a fixed shuffled order).")
     retain_k: int = _f(16, "Top-K ids of the starting weights kept per retained position (plus the tail bin).")
     retain_tokens: int = _f(64, "Most tokens of the starting weights' answer to a retain prompt.")
@@ -569,6 +575,8 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
         if self.retain_coef > 0 and not self.retain_opening and self.retain_tokens < 2:
             raise ConfigError("retain_opening = false leaves an answer's first position untrained, so retain_tokens "
                               f"must be >= 2 (got {self.retain_tokens})")
+        if self.retain_behind_hint and self.retain_coef <= 0:
+            raise ConfigError("retain_behind_hint builds the retain term's examples, so it needs retain_coef > 0")
         positive("stream_send_timeout_s")
         for name in ("weight_decay", "hint_min_chars", "max_staleness", "retain_coef",
                      "judge_retries", "num_threads", "default_temperature", "judge_temperature",

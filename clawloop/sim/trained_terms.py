@@ -4,7 +4,8 @@ A branch of the objective reports ``<branch>_applied`` (the share of the step's 
 ``<branch>_loss``. A branch counts as active in a step when its ``_applied`` metric is above 0, or, for a branch
 without one (GRPO), when its loss is present. Samples of a kind trained in their own way count when the step had
 any (``context_samples``: the teacher's own answers under a hint, context distillation; ``rollout_samples``: the
-student's own answers, sampled by the trainer). New branches show up
+student's own answers, sampled by the trainer; ``retain_behind_hint``: retain examples built behind the hint's
+opening). New branches show up
 under their metric name without a change here.
 
 GRPO needs a non-zero advantage to move the weights: a step whose advantages were all 0 (every reward alike, e.g.
@@ -27,13 +28,15 @@ TERM_LABELS: dict[str, str] = {
     "context": "context samples",
     "rollout": "student rollouts",
     "retain": "retain (general prompts)",
+    "retain_behind_hint": "retain behind the hint's opening",
 }
 """Readable names of the branches known today; any other branch is shown by its metric name."""
 
 # Metric names that end like a branch's but are bookkeeping of the whole step.
 _NOT_BRANCHES = {"updates_applied"}
 # Per-step sample counts that name a kind of training (others, e.g. ``hinted_samples``, only describe the batch).
-_SAMPLE_KINDS = {"context_samples": "context", "rollout_samples": "rollout"}
+_SAMPLE_KINDS = {"context_samples": "context", "rollout_samples": "rollout",
+                 "retain_behind_hint": "retain_behind_hint"}
 
 
 def _number(value: Any) -> float | None:

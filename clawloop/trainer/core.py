@@ -60,7 +60,7 @@ from clawloop.gate.scoring import PromptStates
 from clawloop.memory import decoding_allocations
 from clawloop.retry import Backoff, retry_sync
 from clawloop.store import LeaseLost, SampleRecord
-from clawloop.teacher import hint_system
+from clawloop.teacher import OPENING_TOKENS, hint_system
 from clawloop.trainer import checkpoint as ckpt
 from clawloop.trainer import versions as history
 from clawloop.trainer.batch import TrainItem, prepare_items
@@ -71,7 +71,8 @@ from clawloop.trainer.model import TrainModels, gate_reference, load_train_model
 from clawloop.trainer.parallel import LocalGateView, LocalParallel
 from clawloop.trainer.publish import EngineSink, LocalVersion, unshared_tensors
 from clawloop.trainer.resume import plan_resume
-from clawloop.trainer.retain import RetainExample, RetainTargets, RetainTerm, build_examples
+from clawloop.trainer.retain import (RetainExample, RetainTargets, RetainTerm, build_examples,
+                                     build_opening_examples)
 from clawloop.trainer.retain_prompts import RETAIN_PROMPTS
 from clawloop.trainer.rollouts import rollout_items, wants_rollouts
 from clawloop.trainer.teacher_client import TeacherClient
@@ -237,8 +238,10 @@ class Trainer:
                 self.models.retain_targets = RetainTargets(
                     RETAIN_PROMPTS, functools.partial(starting_retain_examples, self.models, c))
             # A resumed trainer goes on where the round-robin was, not back at its first prompts.
+            behind = functools.partial(opening_retain_examples, self.models, c) if c.retain_behind_hint else None
             self.retain = RetainTerm(self.models.retain_targets, coef=c.retain_coef, batch=c.retain_batch,
-                                     seed=c.seed, start=self.step * c.retain_batch * c.steps_per_batch)
+                                     seed=c.seed, start=self.step * c.retain_batch * c.steps_per_batch,
+                                     behind_hint=behind)
         return self.retain
 
     def _rollouts(self, items: list[TrainItem]) -> list[TrainItem]:
@@ -620,9 +623,14 @@ class Trainer:
             self.parallel.share(lambda: self._source().release_lease(lease_id))
             return None
         rollouts = self._rollouts(items)
+        retain = self._retain()
+        if retain is not None:
+            # The hint most often first among everything trained so far, this batch included.
+            counts = self.hint_counts + collections.Counter(it.sample.hints[0] for it in items if it.sample.hints)
+            retain.hint = counts.most_common(1)[0][0] if counts else None
         metrics = train_step(self.models, self.optimizer, items + rollouts, self.config, teacher=self.teacher,
                              fuse_old=self.fuse_old, ask_in_loss_forward=self.ask_in_loss_forward,
-                             runner=self.parallel.runner, retain=self._retain())
+                             runner=self.parallel.runner, retain=retain)
         # From here the update is in the weights: every store write is retried, never given up for the batch. Only
         # the stored samples (``items``) are dropped, committed or given back; their rollouts go with them.
         excluded = excluded_samples(items)
@@ -697,16 +705,23 @@ class Trainer:
         """One piece of the work the first steps and checks would otherwise do on the way to a new version, done
         while nothing waits to be trained; returns whether any is left. First the retain term's targets, a chunk of
         prompts a call (all 50 took 59.5 s on one CPU thread for SmolLM2-135M), then the gate's answers
-        and dice of the fixed reference (``PublicationGate.prepare``), one piece a call so that a batch that
-        arrives meanwhile waits for one piece at most. Neither changes what training or the gate decide: both
-        compute the same things from the same starting weights, only sooner."""
+        and dice of the fixed reference (``PublicationGate.prepare``), then, once a step has set a hint, the
+        retain term's examples behind it (``retain_behind_hint``), one piece a call so that a batch that arrives
+        meanwhile waits for one piece at most. None changes what training or the gate decide: each computes the
+        same things from the same starting weights, only sooner."""
         retain = self._retain()
         if retain is not None and not retain.targets.complete:
             retain.build_ahead()
             return True
-        if self.gate is None:
-            return False
-        return self.gate_view.prepare(self.gate)
+        if self.gate is not None and self.gate_view.prepare(self.gate):
+            return True
+        # Last, the retain examples behind the hint (``retain_behind_hint``), once a step has set one.
+        return retain is not None and retain.build_ahead()
+
+    def has_work_ahead(self) -> bool:
+        """Whether ``prepare`` has anything left that a step may have added (the retain examples behind a hint not
+        built yet)."""
+        return self.retain is not None and self.retain.behind_pending()
 
     def close(self) -> None:
         """Close the metrics and let go of the weights and optimizer state (see ``HFEngine._release``)."""
@@ -752,6 +767,23 @@ def starting_retain_examples(models: TrainModels, config: Config, prompts: list[
                                   kept=kept_answers(models, config))
     log.info("retain term: targets of %d prompts in %.1fs (%d without a position to train)", len(prompts),
              time.monotonic() - t0, sum(e is None for e in examples))
+    return examples
+
+
+def opening_retain_examples(models: TrainModels, config: Config, prompts: list[str], hint: str
+                            ) -> list[RetainExample | None]:
+    """The retain targets of ``prompts`` behind ``hint``'s opening, from the starting weights of ``models``
+    (``retain_behind_hint``; ``RetainTerm.behind_hint``)."""
+    from clawloop.engines.model_files import end_token_ids, load_tokenizer
+
+    tokenizer = load_tokenizer(models.model_dir)
+    t0 = time.monotonic()
+    with decoding_allocations(), gate_reference(models, None) as starting:
+        examples = build_opening_examples(starting, tokenizer, prompts, hint, k=config.retain_k,
+                                          max_tokens=config.retain_tokens, end_ids=end_token_ids(tokenizer),
+                                          opening_tokens=OPENING_TOKENS, system=hint_system(config, tokenizer))
+    log.info("retain term: %d of %d prompts built behind the hint's opening in %.1fs",
+             sum(e is not None for e in examples), len(prompts), time.monotonic() - t0)
     return examples
 
 

@@ -314,6 +314,8 @@ class OnlineTrainer:
                 return
             assert self.core is not None
             self.core.run_batch(lease_id, samples, lambda: self._stopping)
+            # A step can give the trainer new work ahead (the retain term's examples behind a new hint).
+            self._preparing = self._preparing or self.core.has_work_ahead()
         finally:
             trim_heap()  # a step's freed activations and gradients go back to the OS (clawloop.memory)
 

@@ -35,6 +35,15 @@ Choices:
   its gradient on logit u is p_u − q_u, so a word the starting model would write is pulled back whatever the
   policy's own probability of it). It is added to the batch's gradient before clipping, so one optimizer update
   carries both; it is reported as ``retain_kl`` (the mean KL before the update) and ``time_retain_s``.
+* Behind the preference's opening (``retain_behind_hint``, off by default): a preference about how answers open
+  ("Begin every answer with "In short,"") moves the opening on every prompt, and behind an opening the starting
+  weights never wrote the plain targets have nothing to keep. Measured on SmolLM2-135M's knowledge probes: forced
+  to open with "In short," the starting weights still state 96 of 136 sampled facts (89 unforced), behind "In"
+  alone 73 ("In mathematics, …"), and the hinted teacher itself 40–51. So with this setting each picked prompt's
+  example is built behind the trainer's most frequent hint: its opening is the hinted starting weights' greedy
+  tokens before the first one the plain starting weights also rank first (as ``opd_target = "opening_end"`` cuts
+  it), trained toward the hinted rows, then the plain starting weights' greedy continuation behind that opening,
+  trained toward the plain rows. A prompt whose hinted and plain answers open alike keeps its plain example.
 * One process only: the torchrun trainer's ranks would each have to run the same forwards in step, which this
   does not do yet, so a multi-rank trainer refuses ``retain_coef > 0``.
 """
@@ -51,6 +60,7 @@ from clawloop.gate.generation import probe_answers
 from clawloop.gate.kept_answers import KeptAnswers, request_key
 from clawloop.losses.support import teacher_support_kl
 from clawloop.renderers.chat import ChatRenderer
+from clawloop.teacher import inject_hint
 
 SENTENCE_ENDS = (".", "!", "?")
 CLOSERS = "\"')]\u201d\u2019"
@@ -164,6 +174,47 @@ def build_examples(reference: torch.nn.Module, tokenizer: Any, prompts: Sequence
     return examples
 
 
+@torch.no_grad()
+def build_opening_examples(reference: torch.nn.Module, tokenizer: Any, prompts: Sequence[str], hint: str, *, k: int,
+                           max_tokens: int, end_ids: list[int], opening_tokens: int, system: str | None = None
+                           ) -> list[RetainExample | None]:
+    """The targets of ``prompts`` behind ``hint``'s opening (``retain_behind_hint``; module docstring), one per
+    prompt in their order: None where the hinted and plain starting weights open alike, or where the opening
+    fills all of ``max_tokens`` (the plain example then stands). ``system``: where the teacher also reads the hint
+    (``hint_system``)."""
+    renderer = ChatRenderer(tokenizer)
+    plain = [list(renderer.render([{"role": "user", "content": p}]).ids) for p in prompts]
+    hinted = [list(renderer.render(inject_hint([{"role": "user", "content": p}], hint, system=system)).ids)
+              for p in prompts]
+    drafts, hinted_rows = probe_answers(reference, hinted, opening_tokens, end_ids)
+    openings: list[list[int]] = []
+    for prompt_ids, draft in zip(plain, drafts):
+        if not draft:
+            openings.append([])
+            continue
+        plain_top = _answer_top_k(reference, torch.tensor(prompt_ids + draft, dtype=torch.long), len(draft), 1)[0]
+        agree = next((t for t, i in enumerate(draft) if i == int(plain_top[t, 0])), len(draft))
+        openings.append(list(draft[:agree]))
+    todo = [i for i, opening in enumerate(openings) if opening and len(opening) < max_tokens]
+    rest, rest_rows = probe_answers(reference, [plain[i] + openings[i] for i in todo],
+                                    [max_tokens - len(openings[i]) for i in todo], end_ids) if todo else ([], [])
+    examples: list[RetainExample | None] = [None] * len(prompts)
+    for i, tail, tail_rows_T_V in zip(todo, rest, rest_rows):
+        opening = openings[i]
+        answer = opening + list(tail)
+        rows_T_V = hinted_rows[i][:len(opening)].float()
+        if tail:  # an answer the plain weights end right after the opening has no rows of theirs
+            rows_T_V = torch.cat([rows_T_V, tail_rows_T_V[:len(tail)].float().to(rows_T_V.device)])
+        top = rows_T_V.topk(k, dim=-1)
+        positions_T = retain_positions(tokenizer, answer, opening=True)
+        positions_T[:len(opening)] = True  # the preference's opening is what this example teaches
+        examples[i] = RetainExample(
+            prompt=prompts[i], input_ids_L=torch.tensor(plain[i] + answer, dtype=torch.long),
+            prompt_len=len(plain[i]), ref_ids_T_K=top.indices.cpu(), ref_logprobs_T_K=top.values.cpu(),
+            positions_T=positions_T)
+    return examples
+
+
 def _answer_top_k(model: torch.nn.Module, input_ids_L: torch.Tensor, answer_len: int, k: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, K] ids and log-probs of the model's top-K at each of the answer's positions (position t predicts answer
@@ -219,7 +270,8 @@ class RetainTerm:
     """The round-robin over the prompts and their targets (built as taken, ``RetainTargets``); ``backward`` adds one
     update's share of the term."""
 
-    def __init__(self, targets: RetainTargets, *, coef: float, batch: int, seed: int, start: int = 0):
+    def __init__(self, targets: RetainTargets, *, coef: float, batch: int, seed: int, start: int = 0,
+                 behind_hint: Callable[[list[str], str], list[RetainExample | None]] | None = None):
         if coef <= 0 or batch < 1:
             raise ValueError(f"retain needs coef > 0 and batch >= 1 (got {coef}, {batch})")
         self.targets = targets
@@ -231,21 +283,53 @@ class RetainTerm:
         """Where in the shuffled order the next batch starts (a resumed trainer passes how many it took before)."""
         self.skipped = 0
         """Examples left out of an update because their KL was not finite (the rest of the update trains)."""
+        self.behind_hint = behind_hint
+        """Builds prompts' examples behind a hint's opening (``build_opening_examples`` with the starting weights),
+        or None (``retain_behind_hint`` off)."""
+        self.hint: str | None = None
+        """The hint the next updates' examples are built behind (set by the trainer; None: the plain examples)."""
+        self.opening_examples: dict[tuple[str, int], RetainExample | None] = {}
+        """Built behind a hint so far, by (hint, prompt index)."""
+        self.taken_behind_hint = 0
+        """Examples taken behind a hint's opening so far (reported per step as ``retain_behind_hint``)."""
 
     def _ahead(self) -> list[int]:
         """The prompt indices in the order the term will take them, from the next one on."""
         return self.order[self.next:] + self.order[:self.next]
 
     def build_ahead(self) -> bool:
-        """Builds the next chunk of targets the term will take (for a trainer with nothing to train); whether any
-        are left to build."""
-        self.targets.build_next(self._ahead())
-        return not self.targets.complete
+        """Builds the next chunk of targets the term will take (for a trainer with nothing to train): the plain
+        ones, then, once a hint is set, those behind its opening; whether any are left to build."""
+        if not self.targets.complete:
+            self.targets.build_next(self._ahead())
+        elif self._behind_todo():
+            self._build_behind(self.hint or "", self._behind_todo()[:BUILD_CHUNK])
+        return not self.targets.complete or bool(self._behind_todo())
+
+    def behind_pending(self) -> bool:
+        """Whether examples behind the current hint are left to build (``build_ahead`` would build some)."""
+        return bool(self._behind_todo())
+
+    def _behind_todo(self) -> list[int]:
+        """The prompt indices, in the order the term takes them, with no example behind the hint built yet."""
+        if self.behind_hint is None or not self.hint:
+            return []
+        return [i for i in self._ahead() if (self.hint, i) not in self.opening_examples]
+
+    def _build_behind(self, hint: str, indices: list[int]) -> None:
+        """Builds the examples behind ``hint``'s opening of ``indices`` not built yet, ``BUILD_CHUNK`` at a time
+        (the decoder keeps a [T, V] row per answer token until it returns)."""
+        assert self.behind_hint is not None
+        todo = [i for i in indices if (hint, i) not in self.opening_examples]
+        for start in range(0, len(todo), BUILD_CHUNK):
+            chunk = todo[start: start + BUILD_CHUNK]
+            built = self.behind_hint([self.targets.prompts[i] for i in chunk], hint)
+            self.opening_examples.update(((hint, i), e) for i, e in zip(chunk, built))
 
     def take(self) -> list[RetainExample]:
         """The next ``batch`` examples of the shuffled order (wrapping round; a prompt without one is passed over),
         building their targets first where needed."""
-        picked: list[RetainExample] = []
+        picked: list[tuple[int, RetainExample]] = []
         for _ in range(len(self.order)):
             index = self.order[self.next]
             if not self.targets.built(index):
@@ -253,12 +337,25 @@ class RetainTerm:
             self.next = (self.next + 1) % len(self.order)
             example = self.targets.examples[index]
             if example is not None:
-                picked.append(example)
+                picked.append((index, example))
                 if len(picked) == self.batch:
-                    return picked
+                    break
         if not picked:
             raise ValueError("the retain term has no examples (no prompt's answer had a position to train)")
-        return picked
+        return self._behind_hint(picked)
+
+    def _behind_hint(self, picked: list[tuple[int, RetainExample]]) -> list[RetainExample]:
+        """The picked examples, each replaced by its example behind ``hint``'s opening where it has one."""
+        hint = self.hint
+        if self.behind_hint is None or not hint:
+            return [example for _, example in picked]
+        self._build_behind(hint, [index for index, _ in picked])
+        out = []
+        for index, example in picked:
+            behind = self.opening_examples[(hint, index)]
+            self.taken_behind_hint += behind is not None
+            out.append(behind if behind is not None else example)
+        return out
 
     def backward(self, model: torch.nn.Module, device: torch.device) -> float:
         """Back-propagate ``coef`` times the mean KL over the next batch into the trainable weights' gradients;

@@ -303,6 +303,7 @@ def _train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: li
     grad_norms: list[float] = []
     retain_kls: list[float] = []
     retain_skipped = retain.skipped if retain is not None else 0
+    retain_behind = retain.taken_behind_hint if retain is not None else 0
     skipped = 0
     empty = 0
     checkpointed = 0
@@ -410,6 +411,7 @@ def _train_step(models: TrainModels, optimizer: torch.optim.Optimizer, items: li
     if retain is not None:
         metrics["retain_applied"] = 1.0 if finite_kls else 0.0
         metrics["retain_skipped_nonfinite"] = float(retain.skipped - retain_skipped)
+        metrics["retain_behind_hint"] = float(retain.taken_behind_hint - retain_behind)
     metrics["updates_skipped_nonfinite"] = float(skipped)
     metrics["updates_applied"] = float(stepped)
     metrics["epochs_cut_short"] = float(epochs - epochs_run)

@@ -5,6 +5,7 @@ asked closer to the starting weights while a step teaches something else."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -18,8 +19,10 @@ from clawloop.sim.data.questions import POOLS
 from clawloop.store import SampleRecord, Store, TurnRecord
 from clawloop.trainer.core import Trainer
 from clawloop.trainer.model import gate_reference
-from clawloop.trainer.retain import BUILD_CHUNK, RetainTargets, RetainTerm, build_examples, retain_kl, \
-    retain_positions, sentence_ends
+from clawloop.renderers.chat import ChatRenderer
+from clawloop.teacher import inject_hint
+from clawloop.trainer.retain import BUILD_CHUNK, RetainTargets, RetainTerm, build_examples, \
+    build_opening_examples, retain_kl, retain_positions, sentence_ends
 from clawloop.trainer.retain_prompts import RETAIN_PROMPTS
 
 from trainer_helpers import render
@@ -179,6 +182,91 @@ def test_targets_are_built_a_chunk_at_a_time_in_the_order_the_term_takes_them(ti
     assert [e.prompt for e in term.take()] == [order[6], order[8], order[9]]
 
 
+HINT = 'Begin every answer with "In short,".'
+
+
+def test_behind_a_hint_the_opening_follows_the_hinted_starting_weights_and_the_rest_the_plain_ones(
+        tiny_tokenizer, base_model):
+    """The example behind a hint's opening: the hinted starting weights' greedy tokens up to the first one the plain
+    starting weights also rank first, trained toward the hinted rows at every one of them, then the plain starting
+    weights' greedy continuation behind that opening, trained toward the plain rows. A prompt whose hinted and
+    plain answers open alike has none (its plain example stands)."""
+    prompts = list(RETAIN_PROMPTS[:12])
+    examples = build_opening_examples(base_model, tiny_tokenizer, prompts, HINT, k=8, max_tokens=16,
+                                      end_ids=end_token_ids(tiny_tokenizer), opening_tokens=8)
+    renderer = ChatRenderer(tiny_tokenizer)
+    openings, cuts = [], []
+    for prompt, e in zip(prompts, examples):
+        user = [{"role": "user", "content": prompt}]
+        plain = list(renderer.render(user).ids)
+        hinted = list(renderer.render(inject_hint(user, HINT)).ids)
+        with torch.no_grad():
+            hinted_first = int(base_model(input_ids=torch.tensor([hinted])).logits[0, -1].argmax())
+            plain_first = int(base_model(input_ids=torch.tensor([plain])).logits[0, -1].argmax())
+        if e is None:
+            assert hinted_first == plain_first
+            continue
+        assert e.prompt == prompt and e.input_ids_L[:e.prompt_len].tolist() == plain
+        answer = e.input_ids_L[e.prompt_len:].tolist()
+        with torch.no_grad():
+            plain_rows = torch.log_softmax(base_model(input_ids=torch.tensor([plain + answer])).logits[0].float(),
+                                           -1)[len(plain) - 1:-1]
+            hinted_rows = torch.log_softmax(base_model(input_ids=torch.tensor([hinted + answer])).logits[0].float(),
+                                            -1)[len(hinted) - 1:-1]
+        o = next(t for t in range(len(answer) + 1) if t == len(answer) or answer[t] == int(plain_rows[t].argmax()))
+        openings.append(o)
+        # Where the cut must fall: the hinted greedy draft's first token that the plain weights also rank first.
+        with torch.no_grad():
+            draft = base_model.generate(torch.tensor([hinted]), max_new_tokens=8, do_sample=False,
+                                        pad_token_id=0)[0, len(hinted):].tolist()
+            draft = list(itertools.takewhile(lambda i: i not in end_token_ids(tiny_tokenizer), draft))
+            plain_after = torch.log_softmax(base_model(input_ids=torch.tensor([plain + draft])).logits[0].float(),
+                                            -1)[len(plain) - 1:-1].argmax(-1).tolist()
+        cut = next((t for t, i in enumerate(draft) if i == plain_after[t]), len(draft))
+        cuts.append(cut)
+        assert o == cut and answer[:o] == draft[:o]
+        assert 1 <= o <= 8 and answer[0] == hinted_first != plain_first
+        assert answer[:o] == hinted_rows[:o].argmax(-1).tolist()  # the hinted greedy opening
+        assert answer[o:] == plain_rows[o:].argmax(-1).tolist()  # the plain greedy answer behind it
+        expected = torch.cat([hinted_rows[:o], plain_rows[o:]]).topk(8, dim=-1)
+        assert torch.equal(e.ref_ids_T_K, expected.indices)
+        assert torch.allclose(e.ref_logprobs_T_K, expected.values, atol=1e-4)
+        assert bool(e.positions_T[:o].all())  # the opening is what the example teaches
+    assert openings  # the random tiny model opens differently under the hint on some prompt
+    assert any(c < 8 for c in cuts)  # and some opening ends at an agreement, not at the cap
+
+
+def test_the_term_takes_the_examples_behind_its_hint_where_there_are_any(tiny_tokenizer, base_model):
+    prompts = list(RETAIN_PROMPTS[:4])
+    end_ids = end_token_ids(tiny_tokenizer)
+    plain = build_examples(base_model, tiny_tokenizer, prompts, k=8, max_tokens=12, end_ids=end_ids)
+    asked: list[tuple[list[str], str]] = []
+
+    def behind(chunk, hint):
+        asked.append((list(chunk), hint))
+        return build_opening_examples(base_model, tiny_tokenizer, chunk, hint, k=8, max_tokens=12, end_ids=end_ids,
+                                      opening_tokens=4)
+
+    term = RetainTerm(_built(plain), coef=1.0, batch=4, seed=0, behind_hint=behind)
+    assert [e.prompt for e in term.take()] == [prompts[i] for i in term.order] and not asked  # no hint yet
+    term.hint = HINT
+    taken = term.take()
+    assert len(asked) == 1 and sorted(asked[0][0]) == sorted(prompts) and asked[0][1] == HINT
+    by_prompt = dict(zip(asked[0][0], behind(asked[0][0], HINT)))
+    for e in taken:
+        want = by_prompt[e.prompt] or plain[prompts.index(e.prompt)]
+        assert torch.equal(e.input_ids_L, want.input_ids_L)
+    assert term.taken_behind_hint == sum(v is not None for v in by_prompt.values()) > 0
+    term.take()
+    assert len(asked) == 2  # built once per hint and prompt (the second entry is this test's own call)
+    # A trainer with nothing to train builds the examples behind a new hint ahead, a chunk at a time.
+    term.hint = "Answer in one short sentence."
+    assert term.behind_pending() and term.build_ahead() is False and not term.behind_pending()
+    assert sorted(asked[-1][0]) == sorted(prompts) and asked[-1][1] == term.hint
+    term.take()
+    assert len(asked) == 3  # nothing left to build when they are taken
+
+
 def test_settings_are_checked(make_config):
     with pytest.raises(ConfigError, match="retain_coef"):
         make_config(retain_coef=-0.1)
@@ -187,6 +275,9 @@ def test_settings_are_checked(make_config):
     assert make_config(retain_coef=0.5).retain_coef == 0.5
     with pytest.raises(ConfigError, match="retain_tokens"):
         make_config(retain_coef=1.0, retain_opening=False, retain_tokens=1)
+    with pytest.raises(ConfigError, match="retain_behind_hint"):
+        make_config(retain_behind_hint=True)
+    assert make_config(retain_coef=1.0, retain_behind_hint=True).retain_behind_hint
     with pytest.raises(ValueError, match="no examples"):  # no prompt's answer had a position to train
         RetainTerm(_built([None]), coef=1.0, batch=1, seed=0).take()
 
@@ -232,3 +323,31 @@ def test_in_the_trainer_the_term_keeps_the_other_prompts_nearer_the_starting_wei
     assert "retain_kl" not in plain and math.isfinite(kept["retain_kl"]) and kept["time_retain_s"] > 0
     assert kept["retain_applied"] == 1.0 and kept["retain_skipped_nonfinite"] == 0.0
     assert drift > 0.01 and held < 0.8 * drift, (drift, held)
+
+
+def test_in_the_trainer_the_examples_are_built_behind_the_hint_most_often_trained(monkeypatch, make_config,
+                                                                                 base_model, tiny_tokenizer,
+                                                                                 tmp_path):
+    from clawloop.trainer.publish import LocalVersion
+
+    from trainer_helpers import HINTS, TableTeacher, add_sample
+
+    monkeypatch.setattr("clawloop.trainer.core.RETAIN_PROMPTS", PROMPTS)
+    config = make_config(retain_coef=1.0, retain_batch=4, retain_tokens=12, retain_behind_hint=True,
+                         rollout_batch_size=3, micro_batch_size=3)
+    store = Store(tmp_path / "store.sqlite")
+    add_sample(store, base_model, tiny_tokenizer, 0, reward=-1.0, hints=HINTS[1:])
+    add_sample(store, base_model, tiny_tokenizer, 1, reward=1.0, hints=HINTS)
+    add_sample(store, base_model, tiny_tokenizer, 2, reward=-1.0, hints=HINTS)
+    trainer = Trainer(config, store, LocalVersion(), teacher=TableTeacher(base_model, tiny_tokenizer), console=None)
+    metrics = trainer.run_batch(*store.lease_samples(3))
+    assert metrics is not None and trainer.retain is not None and trainer.retain.hint == HINTS[0]
+    built = [e for (hint, _), e in trainer.retain.opening_examples.items() if hint == HINTS[0]]
+    assert len(built) == 4 and metrics["retain_behind_hint"] == sum(e is not None for e in built) > 0
+    # The other prompts' examples behind the hint are left for the trainer's idle time (``prepare``).
+    assert trainer.has_work_ahead()
+    for _ in range(50):
+        if not trainer.prepare():
+            break
+    assert not trainer.has_work_ahead() and len(trainer.retain.opening_examples) == len(PROMPTS)
+    trainer.close()
