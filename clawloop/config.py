@@ -40,6 +40,9 @@ from clawloop.losses.presets import (ADVANTAGE_MODES, HINT_SELECTIONS, METHOD_WE
                                      OPD_TARGETS, SUBSET_MODES, check_objective, method_weights)
 from clawloop.temperature import GREEDY_BELOW
 
+OPENING_PREFERENCES = ("auto", "always", "never")
+"""``opening_preference``: when the opening settings train the preference."""
+
 
 class ConfigError(ValueError):
     """A setting has a value clawloop cannot run with."""
@@ -268,6 +271,23 @@ class MethodSettings:
                                   "ones agree), trained toward the hinted rows, then the plain starting weights' "
                                   "continuation behind it, so that facts are kept behind a preferred new opening "
                                   "(docs/retain.md). Needs retain_coef > 0.")
+    opening_preference: str = _f("auto", "Whether the preference taught is trained as one about how answers open "
+                                 "(docs/opening.md): then opening_support_coef, opening_rollouts and "
+                                 "opening_restore_after_v0 stand in for support_coef, opd_rollouts and "
+                                 "gate_restore_after_v0, and the retain term's examples are built behind the hint's "
+                                 "opening, its plain ones with their first position untrained. auto: when the "
+                                 "trainer's most frequent hint changes the starting weights' greedy opening on at "
+                                 "least opening_share of 16 of the retain term's prompts (needs retain_coef > 0); "
+                                 "always; never.")
+    opening_share: float = _f(0.5, "opening_preference = auto: the share of the measuring prompts whose opening "
+                              "the hint must change (SmolLM2-135M: 0.8 for 'In short,', 0.25 for brevity).")
+    opening_support_coef: float = _f(1.0, "support_coef for an opening preference (used only when support_coef > "
+                                     "0, which has the teacher asked for the term's ids).")
+    opening_rollouts: int = _f(1, "opd_rollouts for an opening preference (0 where the method or a multi-rank "
+                               "trainer cannot take rollouts).")
+    opening_restore_after_v0: int = _f(10, "gate_restore_after_v0 for an opening preference: the way from the "
+                                       "starting weights to a new opening passes through candidates that state "
+                                       "fewer facts.")
     retain_batch: int = _f(4, "Retain prompts per update (taken round-robin in a fixed shuffled order).")
     retain_k: int = _f(16, "Top-K ids of the starting weights kept per retained position (plus the tail bin).")
     retain_tokens: int = _f(64, "Most tokens of the starting weights' answer to a retain prompt.")
@@ -402,6 +422,10 @@ class GateSettings:
                                  "training goes on from it, so a preference whose way passes through versions that "
                                  "fail a check can still be reached (docs/publication-gate.md). 1 = back at every "
                                  "rejection.")
+    gate_restore_after_v0: int = _f(1, "gate_restore_after while the last accepted version is the starting weights "
+                                    "(v0): nothing learnt is lost by going on from a rejected candidate then, and "
+                                    "a preference the model does not rank may need several such candidates to "
+                                    "get away from them (docs/publication-gate.md). 1 = back at every rejection.")
     gate_restore_momentum: bool = _f(True, "When training goes back to the last accepted weights, also take back "
                                      "that version's AdamW momentum (its first moment). Off: the momentum is zeroed "
                                      "(the second moment kept), so the next steps move by their own gradients and "
@@ -599,6 +623,13 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
         positive("gate_max_kl")
         positive("gate_recent_prompts", 0.0, strict=False)
         positive("gate_restore_after", 1.0, strict=False)
+        positive("gate_restore_after_v0", 1.0, strict=False)
+        positive("opening_restore_after_v0", 1.0, strict=False)
+        positive("opening_support_coef", 0.0, strict=False)
+        positive("opening_rollouts", 0.0, strict=False)
+        choice("opening_preference", OPENING_PREFERENCES)
+        if not 0.0 <= self.opening_share <= 1.0:
+            raise ConfigError(f"opening_share={self.opening_share!r} must be in [0, 1]")
         positive("gate_fixed_prompts", 0.0, strict=False)
         positive("gate_knowledge_samples", 0.0, strict=False)
         if self.gate_reference_dice < 1:

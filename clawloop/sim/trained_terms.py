@@ -5,8 +5,8 @@ A branch of the objective reports ``<branch>_applied`` (the share of the step's 
 without one (GRPO), when its loss is present. Samples of a kind trained in their own way count when the step had
 any (``context_samples``: the teacher's own answers under a hint, context distillation; ``rollout_samples``: the
 student's own answers, sampled by the trainer; ``retain_behind_hint``: retain examples built behind the hint's
-opening). New branches show up
-under their metric name without a change here.
+opening; ``opening_preference``: a step that trained the preference as one about how answers open). New branches
+show up under their metric name without a change here.
 
 GRPO needs a non-zero advantage to move the weights: a step whose advantages were all 0 (every reward alike, e.g.
 all corrections) reports a GRPO loss of 0 and is not counted for it. A branch present in the metrics but active in
@@ -29,6 +29,7 @@ TERM_LABELS: dict[str, str] = {
     "rollout": "student rollouts",
     "retain": "retain (general prompts)",
     "retain_behind_hint": "retain behind the hint's opening",
+    "opening": "trained as an opening preference",
 }
 """Readable names of the branches known today; any other branch is shown by its metric name."""
 
@@ -36,7 +37,7 @@ TERM_LABELS: dict[str, str] = {
 _NOT_BRANCHES = {"updates_applied"}
 # Per-step sample counts that name a kind of training (others, e.g. ``hinted_samples``, only describe the batch).
 _SAMPLE_KINDS = {"context_samples": "context", "rollout_samples": "rollout",
-                 "retain_behind_hint": "retain_behind_hint"}
+                 "retain_behind_hint": "retain_behind_hint", "opening_preference": "opening"}
 
 
 def _number(value: Any) -> float | None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import functools
 import logging
 import sys
@@ -169,6 +170,8 @@ class Trainer:
         self.unchecked_steps: list[int] = []
         self.gate_checks = 0
         self.gate_rejections = 0
+        self.opening = False
+        """Whether the last step trained the preference as one about how answers open (``opening_preference``)."""
         self.rejections_in_row = 0
         """Rejected candidates since the last accepted one (or restore): training goes back to the accepted
         weights when it reaches ``gate_restore_after``. Not kept across a restart, which starts it at 0."""
@@ -238,21 +241,44 @@ class Trainer:
                 self.models.retain_targets = RetainTargets(
                     RETAIN_PROMPTS, functools.partial(starting_retain_examples, self.models, c))
             # A resumed trainer goes on where the round-robin was, not back at its first prompts.
-            behind = functools.partial(opening_retain_examples, self.models, c) if c.retain_behind_hint else None
+            measures = c.retain_behind_hint or c.opening_preference == "auto"
+            behind = functools.partial(opening_retain_examples, self.models, c) if measures else None
             self.retain = RetainTerm(self.models.retain_targets, coef=c.retain_coef, batch=c.retain_batch,
                                      seed=c.seed, start=self.step * c.retain_batch * c.steps_per_batch,
                                      behind_hint=behind)
         return self.retain
 
-    def _rollouts(self, items: list[TrainItem]) -> list[TrainItem]:
+    def _opening_preference(self, retain: RetainTerm | None, hint: str | None) -> bool:
+        """Whether this step trains the preference as one about how answers open (``opening_preference``); with
+        ``auto``, measured on the retain term's prompts behind ``hint`` (built here the first time)."""
+        mode = self.config.opening_preference
+        if mode != "auto":
+            return mode == "always"
+        if hint is None or retain is None or retain.behind_hint is None:
+            return False
+        return retain.measure_opening(hint) >= self.config.opening_share
+
+    def _config_for(self, opening: bool) -> Config:
+        """The settings a step trains with: the configured ones, or for an opening preference those with the
+        ``opening_*`` values in place (rollouts only where the method and the trainer can take them)."""
+        c = self.config
+        if not opening:
+            return c
+        rollouts_fit = (c.weights[1] != 0.0 and c.needs_hints and c.method != "combine"
+                        and self.parallel.world_size == 1)
+        return dataclasses.replace(c, support_coef=c.opening_support_coef if c.support_coef > 0 else 0.0,
+                                   opd_rollouts=c.opening_rollouts if rollouts_fit else 0,
+                                   gate_restore_after_v0=c.opening_restore_after_v0)
+
+    def _rollouts(self, items: list[TrainItem], config: Config) -> list[TrainItem]:
         """The current weights' own answers to the batch's hinted prompts (``opd_rollouts``; one process only)."""
-        if self.config.opd_rollouts <= 0 or not any(wants_rollouts(it, self.config) for it in items):
+        if config.opd_rollouts <= 0 or not any(wants_rollouts(it, config) for it in items):
             return []
         if self.end_ids is None:
             from clawloop.engines.model_files import end_token_ids, load_tokenizer, turn_end_token_id
             tokenizer = load_tokenizer(self.models.model_dir)
             self.end_ids = (end_token_ids(tokenizer), turn_end_token_id(tokenizer))
-        return rollout_items(self.models, items, self.config, step=self.step + 1, end_ids=self.end_ids[0],
+        return rollout_items(self.models, items, config, step=self.step + 1, end_ids=self.end_ids[0],
                              turn_end=self.end_ids[1], max_context=self.max_context)
 
     def _source(self) -> SampleSource:
@@ -537,7 +563,7 @@ class Trainer:
         self.lr_scale = max(self.config.gate_min_lr_scale, self.lr_scale * self.config.gate_reject_lr_scale)
         self._apply_lr_scale()
         metrics["lr_scale"] = self.lr_scale
-        restore = self.rejections_in_row >= self.config.gate_restore_after
+        restore = self.rejections_in_row >= self._restore_after()
         if restore:
             self._restore(self.accepted)
             if not self.config.gate_restore_momentum:
@@ -554,6 +580,12 @@ class Trainer:
             f"training goes on from it ({self.rejections_in_row} rejected in a row)"
         log.warning("trainer: step %d rejected by the publication gate (%s); %s", step, "; ".join(reasons), then)
         return False, metrics
+
+    def _restore_after(self) -> int:
+        """Rejections in a row after which training goes back to the last accepted weights: ``gate_restore_after``,
+        or ``gate_restore_after_v0`` while that is the starting weights."""
+        c = self._config_for(self.opening)
+        return c.gate_restore_after_v0 if self.accepted.version == 0 else c.gate_restore_after
 
     def rollback(self, version: int) -> dict[str, Any]:
         """Serve kept version ``version`` again and continue training from it. Blocking (training thread); every
@@ -622,15 +654,24 @@ class Trainer:
         if not items or stop:
             self.parallel.share(lambda: self._source().release_lease(lease_id))
             return None
-        rollouts = self._rollouts(items)
         retain = self._retain()
+        # The hint most often first among everything trained so far, this batch included.
+        counts = self.hint_counts + collections.Counter(it.sample.hints[0] for it in items if it.sample.hints)
+        hint = counts.most_common(1)[0][0] if counts else None
+        self.opening = self._opening_preference(retain, hint)
+        config = self._config_for(self.opening)
         if retain is not None:
-            # The hint most often first among everything trained so far, this batch included.
-            counts = self.hint_counts + collections.Counter(it.sample.hints[0] for it in items if it.sample.hints)
-            retain.hint = counts.most_common(1)[0][0] if counts else None
-        metrics = train_step(self.models, self.optimizer, items + rollouts, self.config, teacher=self.teacher,
+            retain.hint = hint
+            retain.use_behind = self.config.retain_behind_hint or self.opening
+            retain.free_opening = self.opening
+        rollouts = self._rollouts(items, config)
+        metrics = train_step(self.models, self.optimizer, items + rollouts, config, teacher=self.teacher,
                              fuse_old=self.fuse_old, ask_in_loss_forward=self.ask_in_loss_forward,
                              runner=self.parallel.runner, retain=retain)
+        metrics["opening_preference"] = 1.0 if self.opening else 0.0
+        share = retain.opening_share(hint) if retain is not None and retain.behind_hint is not None and hint else None
+        if share is not None:
+            metrics["opening_share"] = share
         # From here the update is in the weights: every store write is retried, never given up for the batch. Only
         # the stored samples (``items``) are dropped, committed or given back; their rollouts go with them.
         excluded = excluded_samples(items)

@@ -44,6 +44,9 @@ Choices:
   tokens before the first one the plain starting weights also rank first (as ``opd_target = "opening_end"`` cuts
   it), trained toward the hinted rows, then the plain starting weights' greedy continuation behind that opening,
   trained toward the plain rows. A prompt whose hinted and plain answers open alike keeps its plain example.
+  The same examples measure whether a hint is about the opening at all (``opening_share``, over the first
+  ``OPENING_MEASURE`` prompts of the order): the trainer's ``opening_preference = auto`` takes them, and frees the
+  plain examples' first position, only for a hint that changes the opening of most of them (docs/opening.md).
 * One process only: the torchrun trainer's ranks would each have to run the same forwards in step, which this
   does not do yet, so a multi-rank trainer refuses ``retain_coef > 0``.
 """
@@ -51,7 +54,7 @@ Choices:
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -66,6 +69,9 @@ SENTENCE_ENDS = (".", "!", "?")
 CLOSERS = "\"')]\u201d\u2019"
 """Characters that may close a sentence after its end mark ('He said "Hi."', "(See above.)")."""
 BUILD_CHUNK = 8
+OPENING_MEASURE = 16
+"""Retain prompts (the first of the term's shuffled order) whose openings, plain and behind a hint, tell how often
+the hint changes how an answer opens (``RetainTerm.opening_share``)."""
 """Prompts answered together when the targets are built (two updates' worth at the default ``retain_batch``)."""
 ANSWERS_FORMAT = 1
 """Part of a kept answer's key (``answer_key``): bumped when this module changes how the answers are decoded (the
@@ -253,6 +259,13 @@ class RetainTargets:
             self.examples.update(zip(todo, self.build([self.prompts[i] for i in todo])))
 
 
+def _without_opening(example: RetainExample) -> RetainExample:
+    """``example`` with its first position left untrained."""
+    positions_T = example.positions_T.clone()
+    positions_T[:1] = False
+    return replace(example, positions_T=positions_T)
+
+
 def retain_kl(model: torch.nn.Module, example: RetainExample, device: torch.device) -> torch.Tensor:
     """The example's mean KL over its trained positions (gradient attached), per the module docstring. The output
     layer runs only where an answer token is predicted (``logits_to_keep``), never over the prompt."""
@@ -292,6 +305,26 @@ class RetainTerm:
         """Built behind a hint so far, by (hint, prompt index)."""
         self.taken_behind_hint = 0
         """Examples taken behind a hint's opening so far (reported per step as ``retain_behind_hint``)."""
+        self.use_behind = behind_hint is not None
+        """Whether the taken examples are the ones behind the hint's opening (set by the trainer per step); when
+        False, examples behind a hint are built only to measure ``opening_share``."""
+        self.free_opening = False
+        """Whether the plain examples leave an answer's first position untrained (set by the trainer per step)."""
+
+    def opening_share(self, hint: str) -> float | None:
+        """Of the ``OPENING_MEASURE`` measuring prompts, the share whose hinted starting weights open their answer
+        otherwise than the plain ones do (those with an example behind ``hint``); None until all are built."""
+        measured = self.order[:OPENING_MEASURE]
+        if any((hint, i) not in self.opening_examples for i in measured):
+            return None
+        return sum(self.opening_examples[(hint, i)] is not None for i in measured) / len(measured)
+
+    def measure_opening(self, hint: str) -> float:
+        """``opening_share``, building the measuring prompts' examples behind ``hint`` first where needed."""
+        self._build_behind(hint, self.order[:OPENING_MEASURE])
+        share = self.opening_share(hint)
+        assert share is not None
+        return share
 
     def _ahead(self) -> list[int]:
         """The prompt indices in the order the term will take them, from the next one on."""
@@ -314,7 +347,8 @@ class RetainTerm:
         """The prompt indices, in the order the term takes them, with no example behind the hint built yet."""
         if self.behind_hint is None or not self.hint:
             return []
-        return [i for i in self._ahead() if (self.hint, i) not in self.opening_examples]
+        wanted = self._ahead() if self.use_behind else self.order[:OPENING_MEASURE]
+        return [i for i in wanted if (self.hint, i) not in self.opening_examples]
 
     def _build_behind(self, hint: str, indices: list[int]) -> None:
         """Builds the examples behind ``hint``'s opening of ``indices`` not built yet, ``BUILD_CHUNK`` at a time
@@ -345,9 +379,12 @@ class RetainTerm:
         return self._behind_hint(picked)
 
     def _behind_hint(self, picked: list[tuple[int, RetainExample]]) -> list[RetainExample]:
-        """The picked examples, each replaced by its example behind ``hint``'s opening where it has one."""
+        """The picked examples, each replaced by its example behind ``hint``'s opening where it has one (with
+        ``use_behind``), the plain ones without their first position where ``free_opening`` says so."""
         hint = self.hint
-        if self.behind_hint is None or not hint:
+        if self.free_opening:
+            picked = [(index, _without_opening(example)) for index, example in picked]
+        if self.behind_hint is None or not hint or not self.use_behind:
             return [example for _, example in picked]
         self._build_behind(hint, [index for index, _ in picked])
         out = []

@@ -119,12 +119,14 @@ def test_grpo_does_not_count_in_a_step_whose_advantages_were_all_zero():
 
 def test_branches_without_a_name_here_are_still_counted():
     step = {**HYBRID_STEP, "opd_support_applied": 0.25, "opd_support_loss": 0.3, "context_samples": 2.0,
-            "rollout_samples": 4.0, "topk_kl_applied": 0.0, "topk_kl_loss": 0.0, "retain_behind_hint": 3.0}
-    assert active_branches(step) == {"grpo", "opd", "opd_support", "context", "rollout", "retain_behind_hint"}
+            "rollout_samples": 4.0, "topk_kl_applied": 0.0, "topk_kl_loss": 0.0, "retain_behind_hint": 3.0,
+            "opening_preference": 1.0}
+    assert active_branches(step) == {"grpo", "opd", "opd_support", "context", "rollout", "retain_behind_hint",
+                                     "opening"}
     counts = steps_per_term([step, HYBRID_STEP, {**HYBRID_STEP, "opd_applied": 0.0, "rollout_samples": 0.0,
-                                                 "retain_behind_hint": 0.0}])
+                                                 "retain_behind_hint": 0.0, "opening_preference": 0.0}])
     assert counts == {"grpo": 3, "opd": 2, "topk_kl": 0, "opd_support": 1, "context": 1, "rollout": 1,
-                      "retain_behind_hint": 1}
+                      "retain_behind_hint": 1, "opening": 1}
 
 
 def test_the_demo_says_what_trained_and_who_talked_to_which_version():

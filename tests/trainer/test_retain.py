@@ -334,7 +334,7 @@ def test_in_the_trainer_the_examples_are_built_behind_the_hint_most_often_traine
 
     monkeypatch.setattr("clawloop.trainer.core.RETAIN_PROMPTS", PROMPTS)
     config = make_config(retain_coef=1.0, retain_batch=4, retain_tokens=12, retain_behind_hint=True,
-                         rollout_batch_size=3, micro_batch_size=3)
+                         rollout_batch_size=3, micro_batch_size=3, opening_preference="never")
     store = Store(tmp_path / "store.sqlite")
     add_sample(store, base_model, tiny_tokenizer, 0, reward=-1.0, hints=HINTS[1:])
     add_sample(store, base_model, tiny_tokenizer, 1, reward=1.0, hints=HINTS)
@@ -350,4 +350,51 @@ def test_in_the_trainer_the_examples_are_built_behind_the_hint_most_often_traine
         if not trainer.prepare():
             break
     assert not trainer.has_work_ahead() and len(trainer.retain.opening_examples) == len(PROMPTS)
+    trainer.close()
+
+
+@pytest.mark.parametrize("bar", [0.0, 1.0])
+def test_an_opening_preference_is_measured_on_the_retain_prompts(monkeypatch, make_config, base_model,
+                                                                 tiny_tokenizer, tmp_path, bar):
+    """``opening_preference = auto``: the first hinted step builds the measuring prompts' examples behind the hint;
+    when the hint changes the opening of at least ``opening_share`` of them, the step trains the preference as an
+    opening one: the examples behind the hint are taken, and the plain ones leave their first position untrained.
+    Otherwise nothing else is built behind the hint and the plain examples are taken whole."""
+    from clawloop.trainer.publish import LocalVersion
+    from clawloop.trainer.retain import OPENING_MEASURE
+
+    from trainer_helpers import HINTS, TableTeacher, add_sample
+
+    monkeypatch.setattr("clawloop.trainer.core.RETAIN_PROMPTS", PROMPTS)
+    config = make_config(retain_coef=1.0, retain_batch=8, retain_tokens=12, rollout_batch_size=2,
+                         micro_batch_size=2, opening_share=bar, opening_rollouts=0)
+    store = Store(tmp_path / "store.sqlite")
+    add_sample(store, base_model, tiny_tokenizer, 0, reward=1.0, hints=HINTS)
+    add_sample(store, base_model, tiny_tokenizer, 1, reward=-1.0, hints=HINTS)
+    taken: list[list] = []
+    take = RetainTerm.take
+
+    def watched(term):  # what the term trains on
+        taken.append(take(term))
+        return taken[-1]
+
+    monkeypatch.setattr(RetainTerm, "take", watched)
+    trainer = Trainer(config, store, LocalVersion(), teacher=TableTeacher(base_model, tiny_tokenizer), console=None)
+    metrics = trainer.run_batch(*store.lease_samples(2))
+    retain = trainer.retain
+    share = retain.opening_share(HINTS[0])
+    assert share is not None and len(retain.opening_examples) == min(OPENING_MEASURE, len(PROMPTS))
+    moved = {e.prompt for e in retain.opening_examples.values() if e is not None}
+    opening = share >= bar
+    assert metrics is not None and metrics["opening_preference"] == float(opening)
+    assert metrics["opening_share"] == share
+    assert bar == 0.0 or share < 1.0 or opening  # the tiny model's share decides the second case
+    (examples,) = taken
+    for example in examples:
+        behind = example.prompt in moved and opening
+        assert behind == any(e is example for e in retain.opening_examples.values())
+        if not behind:  # a plain example: its first position trained unless the step trains an opening
+            assert bool(example.positions_T[0]) == (not opening)
+    assert metrics["retain_behind_hint"] == (len(moved) if opening else 0)
+    assert trainer.has_work_ahead() is False  # every measuring prompt is all there is to build here
     trainer.close()
