@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import tomllib
@@ -277,10 +278,11 @@ class MethodSettings:
                                  "gate_restore_after_v0, and the retain term's examples are built behind the hint's "
                                  "opening, its plain ones with their first position untrained. auto: when the "
                                  "trainer's most frequent hint changes the starting weights' greedy opening on at "
-                                 "least opening_share of 16 of the retain term's prompts (needs retain_coef > 0); "
+                                 "least opening_min_share of 16 of the retain term's prompts (needs retain_coef > 0); "
                                  "always; never.")
-    opening_share: float = _f(0.5, "opening_preference = auto: the share of the measuring prompts whose opening "
-                              "the hint must change (SmolLM2-135M: 0.8 for 'In short,', 0.25 for brevity).")
+    opening_min_share: float = _f(0.5, "opening_preference = auto: the share of the measuring prompts whose "
+                                  "opening the hint must change (SmolLM2-135M, over whole runs: 'In short,' about "
+                                  "0.85 of the retain examples taken, brevity about 0.25).")
     opening_support_coef: float = _f(1.0, "support_coef for an opening preference (used only when support_coef > "
                                      "0, which has the teacher asked for the term's ids).")
     opening_rollouts: int = _f(1, "opd_rollouts for an opening preference (0 where the method or a multi-rank "
@@ -314,6 +316,11 @@ class MethodSettings:
     def needs_hints(self) -> bool:
         """Whether the hint votes and the teacher are needed at all."""
         return self.weights[1] > 0 or (self.method in ("combine", "topk_kl"))
+
+    @property
+    def trains_rollouts(self) -> bool:
+        """Whether the method can train student rollouts (``opd_rollouts``): an OPD branch under accepted hints."""
+        return self.weights[1] != 0.0 and self.needs_hints and self.method != "combine"
 
     @property
     def needs_eval_votes(self) -> bool:
@@ -422,10 +429,10 @@ class GateSettings:
                                  "training goes on from it, so a preference whose way passes through versions that "
                                  "fail a check can still be reached (docs/publication-gate.md). 1 = back at every "
                                  "rejection.")
-    gate_restore_after_v0: int = _f(1, "gate_restore_after while the last accepted version is the starting weights "
+    gate_restore_after_v0: int = _f(0, "gate_restore_after while the last accepted version is the starting weights "
                                     "(v0): nothing learnt is lost by going on from a rejected candidate then, and "
                                     "a preference the model does not rank may need several such candidates to "
-                                    "get away from them (docs/publication-gate.md). 1 = back at every rejection.")
+                                    "get away from them (docs/publication-gate.md). 0 = gate_restore_after.")
     gate_restore_momentum: bool = _f(True, "When training goes back to the last accepted weights, also take back "
                                      "that version's AdamW momentum (its first moment). Off: the momentum is zeroed "
                                      "(the second moment kept), so the next steps move by their own gradients and "
@@ -596,9 +603,11 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
         if not 0 <= self.train_nice <= 19:
             raise ConfigError(f"train_nice={self.train_nice!r} must be between 0 (serving's priority) and 19 (lowest)")
-        if self.retain_coef > 0 and not self.retain_opening and self.retain_tokens < 2:
-            raise ConfigError("retain_opening = false leaves an answer's first position untrained, so retain_tokens "
-                              f"must be >= 2 (got {self.retain_tokens})")
+        if self.retain_coef > 0 and (not self.retain_opening or self.opening_preference != "never") \
+                and self.retain_tokens < 2:
+            raise ConfigError("retain_opening = false (or an opening preference, opening_preference) leaves an "
+                              "answer's first position untrained, so retain_tokens must be >= 2 (got "
+                              f"{self.retain_tokens})")
         if self.retain_behind_hint and self.retain_coef <= 0:
             raise ConfigError("retain_behind_hint builds the retain term's examples, so it needs retain_coef > 0")
         positive("stream_send_timeout_s")
@@ -623,13 +632,15 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
         positive("gate_max_kl")
         positive("gate_recent_prompts", 0.0, strict=False)
         positive("gate_restore_after", 1.0, strict=False)
-        positive("gate_restore_after_v0", 1.0, strict=False)
+        positive("gate_restore_after_v0", 0.0, strict=False)
         positive("opening_restore_after_v0", 1.0, strict=False)
         positive("opening_support_coef", 0.0, strict=False)
         positive("opening_rollouts", 0.0, strict=False)
         choice("opening_preference", OPENING_PREFERENCES)
-        if not 0.0 <= self.opening_share <= 1.0:
-            raise ConfigError(f"opening_share={self.opening_share!r} must be in [0, 1]")
+        if not 0.0 <= self.opening_min_share <= 1.0:
+            raise ConfigError(f"opening_min_share={self.opening_min_share!r} must be in [0, 1]")
+        if not math.isfinite(self.opening_support_coef):
+            raise ConfigError(f"opening_support_coef={self.opening_support_coef!r} must be finite")
         positive("gate_fixed_prompts", 0.0, strict=False)
         positive("gate_knowledge_samples", 0.0, strict=False)
         if self.gate_reference_dice < 1:
@@ -683,7 +694,7 @@ class Config(GateSettings, TrainerSettings, MethodSettings, TeacherSettings, Jud
     def _validate_rollouts(self) -> None:
         if self.opd_rollouts < 0 or self.opd_rollout_tokens < 1:
             raise ConfigError("opd_rollouts must be >= 0 and opd_rollout_tokens >= 1")
-        if self.opd_rollouts > 0 and (self.weights[1] == 0.0 or not self.needs_hints or self.method == "combine"):
+        if self.opd_rollouts > 0 and not self.trains_rollouts:
             raise ConfigError(f"opd_rollouts trains through the OPD branch under accepted hints, which "
                               f"method={self.method!r} does not train")
 

@@ -11,8 +11,9 @@ Publication (docs/publication-gate.md): every ``gate_every`` steps the publicati
 number from the store (never one used before, across restarts), is written to the version history
 (``trainer.versions``), recorded in the store and published; a rejected one is never served: the trainable
 weights and the optimizer state go back to the last accepted version's, and a ``gate_rejected`` event records the
-evidence (with ``gate_restore_after`` > 1, only once that many candidates in a row were rejected; until then
-training goes on from the rejected weights, which are never served). The rejected steps stay committed (their
+evidence (with ``gate_restore_after`` > 1, or ``gate_restore_after_v0`` while the starting weights are served,
+only once that many candidates in a row were rejected; until then training goes on from the rejected weights,
+which are never served). The rejected steps stay committed (their
 samples were consumed by them; the event names them), so nothing is lost silently and nothing is trained forever.
 With ``gate`` off every step is published unchecked.
 
@@ -170,11 +171,12 @@ class Trainer:
         self.unchecked_steps: list[int] = []
         self.gate_checks = 0
         self.gate_rejections = 0
-        self.opening = False
+        self.trains_opening = False
         """Whether the last step trained the preference as one about how answers open (``opening_preference``)."""
         self.rejections_in_row = 0
         """Rejected candidates since the last accepted one (or restore): training goes back to the accepted
-        weights when it reaches ``gate_restore_after``. Not kept across a restart, which starts it at 0."""
+        weights when it reaches ``gate_restore_after`` (``_restore_after``). Not kept across a restart, which starts
+        it at 0."""
         self.lr_scale = 1.0
         """The multiple of ``learning_rate`` training runs at: ``gate_reject_lr_scale`` per rejected candidate,
         down to ``gate_min_lr_scale``; 1 again at a rollback or restart."""
@@ -241,8 +243,8 @@ class Trainer:
                 self.models.retain_targets = RetainTargets(
                     RETAIN_PROMPTS, functools.partial(starting_retain_examples, self.models, c))
             # A resumed trainer goes on where the round-robin was, not back at its first prompts.
-            measures = c.retain_behind_hint or c.opening_preference == "auto"
-            behind = functools.partial(opening_retain_examples, self.models, c) if measures else None
+            builds_behind_hint = c.retain_behind_hint or c.opening_preference != "never"
+            behind = functools.partial(opening_retain_examples, self.models, c) if builds_behind_hint else None
             self.retain = RetainTerm(self.models.retain_targets, coef=c.retain_coef, batch=c.retain_batch,
                                      seed=c.seed, start=self.step * c.retain_batch * c.steps_per_batch,
                                      behind_hint=behind)
@@ -256,7 +258,7 @@ class Trainer:
             return mode == "always"
         if hint is None or retain is None or retain.behind_hint is None:
             return False
-        return retain.measure_opening(hint) >= self.config.opening_share
+        return retain.measure_opening(hint) >= self.config.opening_min_share
 
     def _config_for(self, opening: bool) -> Config:
         """The settings a step trains with: the configured ones, or for an opening preference those with the
@@ -264,8 +266,7 @@ class Trainer:
         c = self.config
         if not opening:
             return c
-        rollouts_fit = (c.weights[1] != 0.0 and c.needs_hints and c.method != "combine"
-                        and self.parallel.world_size == 1)
+        rollouts_fit = c.trains_rollouts and self.parallel.world_size == 1
         return dataclasses.replace(c, support_coef=c.opening_support_coef if c.support_coef > 0 else 0.0,
                                    opd_rollouts=c.opening_rollouts if rollouts_fit else 0,
                                    gate_restore_after_v0=c.opening_restore_after_v0)
@@ -583,9 +584,12 @@ class Trainer:
 
     def _restore_after(self) -> int:
         """Rejections in a row after which training goes back to the last accepted weights: ``gate_restore_after``,
-        or ``gate_restore_after_v0`` while that is the starting weights."""
-        c = self._config_for(self.opening)
-        return c.gate_restore_after_v0 if self.accepted.version == 0 else c.gate_restore_after
+        or ``gate_restore_after_v0`` (when set) while that is the starting weights. Read for the last step's kind of
+        preference (``trains_opening``)."""
+        c = self._config_for(self.trains_opening)
+        if self.accepted.version == 0 and c.gate_restore_after_v0 > 0:
+            return c.gate_restore_after_v0
+        return c.gate_restore_after
 
     def rollback(self, version: int) -> dict[str, Any]:
         """Serve kept version ``version`` again and continue training from it. Blocking (training thread); every
@@ -658,20 +662,22 @@ class Trainer:
         # The hint most often first among everything trained so far, this batch included.
         counts = self.hint_counts + collections.Counter(it.sample.hints[0] for it in items if it.sample.hints)
         hint = counts.most_common(1)[0][0] if counts else None
-        self.opening = self._opening_preference(retain, hint)
-        config = self._config_for(self.opening)
+        self.trains_opening = self._opening_preference(retain, hint)
+        config = self._config_for(self.trains_opening)
         if retain is not None:
             retain.hint = hint
-            retain.use_behind = self.config.retain_behind_hint or self.opening
-            retain.free_opening = self.opening
+            retain.use_behind = self.config.retain_behind_hint or self.trains_opening
+            retain.free_opening = self.trains_opening
         rollouts = self._rollouts(items, config)
         metrics = train_step(self.models, self.optimizer, items + rollouts, config, teacher=self.teacher,
                              fuse_old=self.fuse_old, ask_in_loss_forward=self.ask_in_loss_forward,
                              runner=self.parallel.runner, retain=retain)
-        metrics["opening_preference"] = 1.0 if self.opening else 0.0
+        # The settings the step trained with, which an opening preference changes (``_config_for``).
+        metrics.update({"opening_preference": 1.0 if self.trains_opening else 0.0,
+                        "support_coef": config.support_coef, "opd_rollouts": float(config.opd_rollouts)})
         share = retain.opening_share(hint) if retain is not None and retain.behind_hint is not None and hint else None
         if share is not None:
-            metrics["opening_share"] = share
+            metrics["opening_moved_share"] = share
         # From here the update is in the weights: every store write is retried, never given up for the batch. Only
         # the stored samples (``items``) are dropped, committed or given back; their rollouts go with them.
         excluded = excluded_samples(items)

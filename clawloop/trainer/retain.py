@@ -46,7 +46,8 @@ Choices:
   trained toward the plain rows. A prompt whose hinted and plain answers open alike keeps its plain example.
   The same examples measure whether a hint is about the opening at all (``opening_share``, over the first
   ``OPENING_MEASURE`` prompts of the order): the trainer's ``opening_preference = auto`` takes them, and frees the
-  plain examples' first position, only for a hint that changes the opening of most of them (docs/opening.md).
+  plain examples' first position, only for a hint that changes the opening of at least ``opening_min_share`` of
+  them (docs/opening.md).
 * One process only: the torchrun trainer's ranks would each have to run the same forwards in step, which this
   does not do yet, so a multi-rank trainer refuses ``retain_coef > 0``.
 """
@@ -69,10 +70,10 @@ SENTENCE_ENDS = (".", "!", "?")
 CLOSERS = "\"')]\u201d\u2019"
 """Characters that may close a sentence after its end mark ('He said "Hi."', "(See above.)")."""
 BUILD_CHUNK = 8
+"""Prompts answered together when the targets are built (two updates' worth at the default ``retain_batch``)."""
 OPENING_MEASURE = 16
 """Retain prompts (the first of the term's shuffled order) whose openings, plain and behind a hint, tell how often
 the hint changes how an answer opens (``RetainTerm.opening_share``)."""
-"""Prompts answered together when the targets are built (two updates' worth at the default ``retain_batch``)."""
 ANSWERS_FORMAT = 1
 """Part of a kept answer's key (``answer_key``): bumped when this module changes how the answers are decoded (the
 gate's decoder itself is in the kept file's code fingerprint, this module is not)."""
@@ -298,7 +299,7 @@ class RetainTerm:
         """Examples left out of an update because their KL was not finite (the rest of the update trains)."""
         self.behind_hint = behind_hint
         """Builds prompts' examples behind a hint's opening (``build_opening_examples`` with the starting weights),
-        or None (``retain_behind_hint`` off)."""
+        or None (``retain_behind_hint`` off and ``opening_preference = never``)."""
         self.hint: str | None = None
         """The hint the next updates' examples are built behind (set by the trainer; None: the plain examples)."""
         self.opening_examples: dict[tuple[str, int], RetainExample | None] = {}

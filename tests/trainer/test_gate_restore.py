@@ -128,12 +128,14 @@ def test_a_restore_can_leave_the_accepted_versions_momentum_behind(make_config, 
 
 
 @pytest.mark.parametrize("settings", [{"gate_restore_after_v0": 2},
-                                      {"opening_preference": "always", "opening_restore_after_v0": 2}])
+                                      {"opening_preference": "always", "opening_restore_after_v0": 2},
+                                      {"gate_restore_after": 2}])
 def test_from_the_starting_weights_training_goes_on_longer(make_config, base_model, tiny_tokenizer, tmp_path, engine,
                                                           settings):
-    """``gate_restore_after_v0`` (``opening_restore_after_v0`` for an opening preference): while nothing newer than
-    the starting weights was accepted, training goes on from that many rejected candidates in a row before it goes
-    back; once a version is accepted, ``gate_restore_after`` holds again."""
+    """``gate_restore_after_v0`` (``opening_restore_after_v0`` for an opening preference; unset, it is
+    ``gate_restore_after``): while nothing newer than the starting weights was accepted, training goes on from that
+    many rejected candidates in a row before it goes back; once a version is accepted, ``gate_restore_after``
+    holds."""
     config = make_config(method="rl", lora=True, lr=1e-3, gate_probe_tokens=16, gate_max_kl=1.0, gate=True,
                          **settings)
     store = Store(tmp_path / "store.sqlite")
@@ -146,26 +148,27 @@ def test_from_the_starting_weights_training_goes_on_longer(make_config, base_mod
     trainer = Trainer(config, store, engine, console=None)
     start = trainable_state_dict(trainer.models)
 
-    def wreck(lr: float) -> None:
+    def set_lr(lr: float) -> None:  # 1.0 wrecks the weights, so the gate rejects
         for group in trainer.optimizer.param_groups:
             group["lr"] = lr
 
-    wreck(1.0)
+    set_lr(1.0)
     first = trainer.run_batch(*store.lease_samples(2))
     assert first["gate_accepted"] == 0.0 and first["gate_restored"] == 0.0 and engine.policy_version == 0
     assert not _same(trainable_state_dict(trainer.models), start)  # goes on from the rejected weights
-    wreck(1.0)
+    set_lr(1.0)
     second = trainer.run_batch(*store.lease_samples(2))
     assert second["gate_accepted"] == 0.0 and second["gate_restored"] == 1.0 and engine.policy_version == 0
     assert _same(trainable_state_dict(trainer.models), start)  # the second in a row: back to the starting weights
 
-    wreck(1e-3)
+    set_lr(1e-3)
     assert trainer.run_batch(*store.lease_samples(2))["gate_accepted"] == 1.0 and engine.policy_version == 1
     accepted = trainable_state_dict(trainer.models)
-    wreck(1.0)
+    set_lr(1.0)
     third = trainer.run_batch(*store.lease_samples(2))
-    assert third["gate_accepted"] == 0.0 and third["gate_restored"] == 1.0  # v1 accepted: back at once
-    assert _same(trainable_state_dict(trainer.models), accepted)
+    after_v1 = settings.get("gate_restore_after", 1)
+    assert third["gate_accepted"] == 0.0 and third["gate_restored"] == float(after_v1 == 1)
+    assert _same(trainable_state_dict(trainer.models), accepted) == (after_v1 == 1)
     trainer.close()
     store.close()
 
@@ -173,6 +176,6 @@ def test_from_the_starting_weights_training_goes_on_longer(make_config, base_mod
 def test_the_restore_counts_are_checked(make_config):
     from clawloop.config import ConfigError
 
-    for bad in ({"gate_restore_after": 0}, {"gate_restore_after_v0": 0}, {"opening_restore_after_v0": 0}):
+    for bad in ({"gate_restore_after": 0}, {"gate_restore_after_v0": -1}, {"opening_restore_after_v0": 0}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             make_config(**bad)

@@ -278,6 +278,13 @@ def test_settings_are_checked(make_config):
     with pytest.raises(ConfigError, match="retain_behind_hint"):
         make_config(retain_behind_hint=True)
     assert make_config(retain_coef=1.0, retain_behind_hint=True).retain_behind_hint
+    with pytest.raises(ConfigError, match="retain_tokens"):  # an opening preference frees the first position too
+        make_config(retain_coef=1.0, retain_tokens=1)
+    assert make_config(retain_coef=1.0, retain_tokens=1, opening_preference="never").retain_tokens == 1
+    for bad in ({"opening_preference": "sometimes"}, {"opening_min_share": 1.5}, {"opening_support_coef": math.inf},
+                {"opening_rollouts": -1}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            make_config(**bad)
     with pytest.raises(ValueError, match="no examples"):  # no prompt's answer had a position to train
         RetainTerm(_built([None]), coef=1.0, batch=1, seed=0).take()
 
@@ -353,24 +360,29 @@ def test_in_the_trainer_the_examples_are_built_behind_the_hint_most_often_traine
     trainer.close()
 
 
-@pytest.mark.parametrize("bar", [0.0, 1.0])
+@pytest.mark.parametrize("moved", [True, False])
 def test_an_opening_preference_is_measured_on_the_retain_prompts(monkeypatch, make_config, base_model,
-                                                                 tiny_tokenizer, tmp_path, bar):
+                                                                 tiny_tokenizer, tmp_path, moved):
     """``opening_preference = auto``: the first hinted step builds the measuring prompts' examples behind the hint;
-    when the hint changes the opening of at least ``opening_share`` of them, the step trains the preference as an
-    opening one: the examples behind the hint are taken, and the plain ones leave their first position untrained.
-    Otherwise nothing else is built behind the hint and the plain examples are taken whole."""
+    when the hint changes the opening of at least ``opening_min_share`` of them, the step trains the preference as
+    an opening one: the examples behind the hint are taken, the plain ones leave their first position untrained,
+    and the step trains with the ``opening_*`` settings. Otherwise nothing else is built behind the hint and the
+    step is as configured. (The builder is replaced by one whose hint moves every opening or none.)"""
+    from clawloop.trainer import core
     from clawloop.trainer.publish import LocalVersion
-    from clawloop.trainer.retain import OPENING_MEASURE
 
     from trainer_helpers import HINTS, TableTeacher, add_sample
 
     monkeypatch.setattr("clawloop.trainer.core.RETAIN_PROMPTS", PROMPTS)
-    config = make_config(retain_coef=1.0, retain_batch=8, retain_tokens=12, rollout_batch_size=2,
-                         micro_batch_size=2, opening_share=bar, opening_rollouts=0)
-    store = Store(tmp_path / "store.sqlite")
-    add_sample(store, base_model, tiny_tokenizer, 0, reward=1.0, hints=HINTS)
-    add_sample(store, base_model, tiny_tokenizer, 1, reward=-1.0, hints=HINTS)
+    monkeypatch.setattr("clawloop.trainer.retain.OPENING_MEASURE", 4)
+    built: list[str] = []
+
+    def behind(models, config, prompts, hint):  # the plain example stands in for one behind a moved opening
+        built.extend(prompts)
+        return [dataclasses.replace(e, prompt=f"behind {e.prompt}") if moved and e is not None else None
+                for e in core.starting_retain_examples(models, config, prompts)]
+
+    monkeypatch.setattr("clawloop.trainer.core.opening_retain_examples", behind)
     taken: list[list] = []
     take = RetainTerm.take
 
@@ -379,22 +391,43 @@ def test_an_opening_preference_is_measured_on_the_retain_prompts(monkeypatch, ma
         return taken[-1]
 
     monkeypatch.setattr(RetainTerm, "take", watched)
+    trained_with = []
+    step = core.train_step
+
+    def recorded(models, optimizer, items, config, **kwargs):
+        trained_with.append(config)
+        return step(models, optimizer, items, config, **kwargs)
+
+    monkeypatch.setattr("clawloop.trainer.core.train_step", recorded)
+    config = make_config(retain_coef=1.0, retain_batch=8, retain_tokens=12, rollout_batch_size=2,
+                          micro_batch_size=2, opening_support_coef=0.7, opening_rollouts=0,
+                         opening_restore_after_v0=3)
+    store = Store(tmp_path / "store.sqlite")
+    add_sample(store, base_model, tiny_tokenizer, 0, reward=1.0, hints=HINTS)
+    add_sample(store, base_model, tiny_tokenizer, 1, reward=-1.0, hints=HINTS)
     trainer = Trainer(config, store, LocalVersion(), teacher=TableTeacher(base_model, tiny_tokenizer), console=None)
     metrics = trainer.run_batch(*store.lease_samples(2))
-    retain = trainer.retain
-    share = retain.opening_share(HINTS[0])
-    assert share is not None and len(retain.opening_examples) == min(OPENING_MEASURE, len(PROMPTS))
-    moved = {e.prompt for e in retain.opening_examples.values() if e is not None}
-    opening = share >= bar
-    assert metrics is not None and metrics["opening_preference"] == float(opening)
-    assert metrics["opening_share"] == share
-    assert bar == 0.0 or share < 1.0 or opening  # the tiny model's share decides the second case
+    assert metrics is not None and metrics["opening_preference"] == float(moved)
+    assert metrics["opening_moved_share"] == (1.0 if moved else 0.0)
+    # Not moved: the 4 measuring prompts only; moved: every prompt the step took (all 8 here).
+    assert len(built) == (len(PROMPTS) if moved else 4) and not trainer.has_work_ahead()
     (examples,) = taken
-    for example in examples:
-        behind = example.prompt in moved and opening
-        assert behind == any(e is example for e in retain.opening_examples.values())
-        if not behind:  # a plain example: its first position trained unless the step trains an opening
-            assert bool(example.positions_T[0]) == (not opening)
-    assert metrics["retain_behind_hint"] == (len(moved) if opening else 0)
-    assert trainer.has_work_ahead() is False  # every measuring prompt is all there is to build here
+    assert all(e.prompt.startswith("behind ") == moved for e in examples)
+    if not moved:  # the plain examples, whole
+        assert all(bool(e.positions_T[0]) for e in examples)
+    assert metrics["retain_behind_hint"] == (len(PROMPTS) if moved else 0)
+    (used,) = trained_with
+    assert (used.support_coef, metrics["support_coef"]) == ((0.7, 0.7) if moved else (0.3, 0.3))
+    assert (used.gate_restore_after_v0 == 3) == moved
     trainer.close()
+
+
+def test_a_plain_example_taken_for_an_opening_preference_leaves_its_first_position(base_model, tiny_tokenizer):
+    (example,) = build_examples(base_model, tiny_tokenizer, [PROMPTS[0]], k=8, max_tokens=12,
+                                end_ids=end_token_ids(tiny_tokenizer))
+    term = RetainTerm(_built([example]), coef=1.0, batch=1, seed=0)
+    assert bool(term.take()[0].positions_T[0])
+    term.free_opening = True
+    freed = term.take()[0]
+    assert not bool(freed.positions_T[0]) and torch.equal(freed.positions_T[1:], example.positions_T[1:])
+    assert bool(example.positions_T[0])  # the kept example itself is not changed
