@@ -188,8 +188,12 @@ def test_a_service_manager_or_a_closed_terminal_stops_serve_cleanly(tmp_path, st
     """SIGTERM and SIGHUP end `clawloop serve` through its own shutdown (exit 0, the run folder closed), not by
     the signal's default, which would leave the vLLM servers it started running."""
     port = free_port()
+    # The signal at its default action, as from a terminal: a suite run under ``nohup`` hands its children an
+    # ignored SIGHUP, which serve leaves alone.
+    start = (f"import runpy, signal, sys; signal.signal({int(stop_signal)}, signal.SIG_DFL); "
+             "sys.argv[0] = 'clawloop'; runpy.run_module('clawloop.cli', run_name='__main__')")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "clawloop.cli", "serve", "--model", "tiny", "--port", str(port), "--run-dir",
+        [sys.executable, "-c", start, "serve", "--model", "tiny", "--port", str(port), "--run-dir",
          str(tmp_path / "run"), "--num-threads", "2", "--log-level", "warning"],
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
