@@ -453,6 +453,10 @@ class GateSettings:
     gate_fixed_prompts: int = _f(8, "The run's corrected prompts (an answer that got a hint or a -1 vote, trained into "
                                  "an accepted version) re-asked at each check, newest first across users and "
                                  "sessions: an earlier fix the last accepted version kept must stay fixed; 0 = none.")
+    gate_accepted_verdicts: bool = _f(True, "Hold a candidate to the last accepted version's verdicts as well as "
+                                      "the reference's: a probe either answered soundly counts, and a corrected "
+                                      "prompt the last accepted version answered soundly may not break. Off, the "
+                                      "reference's verdicts alone count (to measure what the check adds).")
     gate_knowledge: bool = _f(True, "Ask the shipped knowledge probes (clawloop/gate/knowledge.py: facts and sums with "
                               "known answers): a candidate that forgets facts the reference knew is rejected.")
     gate_knowledge_samples: int = _f(8, "Answers sampled per knowledge probe at default_temperature (what users are "

@@ -398,8 +398,12 @@ class PublicationGate:
                  knowledge_temperature: float = 0.6, max_fact_drop: float = MAX_FACT_DROP,
                  preference_hint: Callable[[], str | None] | None = None, max_preference_drop: float = 0.1,
                  hint_system: str | None = None, prompt_states: PromptStates | None = None,
-                 reference_dice: int = 1, kept_answers: KeptAnswers | None = None):
+                 reference_dice: int = 1, kept_answers: KeptAnswers | None = None, accepted_verdicts: bool = True):
         self.tokenizer = tokenizer
+        self.accepted_verdicts = bool(accepted_verdicts)
+        """Keep the last accepted version's verdicts (a probe it answered soundly counts even where the reference
+        failed it; a corrected prompt it answered soundly may not break). False keeps none, so the reference's
+        verdicts alone count: the gate without that check, for measuring what it adds."""
         self.min_guard_pass = float(min_guard_pass)
         self.max_kl = float(max_kl)
         self.probe_tokens = int(probe_tokens)
@@ -741,8 +745,9 @@ class PublicationGate:
             unasked_keys = {_key(p) for p in probe_set} - {_key(p) for p, _, _ in answered}
             # (A sampled knowledge probe's entry is kept for the evidence only: its facts count against the
             # reference alone, ``ProbeOutcome.counted``.)
-            self._accepted = {**{k: v for k, v in self._accepted.items() if k in unasked_keys},
-                              **{_key(p): (o.ok, o.answer, list(a)) for (p, a, _), o in zip(answered, outcomes)}}
+            if self.accepted_verdicts:
+                self._accepted = {**{k: v for k, v in self._accepted.items() if k in unasked_keys},
+                                  **{_key(p): (o.ok, o.answer, list(a)) for (p, a, _), o in zip(answered, outcomes)}}
             self._accepted_reward = rewards
         return GateResult(accepted=decision.accepted, reasons=decision.reasons, guard_pass=decision.guard_pass,
                           kl=kl, kl_to=kl_to, seconds=time.monotonic() - t0, probes=outcomes,

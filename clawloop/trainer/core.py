@@ -224,7 +224,8 @@ class Trainer:
                                preference_hint=self._preference_hint if c.gate_preference else None,
                                max_preference_drop=c.gate_max_preference_drop,
                                hint_system=hint_system(c, tokenizer), prompt_states=states,
-                               kept_answers=kept_answers(self.models, self.config))
+                               kept_answers=kept_answers(self.models, self.config),
+                               accepted_verdicts=c.gate_accepted_verdicts)
 
     def _preference_hint(self) -> str | None:
         """The hint the gate's preference check reads: the one most often first among the hints of the samples

@@ -1,6 +1,7 @@
 """What the publication gate remembers between checks, and what it asks beyond the shipped probes.
 
-* a probe the last accepted version answered soundly counts against a candidate even where the reference failed it;
+* a probe the last accepted version answered soundly counts against a candidate even where the reference failed it
+  (and, with that switched off, only the reference's verdicts count);
 * the run's corrected prompts are re-asked, and a fix the last accepted version kept may not be broken;
 * knowledge probes: a candidate steered off facts the reference knew is rejected; facts the reference never knew
   are not asked;
@@ -52,6 +53,14 @@ def test_a_probe_the_last_accepted_version_answered_soundly_counts_even_if_the_r
     # After a rollback the kept verdicts are not the served version's: the reference's stand for them again.
     gate.forget_accepted()
     assert _check(gate, v2, base_model).accepted
+
+    # Without the last accepted version's verdicts (gate_accepted_verdicts off) the same two candidates are held to
+    # the reference's alone: v1's sound turtle is not remembered, and v2's loop on it does not count.
+    plain = PublicationGate(tiny_tokenizer, min_guard_pass=1.0, probes=[TURTLE, kettle], accepted_verdicts=False)
+    assert _check(plain, v1, base_model).accepted
+    second = _check(plain, v2, base_model)
+    assert second.probes[0].accepted_ok is None
+    assert second.accepted and (second.counted, second.regressions) == (1, 0)
 
 
 def test_the_reference_count_is_the_last_accepted_count_of_a_gate_that_has_accepted_nothing():
