@@ -315,6 +315,18 @@ def test_a_restarted_trainer_s_first_check_reads_the_answers_its_predecessor_kep
     store.close()
 
 
+def test_the_trainer_s_gate_keeps_the_last_accepted_verdicts_unless_told_not_to(make_config, tmp_path):
+    """``gate_accepted_verdicts`` reaches the gate the trainer checks with (its effect on a check:
+    tests/gate/test_gate_memory.py)."""
+    config = make_config(method="rl", lora=True, gate=True)
+    store = Store(tmp_path / "store.sqlite")
+    for setting in (True, False):
+        trainer = Trainer(config.replace(gate_accepted_verdicts=setting), store, LocalVersion(), console=None)
+        assert trainer.gate.accepted_verdicts is setting
+        trainer.close()
+    store.close()
+
+
 def test_a_stop_while_the_store_refuses_the_gates_record_ends_the_step(make_config, base_model, tiny_tokenizer,
                                                                        tmp_path, engine):
     """Every record written after an update is tried until it goes through, unless a stop is asked for: the gate's
